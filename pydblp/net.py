@@ -1,0 +1,169 @@
+"""Network namespaces, links and XDP attachments, through pyroute2 netlink.
+
+The control layer below :mod:`pydblp.bpf` and :mod:`pydblp.testbed`.  Every
+function takes an optional ``netns`` name; ``None`` is the caller's netns.
+Interface names are resolved inside that namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import errno
+import os
+
+from pyroute2 import IPRoute
+from pyroute2 import netns as _netns
+
+NETNS_RUN_DIR = "/run/netns"
+CLONE_NEWNET = 0x40000000
+
+# linux/if_link.h XDP_FLAGS_*
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+
+
+class Mode(str, enum.Enum):
+    """XDP attach mode, as xdp-loader spells it."""
+
+    NATIVE = "native"
+    SKB = "skb"
+
+    @property
+    def flags(self) -> int:
+        return XDP_FLAGS_DRV_MODE if self is Mode.NATIVE else XDP_FLAGS_SKB_MODE
+
+
+class NetError(RuntimeError):
+    """A netlink or namespace operation failed; the message says what to do."""
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def in_netns(name: str | None):
+    """Run the body with this thread inside netns ``name`` (no-op for None).
+
+    Sockets created in the body (AF_XDP, UDP) belong to that namespace for
+    their whole life.  The thread's original netns is restored on exit.
+    """
+    if name is None:
+        yield
+        return
+    path = os.path.join(NETNS_RUN_DIR, name)
+    try:
+        target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NetError(f"network namespace {name!r} does not exist (see `ip netns list`)") from None
+    own = os.open(f"/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            e = ctypes.get_errno()
+            raise NetError(f"setns({name}): {os.strerror(e)} (needs root)")
+        try:
+            yield
+        finally:
+            if _libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover
+                raise NetError("cannot return to the original network namespace")
+    finally:
+        os.close(target)
+        os.close(own)
+
+
+def ipr(netns: str | None = None) -> IPRoute:
+    """An IPRoute socket in ``netns`` (close it, or use it as a context manager)."""
+    if netns is not None and not netns_exists(netns):
+        raise NetError(f"network namespace {netns!r} does not exist (see `ip netns list`)")
+    return IPRoute(netns=netns) if netns else IPRoute()
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(NETNS_RUN_DIR, name))
+
+
+def netns_list() -> list[str]:
+    return sorted(_netns.listnetns())
+
+
+def netns_add(name: str) -> None:
+    if netns_exists(name):
+        raise NetError(f"network namespace {name!r} already exists")
+    _netns.create(name)
+
+
+def netns_del(name: str) -> None:
+    """Remove a namespace; its links (and their XDP programs) go with it."""
+    if netns_exists(name):
+        _netns.remove(name)
+
+
+def ifindex(ifname: str, netns: str | None = None) -> int:
+    with ipr(netns) as ip:
+        idx = ip.link_lookup(ifname=ifname)
+    if not idx:
+        where = f" in netns {netns}" if netns else ""
+        raise NetError(f"no interface {ifname!r}{where} (see `ip link`)")
+    return idx[0]
+
+
+def xdp_query(ifname: str, netns: str | None = None) -> dict | None:
+    """``{'mode': 'native'|'skb', 'prog_id': int}`` for the attached program, or None."""
+    with ipr(netns) as ip:
+        link = ip.get_links(ifindex(ifname, netns))[0]
+    xdp = link.get_attr("IFLA_XDP")
+    if not xdp:
+        return None
+    attrs = dict(xdp["attrs"])
+    attached = attrs.get("IFLA_XDP_ATTACHED")
+    if not attached:
+        return None
+    mode = {"xdp": Mode.NATIVE, "xdpgeneric": Mode.SKB, "drv": Mode.NATIVE, "skb": Mode.SKB}.get(attached, attached)
+    return {"mode": mode, "prog_id": attrs.get("IFLA_XDP_PROG_ID")}
+
+
+def xdp_attach(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | None = None,
+               replace: bool = True) -> None:
+    """Attach ``prog_fd`` to ``ifname`` in ``mode``; with ``replace=False`` refuse to replace."""
+    flags = Mode(mode).flags | (0 if replace else XDP_FLAGS_UPDATE_IF_NOEXIST)
+    with ipr(netns) as ip:
+        try:
+            ip.link("set", index=ifindex(ifname, netns), xdp_fd=prog_fd, xdp_flags=flags)
+        except Exception as e:  # pyroute2 NetlinkError carries errno in .code
+            code = getattr(e, "code", None)
+            hint = {errno.EBUSY: "a program in another mode is attached; unload it first",
+                    errno.EEXIST: "a program is already attached",
+                    errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
+                    errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
+                    }.get(code, str(e))
+            raise NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}") from e
+
+
+def xdp_detach(ifname: str, mode: Mode | None = None, netns: str | None = None) -> bool:
+    """Detach with the mode's own flags (a flagless detach misses skb programs).
+
+    ``mode=None`` uses the mode found attached.  Returns False if nothing was attached.
+    """
+    found = xdp_query(ifname, netns)
+    if found is None:
+        return False
+    mode = Mode(mode or found["mode"])
+    with ipr(netns) as ip:
+        ip.link("set", index=ifindex(ifname, netns), xdp_fd=-1, xdp_flags=mode.flags)
+    return True
+
+
+def links(netns: str | None = None) -> list[dict]:
+    """``[{'ifname', 'index', 'xdp'}]`` for every link in ``netns``."""
+    out = []
+    with ipr(netns) as ip:
+        for link in ip.get_links():
+            name = link.get_attr("IFLA_IFNAME")
+            xdp = link.get_attr("IFLA_XDP")
+            attrs = dict(xdp["attrs"]) if xdp else {}
+            prog = attrs.get("IFLA_XDP_PROG_ID") if attrs.get("IFLA_XDP_ATTACHED") else None
+            out.append({"ifname": name, "index": link["index"], "xdp_prog_id": prog,
+                        "xdp_attached": attrs.get("IFLA_XDP_ATTACHED")})
+    return out

@@ -1,0 +1,268 @@
+"""DBLP wire format v1: the one Python definition of the packet header.
+
+The header is 32 bytes in network byte order, followed by ``len`` payload
+bytes and, when ``flags & FLAG_TAG``, a 16-byte keyed BLAKE2b tag over
+header + payload.  ``bpf/dblp.h`` mirrors every constant and field here;
+``tests/unit/test_header_agreement.py`` compiles it and checks they agree.
+
+Single packets go through :class:`Header`, :func:`encode` and
+:func:`validate`.  Batches (the AF_XDP path parses thousands of headers a
+call) go through :data:`HEADER_DTYPE`, :func:`encode_batch`,
+:func:`decode_batch` and :func:`validate_batch`, which are numpy-vectorised.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+MAGIC = 0xDB1B
+VERSION = 1
+HEADER_LEN = 32
+TAG_LEN = 16
+DEFAULT_PORT = 47800
+MAX_NCHUNKS = 1 << 24
+MAX_PRIO = 7
+TOL_SCALE = 255
+
+
+class Kind(enum.IntEnum):
+    DATA = 1
+    PROBE = 2
+    BITMAP = 3
+    STOP = 4
+    HELLO = 5
+
+
+class Dtype(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    RAW = 3
+
+
+class Flag(enum.IntFlag):
+    RETX = 1 << 0       # retransmission
+    ALLGATHER = 1 << 1  # all-gather phase
+    TAG = 1 << 2        # auth tag follows payload
+
+
+class Reason(enum.IntEnum):
+    """Why a packet is malformed.  Shared with the kernel's drop counters.
+
+    ``JOB`` and ``DST`` are only decided where the job table lives (the XDP
+    program, or a receiver told its rank); ``TAG`` only in userspace.
+    """
+
+    OK = 0
+    SHORT = 1     # shorter than the 32-byte header
+    MAGIC = 2
+    VERSION = 3
+    KIND = 4
+    LENGTH = 5    # len != payload length (minus the tag)
+    CHUNK = 6     # chunk >= nchunks
+    NCHUNKS = 7   # nchunks == 0 or > MAX_NCHUNKS
+    RANK = 8      # src or dst >= world size
+    JOB = 9       # job id 0 or not registered
+    DST = 10      # dst is not this host's rank
+    TAG = 11      # tag missing or does not verify
+
+
+# Field name -> struct code, in wire order.  The single source for the
+# struct format, the numpy dtype and the header agreement test.
+FIELDS = (
+    ("magic", "H"),
+    ("version", "B"),
+    ("kind", "B"),
+    ("job", "I"),
+    ("round", "I"),
+    ("tensor", "H"),
+    ("src", "H"),
+    ("dst", "H"),
+    ("prio", "B"),
+    ("dtype", "B"),
+    ("chunk", "I"),
+    ("nchunks", "I"),
+    ("len", "H"),
+    ("tol", "B"),
+    ("flags", "B"),
+)
+
+_STRUCT = struct.Struct("!" + "".join(code for _, code in FIELDS))
+assert _STRUCT.size == HEADER_LEN
+
+_NP_CODE = {"B": "u1", "H": ">u2", "I": ">u4"}
+HEADER_DTYPE = np.dtype([(name, _NP_CODE[code]) for name, code in FIELDS])
+assert HEADER_DTYPE.itemsize == HEADER_LEN
+
+
+class WireError(ValueError):
+    """A packet failed validation; ``reason`` says why."""
+
+    def __init__(self, reason: Reason, detail: str = ""):
+        self.reason = Reason(reason)
+        super().__init__(f"{self.reason.name.lower()}: {detail}" if detail else self.reason.name.lower())
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int = Kind.DATA
+    job: int = 1
+    round: int = 0
+    tensor: int = 0
+    src: int = 0
+    dst: int = 0
+    prio: int = 0
+    dtype: int = Dtype.F32
+    chunk: int = 0
+    nchunks: int = 1
+    len: int = 0
+    tol: int = 0
+    flags: int = 0
+    magic: int = MAGIC
+    version: int = VERSION
+
+    def pack(self) -> bytes:
+        return _STRUCT.pack(*(getattr(self, name) for name, _ in FIELDS))
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview) -> "Header":
+        if len(buf) < HEADER_LEN:
+            raise WireError(Reason.SHORT, f"{len(buf)} bytes")
+        return cls(**dict(zip((n for n, _ in FIELDS), _STRUCT.unpack_from(buf))))
+
+    def replace(self, **kw) -> "Header":
+        return replace(self, **kw)
+
+
+def tag(key: bytes, data: bytes | memoryview) -> bytes:
+    """Keyed BLAKE2b-128 over header + payload."""
+    return hashlib.blake2b(bytes(data), key=key, digest_size=TAG_LEN).digest()
+
+
+def encode(hdr: Header, payload: bytes = b"", key: bytes | None = None) -> bytes:
+    """Header + payload (+ tag when ``key``); ``len`` and the tag flag are set here."""
+    flags = (hdr.flags | Flag.TAG) if key else (hdr.flags & ~Flag.TAG)
+    body = hdr.replace(len=len(payload), flags=int(flags)).pack() + bytes(payload)
+    return body + tag(key, body) if key else body
+
+
+def validate(buf: bytes | memoryview, world_size: int | None = None,
+             key: bytes | None = None, rank: int | None = None) -> Reason:
+    """Return :data:`Reason.OK` or the first reason ``buf`` (a UDP payload) is malformed.
+
+    Checks are made in the kernel's order so both sides report the same
+    reason for the same packet.  With ``key`` a packet must carry a valid tag.
+    """
+    n = len(buf)
+    if n < HEADER_LEN:
+        return Reason.SHORT
+    h = _STRUCT.unpack_from(buf)
+    magic, version, kind = h[0], h[1], h[2]
+    job, src, dst, chunk, nchunks, length, flags = h[3], h[6], h[7], h[10], h[11], h[12], h[14]
+    if magic != MAGIC:
+        return Reason.MAGIC
+    if version != VERSION:
+        return Reason.VERSION
+    if kind not in _KINDS:
+        return Reason.KIND
+    taglen = TAG_LEN if flags & Flag.TAG else 0
+    if length != n - HEADER_LEN - taglen:
+        return Reason.LENGTH
+    if nchunks == 0 or nchunks > MAX_NCHUNKS:
+        return Reason.NCHUNKS
+    if chunk >= nchunks:
+        return Reason.CHUNK
+    if job == 0:
+        return Reason.JOB
+    if world_size is not None and (src >= world_size or dst >= world_size):
+        return Reason.RANK
+    if rank is not None and dst != rank:
+        return Reason.DST
+    if key is not None:
+        if not taglen or not hmac.compare_digest(tag(key, buf[: n - TAG_LEN]), bytes(buf[n - TAG_LEN:])):
+            return Reason.TAG
+    return Reason.OK
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def decode(buf: bytes | memoryview, world_size: int | None = None,
+           key: bytes | None = None, rank: int | None = None) -> tuple[Header, bytes]:
+    """Validate and split a UDP payload into (header, payload); raise :class:`WireError`."""
+    reason = validate(buf, world_size, key, rank)
+    if reason:
+        raise WireError(reason, f"{len(buf)}-byte packet")
+    hdr = Header.unpack(buf)
+    return hdr, bytes(buf[HEADER_LEN: HEADER_LEN + hdr.len])
+
+
+# ---- batches -------------------------------------------------------------
+
+def empty_batch(n: int) -> np.ndarray:
+    """``n`` headers with magic/version set and every other field zero."""
+    a = np.zeros(n, HEADER_DTYPE)
+    a["magic"] = MAGIC
+    a["version"] = VERSION
+    return a
+
+
+def encode_batch(headers: np.ndarray) -> np.ndarray:
+    """Header records -> an (n, 32) uint8 array of wire bytes (no copy of fields by Python)."""
+    headers = np.ascontiguousarray(headers, dtype=HEADER_DTYPE)
+    return headers.view(np.uint8).reshape(len(headers), HEADER_LEN)
+
+
+def decode_batch(frames: np.ndarray, offset: int | np.ndarray = 0) -> np.ndarray:
+    """Parse headers out of an (n, m) uint8 array at ``offset`` (scalar or per row).
+
+    Rows shorter than ``offset + 32`` give zeroed records (magic 0, so
+    :func:`validate_batch` reports them).
+    """
+    frames = np.asarray(frames, dtype=np.uint8)
+    n, width = frames.shape
+    off = np.broadcast_to(np.asarray(offset, dtype=np.int64), (n,))
+    if np.all(off == off[0]) and off[0] + HEADER_LEN <= width:
+        raw = np.ascontiguousarray(frames[:, off[0]: off[0] + HEADER_LEN])
+    else:
+        idx = off[:, None] + np.arange(HEADER_LEN)
+        ok = idx < width
+        raw = np.where(ok, frames[np.arange(n)[:, None], np.minimum(idx, width - 1)], 0).astype(np.uint8)
+    return raw.view(HEADER_DTYPE).reshape(n)
+
+
+def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
+                   world_size: int | None = None, rank: int | None = None) -> np.ndarray:
+    """Vectorised :func:`validate` without the tag check: a uint8 array of :class:`Reason`.
+
+    ``payload_lens`` are the UDP payload lengths (header included).  The
+    first failing check wins, in the same order as :func:`validate`.
+    """
+    h = headers
+    plen = np.asarray(payload_lens, dtype=np.int64)
+    taglen = np.where(h["flags"] & Flag.TAG, TAG_LEN, 0)
+    nch = h["nchunks"].astype(np.int64)
+    checks = [
+        (Reason.SHORT, plen < HEADER_LEN),
+        (Reason.MAGIC, h["magic"] != MAGIC),
+        (Reason.VERSION, h["version"] != VERSION),
+        (Reason.KIND, (h["kind"] < min(_KINDS)) | (h["kind"] > max(_KINDS))),
+        (Reason.LENGTH, h["len"].astype(np.int64) != plen - HEADER_LEN - taglen),
+        (Reason.NCHUNKS, (nch == 0) | (nch > MAX_NCHUNKS)),
+        (Reason.CHUNK, h["chunk"].astype(np.int64) >= nch),
+        (Reason.JOB, h["job"] == 0),
+    ]
+    if world_size is not None:
+        checks.append((Reason.RANK, (h["src"] >= world_size) | (h["dst"] >= world_size)))
+    if rank is not None:
+        checks.append((Reason.DST, h["dst"] != rank))
+    out = np.zeros(len(h), np.uint8)
+    for reason, bad in reversed(checks):
+        out[bad] = reason
+    return out

@@ -1,0 +1,87 @@
+"""Shared fixtures: capability probes, namespace ownership, leftover checks.
+
+Tests that need root, BPF or netns skip with the name of the missing
+capability.  Under ``DBLP_REQUIRE_PRIVILEGED=1`` (CI) every skip is a
+failure, so a missing install step cannot hide behind a skip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+REQUIRE_PRIVILEGED = os.environ.get("DBLP_REQUIRE_PRIVILEGED") == "1"
+NS_PREFIX = f"dblpt{os.getpid() % 100000}"
+_seq = itertools.count()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if REQUIRE_PRIVILEGED and rep.skipped and not hasattr(rep, "wasxfail"):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"skipped under DBLP_REQUIRE_PRIVILEGED=1 (a missing install step?): {reason}"
+
+
+def unique_name(tag: str = "") -> str:
+    """A name no other test run uses: prefix + pid + sequence (max 15 chars for ifnames)."""
+    return f"{NS_PREFIX}{tag}{next(_seq)}"
+
+
+@pytest.fixture(scope="session")
+def root():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: CAP_NET_ADMIN and CAP_BPF")
+
+
+@pytest.fixture(scope="session")
+def bpf_xdp(root):
+    """Skip (naming the capability) if the kernel cannot load an XDP program via bcc."""
+    try:
+        from bcc import BPF
+    except ImportError as e:  # pragma: no cover - setup installs it
+        pytest.skip(f"bcc not importable ({e}); run tools/setup")
+    try:
+        b = BPF(text="int f(struct xdp_md *ctx) { return 2; }")
+        b.load_func("f", BPF.XDP)
+        b.cleanup()
+    except Exception as e:
+        pytest.skip(f"kernel cannot load XDP programs through bcc: {e}")
+
+
+@pytest.fixture
+def netns(root):
+    """Factory for uniquely named namespaces, all removed at teardown."""
+    from pydblp import net
+
+    made: list[str] = []
+
+    def make(tag: str = "n") -> str:
+        name = unique_name(tag)
+        net.netns_add(name)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        net.netns_del(name)
+    left = [n for n in made if net.netns_exists(n)]
+    assert not left, f"namespaces left behind: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    """After the session: no namespace this run created survives."""
+    yield
+    if os.geteuid() != 0:
+        return
+    from pydblp import net
+
+    left = [n for n in net.netns_list() if n.startswith(NS_PREFIX)]
+    for n in left:
+        net.netns_del(n)
+    assert not left, f"test namespaces left behind: {left}"
