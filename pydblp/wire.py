@@ -147,7 +147,8 @@ def tag(key: bytes, data: bytes | memoryview) -> bytes:
 
 def encode(hdr: Header, payload: bytes = b"", key: bytes | None = None) -> bytes:
     """Header + payload (+ tag when ``key``); ``len`` and the tag flag are set here."""
-    flags = (hdr.flags | Flag.TAG) if key else (hdr.flags & ~Flag.TAG)
+    # int(): ~Flag.TAG on an IntFlag would also clear the reserved bits 3-7
+    flags = (hdr.flags | Flag.TAG) if key else (hdr.flags & ~int(Flag.TAG))
     body = hdr.replace(len=len(payload), flags=int(flags)).pack() + bytes(payload)
     return body + tag(key, body) if key else body
 
@@ -227,6 +228,8 @@ def decode_batch(frames: np.ndarray, offset: int | np.ndarray = 0) -> np.ndarray
     """
     frames = np.asarray(frames, dtype=np.uint8)
     n, width = frames.shape
+    if n == 0:
+        return np.zeros(0, HEADER_DTYPE)
     off = np.broadcast_to(np.asarray(offset, dtype=np.int64), (n,))
     if np.all(off == off[0]) and off[0] + HEADER_LEN <= width:
         raw = np.ascontiguousarray(frames[:, off[0]: off[0] + HEADER_LEN])
