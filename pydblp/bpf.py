@@ -1,0 +1,226 @@
+"""BPF control layer: compile with bcc, maps and pins through the bpf syscall.
+
+Compiling costs seconds, so each program is compiled once per
+:class:`Program` and its maps are shared by every use of that object.  Map
+access (:class:`Map`) needs only a file descriptor or a pinned path, so
+commands that inspect a loaded program (``dblp stats``) never compile.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+import shutil
+import struct
+from pathlib import Path
+
+from pydblp import net
+
+BPF_DIR = Path(os.environ.get("DBLP_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
+BPFFS = Path("/sys/fs/bpf")
+PIN_ROOT = BPFFS / "dblp"
+
+# linux/bpf.h commands and map types used here
+BPF_MAP_LOOKUP_ELEM = 1
+BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_DELETE_ELEM = 3
+BPF_MAP_GET_NEXT_KEY = 4
+BPF_OBJ_PIN = 6
+BPF_OBJ_GET = 7
+BPF_PROG_TEST_RUN = 10
+BPF_OBJ_GET_INFO_BY_FD = 15
+PERCPU_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
+_NR_BPF = 321  # x86_64
+
+_libc = ct.CDLL(None, use_errno=True)
+_libc.syscall.restype = ct.c_long
+
+
+class BPFError(OSError):
+    """A bpf(2) call failed."""
+
+
+def _sys_bpf(cmd: int, attr: bytes | ct.Array) -> int:
+    buf = attr if isinstance(attr, ct.Array) else ct.create_string_buffer(attr, 128)
+    r = _libc.syscall(_NR_BPF, cmd, buf, ct.sizeof(buf))
+    if r < 0:
+        e = ct.get_errno()
+        raise BPFError(e, f"bpf(cmd={cmd}): {os.strerror(e)}")
+    return r
+
+
+def _addr(b) -> int:
+    return ct.addressof(b)
+
+
+def possible_cpus() -> int:
+    """Number of possible CPUs: the per-CPU value stride of per-CPU maps."""
+    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    n = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+class Map:
+    """A BPF map by file descriptor; keys and values are bytes.
+
+    Per-CPU maps return one value per possible CPU (a list of bytes).
+    The object owns ``fd`` and closes it on :meth:`close`.
+    """
+
+    def __init__(self, fd: int, owned: bool = True):
+        self.fd = fd
+        self._owned = owned
+        info = ct.create_string_buffer(80)
+        attr = struct.pack("=IIQ", fd, 80, _addr(info))
+        _sys_bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+        self.type, self.id, self.key_size, self.value_size, self.max_entries, _ = struct.unpack_from("=6I", info)
+        self.name = info.raw[24:40].split(b"\0")[0].decode()
+        self.percpu = self.type in PERCPU_TYPES
+        self._ncpu = possible_cpus() if self.percpu else 1
+        self._stride = (self.value_size + 7) & ~7 if self.percpu else self.value_size
+
+    @classmethod
+    def pinned(cls, path: str | os.PathLike) -> "Map":
+        return cls(obj_get(path))
+
+    def _kv(self, key: bytes):
+        if len(key) != self.key_size:
+            raise ValueError(f"map {self.name}: key is {len(key)} bytes, want {self.key_size}")
+        return ct.create_string_buffer(key, self.key_size)
+
+    def lookup(self, key: bytes) -> bytes | list[bytes] | None:
+        k = self._kv(key)
+        v = ct.create_string_buffer(self._stride * self._ncpu)
+        try:
+            _sys_bpf(BPF_MAP_LOOKUP_ELEM, struct.pack("=IIQQQ", self.fd, 0, _addr(k), _addr(v), 0))
+        except BPFError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+        if self.percpu:
+            return [v.raw[i * self._stride: i * self._stride + self.value_size] for i in range(self._ncpu)]
+        return v.raw
+
+    def update(self, key: bytes, value: bytes, flags: int = 0) -> None:
+        if self.percpu:
+            value = b"".join(value[:self.value_size].ljust(self._stride, b"\0") for _ in range(self._ncpu))
+        elif len(value) != self.value_size:
+            raise ValueError(f"map {self.name}: value is {len(value)} bytes, want {self.value_size}")
+        k = self._kv(key)
+        v = ct.create_string_buffer(value, len(value))
+        _sys_bpf(BPF_MAP_UPDATE_ELEM, struct.pack("=IIQQQ", self.fd, 0, _addr(k), _addr(v), flags))
+
+    def delete(self, key: bytes) -> bool:
+        k = self._kv(key)
+        try:
+            _sys_bpf(BPF_MAP_DELETE_ELEM, struct.pack("=IIQQQ", self.fd, 0, _addr(k), 0, 0))
+        except BPFError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def keys(self) -> list[bytes]:
+        out = []
+        cur = None
+        nxt = ct.create_string_buffer(self.key_size)
+        while True:
+            kaddr = 0 if cur is None else _addr(cur)
+            try:
+                _sys_bpf(BPF_MAP_GET_NEXT_KEY, struct.pack("=IIQQ", self.fd, 0, kaddr, _addr(nxt)))
+            except BPFError as e:
+                if e.errno == errno.ENOENT:
+                    return out
+                raise
+            out.append(nxt.raw)
+            cur = ct.create_string_buffer(nxt.raw, self.key_size)
+
+    def items(self):
+        for k in self.keys():
+            v = self.lookup(k)
+            if v is not None:
+                yield k, v
+
+    def clear(self) -> None:
+        for k in self.keys():
+            self.delete(k)
+
+    def close(self) -> None:
+        if self._owned and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def obj_pin(fd: int, path: str | os.PathLike) -> None:
+    p = ct.create_string_buffer(os.fsencode(str(path)))
+    _sys_bpf(BPF_OBJ_PIN, struct.pack("=QII", _addr(p), fd, 0))
+
+
+def obj_get(path: str | os.PathLike) -> int:
+    p = ct.create_string_buffer(os.fsencode(str(path)))
+    try:
+        return _sys_bpf(BPF_OBJ_GET, struct.pack("=QII", _addr(p), 0, 0))
+    except BPFError as e:
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(f"no pinned BPF object at {path}") from None
+        raise
+
+
+def prog_id(fd: int) -> int:
+    info = ct.create_string_buffer(256)
+    _sys_bpf(BPF_OBJ_GET_INFO_BY_FD, struct.pack("=IIQ", fd, 256, _addr(info)))
+    return struct.unpack_from("=II", info)[1]
+
+
+def test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:
+    """BPF_PROG_TEST_RUN: run an XDP program on one frame; return (verdict, frame out)."""
+    din = ct.create_string_buffer(bytes(data), len(data))
+    dout = ct.create_string_buffer(len(data) + 512)
+    attr = ct.create_string_buffer(struct.pack("=IIIIQQII", prog_fd, 0, len(data), len(dout),
+                                               _addr(din), _addr(dout), repeat, 0), 128)
+    _sys_bpf(BPF_PROG_TEST_RUN, attr)
+    retval, size_out = struct.unpack_from("=II", attr, 4)[0], struct.unpack_from("=I", attr, 12)[0]
+    return retval, dout.raw[:size_out]
+
+
+def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
+    """Compile ``bpf/<name>`` with bcc (a few seconds); returns the ``bcc.BPF`` object."""
+    from bcc import BPF
+
+    src = BPF_DIR / name
+    if not src.exists():
+        raise FileNotFoundError(f"BPF source {src} not found (set DBLP_BPF_DIR?)")
+    return BPF(src_file=str(src).encode(), cflags=[f"-I{BPF_DIR}", *cflags])
+
+
+def pin_dir(kind: str, ifname: str, netns: str | None) -> Path:
+    """Where pydblp pins the maps of one attachment: /sys/fs/bpf/dblp/<kind>/<netns>/<ifname>."""
+    return PIN_ROOT / kind / (netns or "-") / ifname
+
+
+def unpin(path: Path) -> None:
+    """Remove a pin directory and prune empty parents up to PIN_ROOT."""
+    if path.exists():
+        shutil.rmtree(path)
+    for parent in path.parents:
+        if parent == PIN_ROOT.parent or not parent.exists():
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def require_bpffs() -> None:
+    if not os.path.ismount(BPFFS):
+        raise net.NetError(f"bpffs is not mounted at {BPFFS}: mount -t bpf bpf {BPFFS} (tools/setup does)")
