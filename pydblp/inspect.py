@@ -1,0 +1,274 @@
+"""Inspection: a scapy layer for the DBLP header, and packet decoding for ``dblp dump``.
+
+Importing this module binds :class:`DBLP` to UDP port 47800 in both
+directions, so ``rdpcap``/``sniff`` show DBLP fields::
+
+    >>> from scapy.all import rdpcap
+    >>> import pydblp.inspect
+    >>> rdpcap("trace.pcap")[0][pydblp.inspect.DBLP].chunk
+
+:func:`bind_port` adds another port.  The decoding helpers
+(:func:`summary`, :func:`describe`) judge a packet with
+:func:`pydblp.wire.validate` on the UDP payload bytes, not with scapy's
+dissection, so a malformed packet is reported with its reason and never
+raises.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Callable, Iterator
+
+from scapy.fields import ByteEnumField, ByteField, FlagsField, IntField, ShortField, XShortField
+from scapy.layers.inet import IP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.packet import Packet, bind_layers
+
+from pydblp import wire
+
+_FLAG_NAMES = [f.name for f in sorted(wire.Flag, key=int)]
+assert [1 << i for i in range(len(_FLAG_NAMES))] == sorted(int(f) for f in wire.Flag)
+_DEFAULTS = wire.Header()
+_SIZE = {"B": 1, "H": 2, "I": 4}
+_NAMES = [n for n, _ in wire.FIELDS]
+_LEN_OFFSET = sum(_SIZE[c] for _, c in wire.FIELDS[: _NAMES.index("len")])
+
+
+def _field(name: str, code: str):
+    """The scapy field for one wire.FIELDS entry (enums and flags get names)."""
+    default = getattr(_DEFAULTS, name)
+    if name == "magic":
+        return XShortField(name, default)
+    if name == "kind":
+        return ByteEnumField(name, int(default), {int(k): k.name for k in wire.Kind})
+    if name == "dtype":
+        return ByteEnumField(name, int(default), {int(d): d.name for d in wire.Dtype})
+    if name == "flags":
+        return FlagsField(name, int(default), 8, _FLAG_NAMES)
+    if name == "len":
+        return ShortField(name, None)  # filled from the payload in post_build
+    return {"B": ByteField, "H": ShortField, "I": IntField}[code](name, int(default))
+
+
+class DBLP(Packet):
+    """DBLP v1 header (32 bytes); the payload (and a tag, with flag TAG) follows as Raw."""
+
+    name = "DBLP"
+    fields_desc = [_field(name, code) for name, code in wire.FIELDS]
+
+    def post_build(self, pkt: bytes, pay: bytes) -> bytes:
+        if self.len is None:
+            taglen = wire.TAG_LEN if self.flags & wire.Flag.TAG and len(pay) >= wire.TAG_LEN else 0
+            n = (len(pay) - taglen).to_bytes(2, "big")
+            pkt = pkt[:_LEN_OFFSET] + n + pkt[_LEN_OFFSET + 2:]
+        return pkt + pay
+
+    def mysummary(self) -> str:
+        return self.sprintf("DBLP %kind% job %job% round %round% chunk %chunk%/%nchunks%")
+
+
+assert [f.name for f in DBLP.fields_desc] == _NAMES
+
+PORTS: set[int] = set()
+
+
+def bind_port(port: int) -> None:
+    """Dissect UDP traffic to or from ``port`` as DBLP (in addition to the ports bound so far)."""
+    port = int(port)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range 1-65535")
+    if port in PORTS:
+        return
+    bind_layers(UDP, DBLP, sport=port)
+    bind_layers(UDP, DBLP, dport=port)
+    PORTS.add(port)
+
+
+bind_port(wire.DEFAULT_PORT)
+
+
+# ---- decoding ------------------------------------------------------------------
+
+def dblp_payload(pkt: Packet, ports: set[int] | None = None) -> bytes | None:
+    """The UDP payload of a packet to or from a DBLP port, or None if it is not one."""
+    if UDP not in pkt:
+        return None
+    udp = pkt[UDP]
+    ports = PORTS if ports is None else ports
+    if udp.sport not in ports and udp.dport not in ports:
+        return None
+    data = bytes(udp.payload)
+    if udp.len is not None and udp.len >= 8:
+        data = data[: udp.len - 8]  # trailing link-layer padding is not payload
+    return data
+
+
+def _endpoints(pkt: Packet) -> str:
+    ip = pkt[IP] if IP in pkt else pkt[IPv6] if IPv6 in pkt else None
+    if ip is None:
+        return "?"
+    fmt = "{}:{}" if ip.version == 4 else "[{}]:{}"
+    if UDP in pkt:
+        return f"{fmt.format(ip.src, pkt[UDP].sport)} > {fmt.format(ip.dst, pkt[UDP].dport)}"
+    return f"{ip.src} > {ip.dst}"
+
+
+def _time(pkt: Packet) -> str:
+    return _dt.datetime.fromtimestamp(float(pkt.time)).strftime("%H:%M:%S.%f")
+
+
+def _flags(value: int) -> str:
+    names = [f.name for f in wire.Flag if value & f]
+    rest = value & ~sum(int(f) for f in wire.Flag)
+    if rest:
+        names.append(f"{rest:#x}")
+    return "|".join(names) or "-"
+
+
+def _kind(value: int) -> str:
+    try:
+        return wire.Kind(value).name
+    except ValueError:
+        return f"kind{value}"
+
+
+def _dtype(value: int) -> str:
+    try:
+        return wire.Dtype(value).name
+    except ValueError:
+        return f"dtype{value}"
+
+
+def header_line(h: wire.Header) -> str:
+    """The DBLP part of a summary line."""
+    return (f"{_kind(h.kind)} job {h.job} round {h.round} tensor {h.tensor} rank {h.src}->{h.dst} "
+            f"chunk {h.chunk}/{h.nchunks} prio {h.prio} len {h.len} flags {_flags(h.flags)}")
+
+
+def summary(pkt: Packet, ports: set[int] | None = None) -> str:
+    """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``.
+
+    Packets that are not on a DBLP port get scapy's own summary.
+    """
+    data = dblp_payload(pkt, ports)
+    if data is None:
+        return f"{_time(pkt)} {pkt.summary()}"
+    head = f"{_time(pkt)} {_endpoints(pkt)}"
+    reason = wire.validate(data)
+    if reason is not wire.Reason.OK:
+        return f"{head} malformed ({reason.name.lower()}) {len(data)} bytes"
+    return f"{head} {header_line(wire.Header.unpack(data))}"
+
+
+def describe(pkt: Packet, ports: set[int] | None = None) -> str:
+    """The summary line followed by every header field, one per line."""
+    line = summary(pkt, ports)
+    data = dblp_payload(pkt, ports)
+    if data is None:
+        return line
+    out = [line]
+    if len(data) < wire.HEADER_LEN:
+        out.append(f"    {len(data)} bytes: {data.hex()}")
+        return "\n".join(out)
+    h = wire.Header.unpack(data)
+    shown = {"magic": f"{h.magic:#06x}", "kind": f"{_kind(h.kind)} ({h.kind})",
+             "dtype": f"{_dtype(h.dtype)} ({h.dtype})", "flags": f"{_flags(h.flags)} ({h.flags:#04x})",
+             "tol": f"{h.tol} ({h.tol / wire.TOL_SCALE:.2%})"}
+    for name, _ in wire.FIELDS:
+        out.append(f"    {name:<8} {shown.get(name, getattr(h, name))}")
+    taglen = wire.TAG_LEN if h.flags & wire.Flag.TAG else 0
+    body = data[wire.HEADER_LEN: len(data) - taglen] if len(data) - wire.HEADER_LEN >= taglen else b""
+    out.append(f"    {'payload':<8} {len(body)} bytes" + (f": {body[:16].hex()}{'...' if len(body) > 16 else ''}"
+                                                         if body else ""))
+    if taglen:
+        out.append(f"    {'tag':<8} {data[-taglen:].hex() if len(data) >= wire.HEADER_LEN + taglen else 'missing'}")
+    return "\n".join(out)
+
+
+# ---- capture sources -------------------------------------------------------------
+
+class CaptureError(RuntimeError):
+    """A capture could not be opened or read; the message says why."""
+
+
+def default_filter(ports: set[int] | None = None) -> str:
+    """The BPF expression for DBLP traffic: UDP to or from any DBLP port."""
+    return " or ".join(f"udp port {p}" for p in sorted(PORTS if ports is None else ports))
+
+
+def check_filter(expr: str) -> None:
+    """Raise :class:`CaptureError` if libpcap cannot compile ``expr`` for Ethernet."""
+    from scapy.arch.common import compile_filter
+    from scapy.data import DLT_EN10MB
+    from scapy.error import Scapy_Exception
+
+    try:
+        compile_filter(expr, linktype=DLT_EN10MB)
+    except (Scapy_Exception, ImportError) as e:
+        raise CaptureError(f"bad filter {expr!r}: {e}") from None
+
+
+def read_pcap(path: str, expr: str | None = None) -> Iterator[Packet]:
+    """Packets of a pcap/pcapng file, through the BPF filter ``expr`` (tcpdump) if given."""
+    from scapy.error import Scapy_Exception
+    from scapy.utils import PcapReader, tcpdump
+
+    if not os.path.isfile(path):
+        raise CaptureError(f"{path}: no such file")
+    proc = None
+    try:
+        if expr:
+            check_filter(expr)
+            proc = tcpdump(path, args=["-w", "-"], flt=expr, getproc=True, quiet=True)
+            reader = PcapReader(proc.stdout)
+        else:
+            reader = PcapReader(path)
+    except Scapy_Exception as e:
+        raise CaptureError(f"{path}: not a capture file scapy can read ({e})") from None
+    except OSError as e:
+        raise CaptureError(f"{path}: {e.strerror or e}") from None
+    try:
+        yield from reader
+    finally:
+        reader.close()
+        if proc is not None:
+            proc.wait()
+
+
+def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int = 0,
+               timeout: float | None = None, netns: str | None = None) -> int:
+    """Capture on ``iface`` (inside ``netns``), calling ``prn`` per packet; return how many.
+
+    The capture socket is opened inside the namespace, so it stays there;
+    the filter is compiled in the kernel (libpcap).
+    """
+    from scapy.config import conf
+    from scapy.error import Scapy_Exception
+    from scapy.sendrecv import sniff
+
+    from pydblp.net import in_netns
+
+    check_filter(expr)
+    seen = 0
+
+    def each(pkt):
+        nonlocal seen
+        seen += 1
+        prn(pkt)
+
+    with in_netns(netns):
+        try:
+            sock = conf.L2listen(iface=iface, filter=expr)
+        except PermissionError:
+            raise CaptureError("live capture needs root (CAP_NET_RAW)") from None
+        except OSError as e:
+            where = f" in netns {netns}" if netns else ""
+            raise CaptureError(f"cannot capture on {iface!r}{where}: {e.strerror or e}") from None
+        except Scapy_Exception as e:
+            raise CaptureError(f"cannot capture on {iface!r}: {e}") from None
+        try:
+            sniff(opened_socket=sock, prn=each, count=count, timeout=timeout, store=False)
+        finally:
+            sock.close()
+    return seen
