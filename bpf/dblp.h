@@ -68,4 +68,47 @@ struct dblp_hdr {
 	__u8  flags;
 } __attribute__((packed));
 
+/* ---- host program (bpf/dblp_host.bpf.c) maps, mirrored in pydblp/host.py ---- */
+
+#define DBLP_MAX_QUEUES   64
+#define DBLP_MAX_JOBS     256
+#define DBLP_SHED_ENTRIES 65536
+#define DBLP_PRESSURE_MAX 1000
+
+/* transport of a registered job */
+#define DBLP_TRANSPORT_XSK 0  /* redirect to the AF_XDP socket of the rx queue */
+#define DBLP_TRANSPORT_UDP 1  /* XDP_PASS to the kernel's UDP stack */
+
+/* counters: one per-CPU u64 per slot */
+#define DBLP_CNT_PASS       0   /* not DBLP: passed untouched */
+#define DBLP_CNT_DBLP_PASS  1   /* valid DBLP of a udp job: passed */
+#define DBLP_CNT_REDIRECT   2   /* valid DBLP: redirected to an AF_XDP socket */
+#define DBLP_CNT_NOSOCK     3   /* valid DBLP of an xsk job, no socket on the queue: passed */
+#define DBLP_CNT_DROP_BASE  16  /* + reason: malformed, dropped */
+#define DBLP_CNT_SHED_BASE  32  /* + prio: shed under pressure */
+#define DBLP_CNT_MAX        40
+
+struct dblp_job {
+	__u16 world_size;
+	__u16 rank;
+	__u8  transport;
+	__u8  pad[3];
+};
+
+/* One message: the shedding budget is counted per key. */
+struct dblp_msg_key {
+	__u32 job;
+	__u32 round;
+	__u16 tensor;
+	__u16 src;
+};
+
+struct dblp_host_cfg {
+	__u16 port;                 /* UDP destination port of DBLP traffic */
+	__u16 pad;
+	__u32 pressure;             /* 0..DBLP_PRESSURE_MAX, written by userspace */
+	__u32 rate_pps;             /* > 0: raise pressure from the arrival rate */
+	__u32 shed_at[DBLP_MAX_PRIO + 1]; /* shed prio p when pressure >= shed_at[p] */
+};
+
 #endif /* DBLP_H */

@@ -29,6 +29,7 @@ BPF_MAP_GET_NEXT_KEY = 4
 BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
+BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 PERCPU_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 _NR_BPF = 321  # x86_64
@@ -176,10 +177,26 @@ def obj_get(path: str | os.PathLike) -> int:
         raise
 
 
-def prog_id(fd: int) -> int:
+def prog_info(fd: int) -> dict:
+    """``{'id', 'type', 'name'}`` of a loaded program."""
     info = ct.create_string_buffer(256)
     _sys_bpf(BPF_OBJ_GET_INFO_BY_FD, struct.pack("=IIQ", fd, 256, _addr(info)))
-    return struct.unpack_from("=II", info)[1]
+    ptype, pid = struct.unpack_from("=II", info)
+    return {"id": pid, "type": ptype, "name": info.raw[64:80].split(b"\0")[0].decode()}
+
+
+def prog_info_by_id(prog_id: int) -> dict | None:
+    """Like :func:`prog_info` for a program id; None if it no longer exists."""
+    try:
+        fd = _sys_bpf(BPF_PROG_GET_FD_BY_ID, struct.pack("=III", prog_id, 0, 0))
+    except BPFError as e:
+        if e.errno == errno.ENOENT:
+            return None
+        raise
+    try:
+        return prog_info(fd)
+    finally:
+        os.close(fd)
 
 
 def test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:

@@ -46,8 +46,8 @@ def bpf_xdp(root):
     except ImportError as e:  # pragma: no cover - setup installs it
         pytest.skip(f"bcc not importable ({e}); run tools/setup")
     try:
-        b = BPF(text="int f(struct xdp_md *ctx) { return 2; }")
-        b.load_func("f", BPF.XDP)
+        b = BPF(text=b"int f(struct xdp_md *ctx) { return 2; }")
+        b.load_func(b"f", BPF.XDP)
         b.cleanup()
     except Exception as e:
         pytest.skip(f"kernel cannot load XDP programs through bcc: {e}")

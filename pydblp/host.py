@@ -1,0 +1,304 @@
+"""The host XDP program (``bpf/dblp_host.bpf.c``): attach, configure, observe.
+
+:class:`HostProgram` compiles the program (about 2 s), attaches it to one
+interface and owns that attachment: :meth:`HostProgram.close` (also run by
+``with``, garbage collection and interpreter exit) detaches it with the
+mode flags used to attach and removes its pins.  :class:`HostMaps` is the
+map API alone; :func:`open_pinned` gives one for a program loaded by another
+process (``dblp load``), without compiling.
+
+The structs below mirror ``bpf/dblp.h``; ``tests/unit/test_header_agreement.py``
+checks them against the C side.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import weakref
+
+from pydblp import bpf, net, wire
+from pydblp.net import Mode
+
+PROG_NAME = "dblp_host"
+MAX_QUEUES = 64
+MAX_JOBS = 256
+SHED_ENTRIES = 65536
+PRESSURE_MAX = 1000
+
+CNT_PASS = 0
+CNT_DBLP_PASS = 1
+CNT_REDIRECT = 2
+CNT_NOSOCK = 3
+CNT_DROP_BASE = 16
+CNT_SHED_BASE = 32
+CNT_MAX = 40
+
+JOB = struct.Struct("=HHB3x")          # struct dblp_job
+MSG_KEY = struct.Struct("=IIHH")       # struct dblp_msg_key
+HOST_CFG = struct.Struct("=HHII8I")    # struct dblp_host_cfg
+MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate")
+
+# Default pressure at which each priority is shed: prio 7 first, prio 0 never.
+DEFAULT_SHED_AT = (0, 900, 800, 700, 600, 500, 400, 300)
+
+
+class Transport(enum.IntEnum):
+    XSK = 0  # redirect to the AF_XDP socket of the rx queue
+    UDP = 1  # XDP_PASS to the kernel UDP stack
+
+
+class HostError(net.NetError):
+    """Loading or talking to the host program failed; the message says how to fix it."""
+
+
+class HostMaps:
+    """Configuration and counters of one attached host program, through its maps."""
+
+    def __init__(self, maps: dict[str, bpf.Map], ifname: str, netns: str | None):
+        self.maps = maps
+        self.ifname = ifname
+        self.netns = netns
+
+    # -- configuration --
+    def _cfg(self) -> list:
+        return list(HOST_CFG.unpack(self.maps["config"].lookup(b"\0" * 4)))
+
+    def _set_cfg(self, vals: list) -> None:
+        self.maps["config"].update(b"\0" * 4, HOST_CFG.pack(*vals))
+
+    @property
+    def port(self) -> int:
+        return self._cfg()[0]
+
+    def configure(self, port: int | None = None, rate_pps: int | None = None,
+                  shed_at: tuple[int, ...] | None = None) -> None:
+        """Set the DBLP UDP port, the in-kernel rate estimate (0 = off) and per-prio shed levels.
+
+        ``shed_at[p]`` is the pressure (0..1000) from which prio ``p`` is shed;
+        0 means never.  Prio 0 is never shed whatever is given.
+        """
+        c = self._cfg()
+        if port is not None:
+            if not 0 < port < 65536:
+                raise HostError(f"port {port} out of range 1..65535")
+            c[0] = port
+        if rate_pps is not None:
+            c[3] = int(rate_pps)
+        if shed_at is not None:
+            if len(shed_at) != wire.MAX_PRIO + 1:
+                raise HostError(f"shed_at needs {wire.MAX_PRIO + 1} levels, got {len(shed_at)}")
+            c[4:] = [0] + [int(x) for x in shed_at[1:]]
+        self._set_cfg(c)
+
+    @property
+    def pressure(self) -> int:
+        return self._cfg()[2]
+
+    def set_pressure(self, level: int) -> None:
+        """Write the pressure level (0..1000) that shedding compares against."""
+        c = self._cfg()
+        c[2] = max(0, min(PRESSURE_MAX, int(level)))
+        self._set_cfg(c)
+
+    # -- jobs --
+    def register_job(self, job: int, world_size: int, rank: int,
+                     transport: Transport | str = Transport.XSK) -> None:
+        """Admit ``job``: packets must have src/dst < world_size and dst == rank."""
+        if isinstance(transport, str):
+            try:
+                transport = Transport[transport.upper()]
+            except KeyError:
+                raise HostError(f"transport {transport!r}: use xsk or udp") from None
+        if not 0 < job < 2**32:
+            raise HostError(f"job id {job} must be in 1..2^32-1")
+        if not 0 < world_size <= 0xFFFF or not 0 <= rank < world_size:
+            raise HostError(f"rank {rank} must be below world size {world_size} (<= 65535)")
+        self.maps["jobs"].update(struct.pack("=I", job), JOB.pack(world_size, rank, transport))
+
+    def unregister_job(self, job: int) -> bool:
+        return self.maps["jobs"].delete(struct.pack("=I", job))
+
+    def jobs(self) -> dict[int, dict]:
+        out = {}
+        for k, v in self.maps["jobs"].items():
+            ws, rank, tr = JOB.unpack(v)
+            out[struct.unpack("=I", k)[0]] = {"world_size": ws, "rank": rank,
+                                             "transport": Transport(tr).name.lower()}
+        return out
+
+    # -- AF_XDP sockets --
+    def xsk_insert(self, queue: int, fd: int) -> None:
+        """Steer the rx queue's valid DBLP packets to socket ``fd`` (bind and fill it first)."""
+        if not 0 <= queue < MAX_QUEUES:
+            raise HostError(f"queue {queue} out of range 0..{MAX_QUEUES - 1}")
+        self.maps["xsks"].update(struct.pack("=I", queue), struct.pack("=I", fd))
+
+    def xsk_remove(self, queue: int) -> bool:
+        return self.maps["xsks"].delete(struct.pack("=I", queue))
+
+    # -- observation --
+    def counters(self) -> dict:
+        """Totals over CPUs: pass, dblp_pass, redirect, nosock, drop{reason}, shed[prio]."""
+        raw = []
+        for i in range(CNT_MAX):
+            per_cpu = self.maps["counters"].lookup(struct.pack("=I", i))
+            raw.append(sum(struct.unpack("=Q", v)[0] for v in per_cpu))
+        return {
+            "pass": raw[CNT_PASS],
+            "dblp_pass": raw[CNT_DBLP_PASS],
+            "redirect": raw[CNT_REDIRECT],
+            "nosock": raw[CNT_NOSOCK],
+            "drop": {r.name.lower(): raw[CNT_DROP_BASE + r] for r in wire.Reason if r},
+            "shed": raw[CNT_SHED_BASE: CNT_SHED_BASE + wire.MAX_PRIO + 1],
+        }
+
+    def shed_count(self, job: int, round: int, tensor: int, src: int) -> int:
+        """Packets of one message shed so far (0 when the LRU has no entry)."""
+        v = self.maps["shed"].lookup(MSG_KEY.pack(job, round, tensor, src))
+        return struct.unpack("=I", v)[0] if v else 0
+
+    def shed_counts(self) -> dict[tuple[int, int, int, int], int]:
+        return {MSG_KEY.unpack(k): struct.unpack("=I", v)[0] for k, v in self.maps["shed"].items()}
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+
+
+def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
+    """Maps of a program that ``dblp load`` (or a pinning HostProgram) attached."""
+    d = bpf.pin_dir("host", ifname, netns)
+    if not (d / "config").exists():
+        where = f" --netns {netns}" if netns else ""
+        raise HostError(f"pydblp is not loaded on {ifname}{where}: run `dblp load {ifname}{where}`")
+    return HostMaps({name: bpf.Map.pinned(d / name) for name in MAPS}, ifname, netns)
+
+
+def attached_program(ifname: str, netns: str | None = None) -> dict | None:
+    """The XDP program on ``ifname`` with its name and mode, or None."""
+    found = net.xdp_query(ifname, netns)
+    if not found:
+        return None
+    info = bpf.prog_info_by_id(found["prog_id"]) or {"name": "?"}
+    return {**found, "name": info["name"]}
+
+
+class HostProgram(HostMaps):
+    """Compile and attach the host program to ``ifname`` (in ``netns``), and own it.
+
+    ``mode`` is native by default (veth supports it); ``skb`` on request.
+    An XDP program pydblp did not attach is never replaced unless
+    ``force``.  With ``pin`` the maps and program are pinned under
+    ``/sys/fs/bpf/dblp/host/<netns>/<ifname>`` so other processes (the CLI)
+    can find them; with ``keep`` the attachment and pins outlive this object
+    (``dblp load``); otherwise :meth:`close` removes both.
+    """
+
+    def __init__(self, ifname: str, netns: str | None = None, mode: Mode | str = Mode.NATIVE,
+                 port: int = wire.DEFAULT_PORT, force: bool = False, pin: bool = False,
+                 keep: bool = False, shed_at: tuple[int, ...] = DEFAULT_SHED_AT):
+        mode = Mode(mode)
+        current = attached_program(ifname, netns)
+        if current and not force:
+            where = f" --netns {netns}" if netns else ""
+            if current["name"] == PROG_NAME:
+                raise HostError(f"pydblp is already loaded on {ifname}; `dblp unload {ifname}{where}` first, or --force")
+            raise HostError(f"{ifname} has XDP program {current['name']!r} (id {current['prog_id']}) "
+                            f"that pydblp did not attach; detach it or use --force to replace it")
+        if pin:
+            bpf.require_bpffs()
+        self._bpf = bpf.compile("dblp_host.bpf.c")
+        fn = self._bpf.load_func(PROG_NAME.encode(), self._bpf.XDP)
+        self.prog_fd = fn.fd
+        self.prog_id = bpf.prog_info(fn.fd)["id"]
+        maps = {name: bpf.Map(self._bpf[name.encode()].map_fd, owned=False) for name in MAPS}
+        super().__init__(maps, ifname, netns)
+        self.mode = mode
+        self.configure(port=port, rate_pps=0, shed_at=shed_at)
+        if current and force and current["mode"] != mode:
+            net.xdp_detach(ifname, current["mode"], netns)
+        net.xdp_attach(ifname, self.prog_fd, mode, netns)
+        self.pins = None
+        if pin:
+            self.pins = bpf.pin_dir("host", ifname, netns)
+            if self.pins.exists():
+                bpf.unpin(self.pins)  # stale pins of a crashed load
+            self.pins.mkdir(parents=True)
+            for name, m in maps.items():
+                bpf.obj_pin(m.fd, self.pins / name)
+            bpf.obj_pin(self.prog_fd, self.pins / "prog")
+        self._finalizer = None if keep else weakref.finalize(
+            self, _release, ifname, netns, mode, self.prog_id, self.pins, self._bpf)
+
+    def close(self) -> None:
+        """Detach (if still ours) and unpin.  Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        else:
+            self._bpf.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _release(ifname, netns, mode, prog_id, pins, bpf_obj) -> None:
+    try:
+        found = net.xdp_query(ifname, netns) if (netns is None or net.netns_exists(netns)) else None
+        if found and found["prog_id"] == prog_id:
+            net.xdp_detach(ifname, mode, netns)
+    except net.NetError:
+        pass  # interface or namespace already gone: nothing attached any more
+    finally:
+        if pins is not None:
+            bpf.unpin(pins)
+        bpf_obj.cleanup()
+
+
+def unload(ifname: str, netns: str | None = None) -> bool:
+    """Detach pydblp's host program from ``ifname`` and remove its pins (after a crash too)."""
+    current = attached_program(ifname, netns)
+    detached = False
+    if current and current["name"] == PROG_NAME:
+        net.xdp_detach(ifname, current["mode"], netns)
+        detached = True
+    elif current:
+        raise HostError(f"{ifname} has XDP program {current['name']!r} that pydblp did not attach; not touching it")
+    pins = bpf.pin_dir("host", ifname, netns)
+    had_pins = pins.exists()
+    bpf.unpin(pins)
+    return detached or had_pins
+
+
+def loaded() -> list[dict]:
+    """Every host program pydblp attached: in the root netns and all named ones,
+    plus pin directories whose attachment is gone (``stale``)."""
+    out = []
+    seen = set()
+    for ns in [None, *net.netns_list()]:
+        try:
+            links = net.links(ns)
+        except Exception:
+            continue
+        for link in links:
+            pid = link["xdp_prog_id"]
+            if not pid:
+                continue
+            info = bpf.prog_info_by_id(pid)
+            if info and info["name"] == PROG_NAME:
+                mode = Mode.SKB if link["xdp_attached"] in ("xdpgeneric", "skb") else Mode.NATIVE
+                out.append({"netns": ns, "ifname": link["ifname"], "mode": mode, "prog_id": pid,
+                            "pinned": bpf.pin_dir("host", link["ifname"], ns).exists()})
+                seen.add((ns, link["ifname"]))
+    root = bpf.PIN_ROOT / "host"
+    if root.exists():
+        for nsdir in root.iterdir():
+            for ifdir in nsdir.iterdir():
+                ns = None if nsdir.name == "-" else nsdir.name
+                if (ns, ifdir.name) not in seen:
+                    out.append({"netns": ns, "ifname": ifdir.name, "mode": None, "prog_id": None,
+                                "pinned": True, "stale": True})
+    return out
