@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import socket
 from collections.abc import Callable, Iterator
 
 from scapy.fields import ByteEnumField, ByteField, FlagsField, IntField, ShortField, XShortField
@@ -236,6 +237,42 @@ def read_pcap(path: str, expr: str | None = None) -> Iterator[Packet]:
             proc.wait()
 
 
+ARPHRD_LOOPBACK = 772
+
+
+def _listen_class():
+    from scapy.arch.linux import L2ListenSocket, get_last_packet_timestamp
+    from scapy.data import MTU
+
+    class ListenSocket(L2ListenSocket):
+        """Both directions, like tcpdump, but loopback packets once (not as sent and received)."""
+
+        def recv_raw(self, x=MTU):
+            pkt, sa_ll, ts = self._recv_raw(self.ins, x)
+            if sa_ll[3] == ARPHRD_LOOPBACK and sa_ll[2] == socket.PACKET_OUTGOING:
+                return None, None, None
+            return self.LL, pkt, ts if ts is not None else get_last_packet_timestamp(self.ins)
+
+    return ListenSocket
+
+
+def _netns_iface(name: str):
+    """A scapy interface for ``name`` as seen from the calling thread's netns.
+
+    scapy's interface table lists the namespace it was loaded in; describe
+    the interface from a probe socket here instead (index, link type).
+    """
+    from scapy.config import conf
+    from scapy.interfaces import NetworkInterface
+
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0) as probe:
+        probe.bind((name, 0))  # ENODEV if the interface is not here
+        hatype = probe.getsockname()[3]
+    provider = next(iter(conf.ifaces.providers.values()), None)
+    return NetworkInterface(provider, {"name": name, "network_name": name, "description": name,
+                                       "index": socket.if_nametoindex(name), "type": hatype})
+
+
 def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int = 0,
                timeout: float | None = None, netns: str | None = None) -> int:
     """Capture on ``iface`` (inside ``netns``), calling ``prn`` per packet; return how many.
@@ -243,13 +280,13 @@ def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int 
     The capture socket is opened inside the namespace, so it stays there;
     the filter is compiled in the kernel (libpcap).
     """
-    from scapy.config import conf
     from scapy.error import Scapy_Exception
     from scapy.sendrecv import sniff
 
     from pydblp.net import in_netns
 
     check_filter(expr)
+    _ListenSocket = _listen_class()
     seen = 0
 
     def each(pkt):
@@ -257,16 +294,16 @@ def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int 
         seen += 1
         prn(pkt)
 
+    where = f" in netns {netns}" if netns else ""
     with in_netns(netns):
         try:
-            sock = conf.L2listen(iface=iface, filter=expr)
+            sock = _ListenSocket(iface=_netns_iface(iface), filter=expr)
         except PermissionError:
             raise CaptureError("live capture needs root (CAP_NET_RAW)") from None
         except OSError as e:
-            where = f" in netns {netns}" if netns else ""
             raise CaptureError(f"cannot capture on {iface!r}{where}: {e.strerror or e}") from None
         except Scapy_Exception as e:
-            raise CaptureError(f"cannot capture on {iface!r}: {e}") from None
+            raise CaptureError(f"cannot capture on {iface!r}{where}: {e}") from None
         try:
             sniff(opened_socket=sock, prn=each, count=count, timeout=timeout, store=False)
         finally:
