@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from scapy.fields import ByteEnumField, ByteField, FlagsField, IntField, ShortField, XShortField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
-from scapy.packet import Packet, bind_layers
+from scapy.packet import Packet, bind_bottom_up, bind_layers
 
 from pydblp import wire
 
@@ -81,11 +81,13 @@ def bind_port(port: int) -> None:
         raise ValueError(f"port {port} out of range 1-65535")
     if port in PORTS:
         return
-    bind_layers(UDP, DBLP, sport=port)
-    bind_layers(UDP, DBLP, dport=port)
+    # dissection only: UDP()/DBLP() keeps building with dport 47800
+    bind_bottom_up(UDP, DBLP, sport=port)
+    bind_bottom_up(UDP, DBLP, dport=port)
     PORTS.add(port)
 
 
+bind_layers(UDP, DBLP, dport=wire.DEFAULT_PORT)
 bind_port(wire.DEFAULT_PORT)
 
 

@@ -1,0 +1,188 @@
+"""The scapy DBLP layer and the packet decoders agree with wire.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scapy.layers.inet import IP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import Ether
+from scapy.packet import Raw
+
+from pydblp import inspect, wire
+from pydblp.wire import Header
+
+KEY = b"secret-key"
+MACS = dict(src="02:00:00:00:00:01", dst="02:00:00:00:00:02")  # explicit: no ARP lookups
+NAMES = [n for n, _ in wire.FIELDS]
+
+HEADERS = [
+    Header(),
+    Header(kind=wire.Kind.BITMAP, job=0xFFFFFFFF, round=0xFFFFFFFF, tensor=65535, src=65535, dst=1,
+           prio=7, dtype=wire.Dtype.RAW, chunk=2**24 - 1, nchunks=2**24, tol=255, flags=0xFB),
+    Header(kind=wire.Kind.STOP, job=42, round=7, tensor=3, src=2, dst=0, prio=0, dtype=wire.Dtype.F16,
+           chunk=5, nchunks=6, tol=10, flags=wire.Flag.ALLGATHER),
+]
+
+
+def frame(udp_payload: bytes, sport=40000, dport=wire.DEFAULT_PORT, v6=False) -> Ether:
+    """Wire bytes of an Ethernet/IP/UDP frame, dissected again by scapy."""
+    ip = IPv6(src="2001:db8::1", dst="2001:db8::2") if v6 else IP(src="198.18.0.1", dst="198.18.0.2")
+    return Ether(bytes(Ether(**MACS) / ip / UDP(sport=sport, dport=dport) / Raw(udp_payload)))
+
+
+def fields_of(layer) -> dict[str, int]:
+    return {n: int(getattr(layer, n)) for n in NAMES}
+
+
+def test_layer_fields_are_wire_fields():
+    assert [f.name for f in inspect.DBLP.fields_desc] == NAMES
+    assert len(inspect.DBLP()) == wire.HEADER_LEN
+
+
+@pytest.mark.parametrize("h", HEADERS)
+@pytest.mark.parametrize("keyed", [False, True])
+def test_scapy_dissects_wire_bytes(h, keyed):
+    payload = bytes(range(20))
+    buf = wire.encode(h, payload, key=KEY if keyed else None)
+    pkt = frame(buf)
+    assert inspect.DBLP in pkt
+    assert fields_of(pkt[inspect.DBLP]) == {n: getattr(Header.unpack(buf), n) for n in NAMES}
+    assert pkt[inspect.DBLP].payload.load == buf[wire.HEADER_LEN:]
+
+
+@pytest.mark.parametrize("h", HEADERS)
+def test_wire_decodes_scapy_packets(h):
+    kw = {n: getattr(h, n) for n in NAMES if n != "len"}
+    layer = inspect.DBLP(**kw) / Raw(b"gradient")
+    pkt = Ether(bytes(Ether(**MACS) / IP() / UDP(sport=1, dport=wire.DEFAULT_PORT) / layer))
+    got, payload = wire.decode(bytes(pkt[UDP].payload))
+    assert got == h.replace(len=8)   # len computed by the layer from the payload
+    assert payload == b"gradient"
+
+
+def test_wire_decodes_tagged_scapy_packet():
+    hdr = bytes(inspect.DBLP(job=9, flags="TAG", len=4))
+    signed = hdr + b"abcd" + wire.tag(KEY, hdr + b"abcd")
+    auto = bytes(inspect.DBLP(job=9, flags="TAG") / Raw(b"abcd" + wire.tag(KEY, hdr + b"abcd")))
+    assert auto == signed  # len counts the payload, not the tag that follows it
+    got, payload = wire.decode(auto, key=KEY)
+    assert got.flags == wire.Flag.TAG and payload == b"abcd"
+
+
+def test_layer_symbolic_values():
+    pkt = inspect.DBLP(bytes(wire.encode(HEADERS[2])))
+    assert pkt.sprintf("%kind% %dtype% %flags%") == "STOP F16 ALLGATHER"
+
+
+def test_bound_both_directions_and_extra_port():
+    buf = wire.encode(Header(job=5))
+    assert inspect.DBLP in frame(buf, sport=wire.DEFAULT_PORT, dport=9999)
+    assert inspect.DBLP in frame(buf, sport=9999, dport=wire.DEFAULT_PORT)
+    assert inspect.DBLP not in frame(buf, sport=9998, dport=9999)
+    inspect.bind_port(47911)
+    assert inspect.DBLP in frame(buf, sport=1000, dport=47911)
+    with pytest.raises(ValueError):
+        inspect.bind_port(0)
+    with pytest.raises(ValueError):
+        inspect.bind_port(70000)
+
+
+def test_udp_layer_picks_dblp_port_when_building():
+    inspect.bind_port(47912)  # extra ports only widen dissection
+    assert (UDP() / inspect.DBLP()).dport == wire.DEFAULT_PORT
+
+
+# ---- summaries ---------------------------------------------------------------------
+
+def test_summary_line():
+    h = Header(kind=wire.Kind.DATA, job=77, round=5, tensor=3, src=1, dst=2, prio=4, chunk=9,
+               nchunks=1000, flags=wire.Flag.RETX | wire.Flag.ALLGATHER)
+    pkt = frame(wire.encode(h, b"x" * 100))
+    pkt.time = 1_700_000_000.25
+    when = dt.datetime.fromtimestamp(1_700_000_000.25).strftime("%H:%M:%S.%f")
+    assert inspect.summary(pkt) == (
+        f"{when} 198.18.0.1:40000 > 198.18.0.2:47800 DATA job 77 round 5 tensor 3 rank 1->2 "
+        "chunk 9/1000 prio 4 len 100 flags RETX|ALLGATHER")
+
+
+def test_summary_ipv6_and_tag():
+    pkt = frame(wire.encode(Header(kind=wire.Kind.PROBE, job=3), b"", key=KEY), sport=47800, dport=5555, v6=True)
+    line = inspect.summary(pkt)
+    assert "[2001:db8::1]:47800 > [2001:db8::2]:5555 PROBE job 3 " in line
+    assert line.endswith("len 0 flags TAG")
+
+
+def test_summary_unknown_flag_bits():
+    line = inspect.summary(frame(wire.encode(Header(flags=0x81))))
+    assert line.endswith("flags RETX|0x80")
+
+
+@pytest.mark.parametrize("reason,buf", [
+    ("short", b"\xdb\x1b"),
+    ("magic", b"\x00" * 40),
+    ("version", bytes(wire.encode(Header())[:2]) + b"\x02" + wire.encode(Header())[3:]),
+    ("length", wire.encode(Header()) + b"extra"),
+    ("chunk", wire.encode(Header(chunk=4, nchunks=4))),
+    ("job", wire.encode(Header(job=0))),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_summary_malformed(reason, buf):
+    pkt = frame(buf)
+    line = inspect.summary(pkt)
+    assert line.endswith(f"198.18.0.2:47800 malformed ({reason}) {len(buf)} bytes")
+    assert inspect.describe(pkt).startswith(line)
+
+
+def test_link_padding_is_not_payload():
+    # a 2-byte payload makes a 44-byte frame: Ethernet pads it to 60
+    raw = bytes(Ether(**MACS) / IP() / UDP(dport=wire.DEFAULT_PORT) / Raw(b"\xdb\x1b"))
+    padded = Ether(raw + b"\x00" * (60 - len(raw)))
+    assert inspect.dblp_payload(padded) == b"\xdb\x1b"
+    assert "malformed (short) 2 bytes" in inspect.summary(padded)
+
+
+def test_not_dblp():
+    pkt = Ether(bytes(Ether(**MACS) / IP() / UDP(sport=53, dport=53) / Raw(b"q")))
+    assert inspect.dblp_payload(pkt) is None
+    assert "malformed" not in inspect.summary(pkt) and "UDP" in inspect.summary(pkt)
+    assert inspect.describe(pkt) == inspect.summary(pkt)
+
+
+def test_describe_lists_every_field():
+    h = HEADERS[2]
+    pkt = frame(wire.encode(h, b"\x01\x02", key=KEY))
+    lines = inspect.describe(pkt).splitlines()
+    assert lines[0] == inspect.summary(pkt)
+    body = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines[1:]}
+    assert list(body)[: len(NAMES)] == NAMES
+    assert body["magic"] == "0xdb1b"
+    assert body["kind"] == "STOP (4)"
+    assert body["dtype"] == "F16 (1)"
+    assert body["flags"] == "ALLGATHER|TAG (0x06)"
+    assert body["chunk"] == "5" and body["nchunks"] == "6" and body["job"] == "42"
+    assert body["payload"] == "2 bytes: 0102"
+    assert body["tag"] == wire.tag(KEY, wire.encode(h, b"\x01\x02", key=KEY)[:-16]).hex()
+
+
+def test_describe_malformed_shows_fields_it_can():
+    buf = bytes(wire.encode(Header(job=12345))[:3]) + b"\x09" + wire.encode(Header(job=12345))[4:]
+    text = inspect.describe(frame(buf))
+    assert "malformed (kind)" in text.splitlines()[0]
+    assert "    kind     kind9 (9)" in text
+    assert "    job      12345" in text
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=96), v6=st.booleans())
+def test_decoders_never_raise(data, v6):
+    pkt = frame(data, v6=v6)
+    line = inspect.summary(pkt)
+    reason = wire.validate(data)
+    if reason:
+        assert f"malformed ({reason.name.lower()})" in line
+    else:
+        assert "malformed" not in line and f"len {len(data) - 32 - (16 if data[31] & 4 else 0)}" in line
+    assert inspect.describe(pkt).startswith(line)
