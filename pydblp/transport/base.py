@@ -1,0 +1,183 @@
+"""The transport interface shared by the AF_XDP and UDP transports.
+
+A transport moves DBLP packets (header + payload) between hosts in
+*batches*: numpy arrays, never Python objects per packet.
+
+Batch layout (:class:`Batch`)
+-----------------------------
+``headers``  (cap,) :data:`pydblp.wire.HEADER_DTYPE` records (network order fields)
+``payload``  (cap, maxlen) uint8: row i holds the bytes that follow packet i's
+             32-byte header (the DBLP payload, plus the 16-byte tag when
+             ``flags & TAG``); bytes past ``lengths[i]`` are undefined
+``lengths``  (cap,) int32: how many bytes of ``payload[i]`` are used
+``peer``     (cap,) int32: on send, the destination peer id returned by
+             :meth:`Transport.add_peer`; on receive, the sender's peer id when
+             its address was registered with :meth:`Transport.add_peer`, else -1
+``n``        rows in use (``len(batch)``)
+
+:meth:`Batch.view` gives a batch over the first rows without copying.  On
+send, ``headers["len"]`` is what goes on the wire: :func:`Batch.fill` sets it
+from ``lengths`` (tag excluded), so a batch built by hand must agree.
+
+Threading model
+---------------
+A transport is used from at most two threads at a time: **one** thread
+calling :meth:`Transport.recv` and **one** (possibly other) thread calling
+:meth:`Transport.send`.  Receive and transmit state are disjoint (AF_XDP: the
+rx + fill rings and rx frames versus the tx + completion rings and tx frames,
+each a single-producer/single-consumer ring), so the two need no lock.
+:meth:`stats` may be called from any thread.  :meth:`close` must not race
+with a ``send``/``recv`` in progress.  Blocking in ``recv(timeout=...)`` and
+``send`` waits in ``poll(2)`` or ctypes calls, which release the GIL.
+
+When the receiver falls behind
+------------------------------
+Nothing blocks the kernel and nothing crashes.  AF_XDP: the rx ring fills;
+each ``recv`` publishes the ring occupancy as a pressure level 0..1000 to the
+XDP program (``pressure=``), which then sheds low-priority packets within each
+message's loss bound; beyond that the kernel drops at the full ring and
+counts it (``stats()["rx_ring_full"]``, ``["rx_dropped"]``).  UDP: the socket
+receive buffer fills and the kernel drops, counted in
+``stats()["rx_dropped"]`` (SO_RXQ_OVFL).  The collective layer above repairs
+loss beyond the bound (PROBE/BITMAP).
+"""
+
+from __future__ import annotations
+
+import abc
+import ipaddress
+from dataclasses import dataclass
+
+import numpy as np
+
+from pydblp import wire
+
+DEFAULT_MAXLEN = 2048 - 42 - wire.HEADER_LEN  # anything that fits a 2 KiB frame
+
+
+@dataclass
+class Batch:
+    headers: np.ndarray
+    payload: np.ndarray
+    lengths: np.ndarray
+    peer: np.ndarray
+    n: int = 0
+
+    @classmethod
+    def empty(cls, cap: int, maxlen: int = 1500) -> "Batch":
+        """A batch with room for ``cap`` packets of up to ``maxlen`` payload bytes (n = 0)."""
+        return cls(wire.empty_batch(cap), np.zeros((cap, maxlen), np.uint8),
+                   np.zeros(cap, np.int32), np.full(cap, -1, np.int32), 0)
+
+    @classmethod
+    def fill(cls, headers: np.ndarray, payload: np.ndarray, lengths=None, peer=0) -> "Batch":
+        """A send batch from headers and a payload array; sets ``headers["len"]``.
+
+        ``lengths`` defaults to the full payload width; ``peer`` is a peer id
+        or an array of them.
+        """
+        n = len(headers)
+        payload = np.asarray(payload, np.uint8).reshape(n, -1)
+        lengths = np.full(n, payload.shape[1], np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        hdr = np.array(headers, dtype=wire.HEADER_DTYPE, copy=True)
+        tag = np.where(hdr["flags"] & wire.Flag.TAG, wire.TAG_LEN, 0)
+        hdr["len"] = lengths - tag
+        return cls(hdr, payload, lengths, np.broadcast_to(np.asarray(peer, np.int32), (n,)).copy(), n)
+
+    @property
+    def cap(self) -> int:
+        return len(self.headers)
+
+    @property
+    def maxlen(self) -> int:
+        return self.payload.shape[1]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def view(self, start: int, stop: int | None = None) -> "Batch":
+        """Rows ``start:stop`` of the used rows, without copying."""
+        stop = self.n if stop is None else min(stop, self.n)
+        s = slice(start, stop)
+        return Batch(self.headers[s], self.payload[s], self.lengths[s], self.peer[s], max(0, stop - start))
+
+    def payloads(self) -> list[bytes]:
+        """Per-packet payload bytes (a Python loop: for tests and inspection only)."""
+        return [self.payload[i, : self.lengths[i]].tobytes() for i in range(self.n)]
+
+
+class TransportError(OSError):
+    """A transport could not be opened or used; the message says what to do."""
+
+
+def parse_ip(addr) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else ipaddress.ip_address(addr)
+
+
+class Transport(abc.ABC):
+    """Open on (netns, ifname, queue, port); send and receive :class:`Batch` es.
+
+    Subclasses: :class:`pydblp.transport.xsk.XskTransport` (AF_XDP, root) and
+    :class:`pydblp.transport.udp.UdpTransport` (plain UDP sockets, no root).
+    """
+
+    kind: str = "?"
+
+    netns: str | None
+    ifname: str | None
+    queue: int
+    port: int
+
+    @abc.abstractmethod
+    def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac: str | bytes | None = None) -> int:
+        """Register a destination; returns its peer id (the value for ``Batch.peer``)."""
+
+    @abc.abstractmethod
+    def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
+        """Queue every packet of ``batch`` for transmission; returns how many were queued.
+
+        Waits up to ``timeout`` seconds (None: no limit) for ring or buffer
+        space; returns fewer than ``len(batch)`` only when that runs out.
+        """
+
+    @abc.abstractmethod
+    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
+        """Receive up to ``max`` (default: ``into.cap``) packets into ``into``.
+
+        Returns ``into.view(0, k)`` (``into.n`` is set to k).  Waits up to
+        ``timeout`` seconds for the first packet (0: never, None: forever),
+        then takes whatever has arrived.  Only packets that pass
+        :func:`pydblp.wire.validate_batch` are returned; the rest are counted
+        in ``stats()["rx_invalid"]``.  Payloads longer than ``into.maxlen``
+        are truncated and counted in ``stats()["rx_truncated"]``.
+        """
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Counters: rx_packets, rx_bytes, tx_packets, tx_bytes, rx_invalid,
+        rx_truncated, rx_dropped, plus transport-specific ones."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """The socket descriptor (poll it for POLLIN)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; safe to call twice."""
+
+    @property
+    def closed(self) -> bool:
+        return self.fileno() < 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self.closed:
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,205 @@
+"""Whole Ethernet frames for DBLP packets, built and parsed with numpy.
+
+The AF_XDP transport sends and receives raw frames: Ethernet → IPv4 (no
+options on send) or IPv6 (no extension headers) → UDP → DBLP header →
+payload.  Every function here works on a whole batch at once: per-peer
+work is a loop over peers (a handful), per-packet work is array arithmetic.
+
+On send, each peer has a template (the Eth/IP/UDP headers with lengths and
+checksums zero) and a precomputed partial checksum; only the length fields
+and checksums differ per packet.  The IPv4 header checksum is always
+computed; the UDP checksum is 0 on IPv4 (allowed, RFC 768) and computed on
+IPv6 (mandatory, RFC 8200 section 8.1).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import numpy as np
+
+from pydblp import wire
+
+ETH_LEN = 14
+IPV4_LEN = 20
+IPV6_LEN = 40
+UDP_LEN = 8
+ETH_P_IP = 0x0800
+ETH_P_IPV6 = 0x86DD
+IPPROTO_UDP = 17
+HDR4 = ETH_LEN + IPV4_LEN + UDP_LEN   # 42: DBLP header offset, IPv4
+HDR6 = ETH_LEN + IPV6_LEN + UDP_LEN   # 62: DBLP header offset, IPv6
+TEMPLATE_WIDTH = HDR6
+PARSE_WIDTH = ETH_LEN + 60 + UDP_LEN + wire.HEADER_LEN  # IPv4 with maximal options + UDP + DBLP
+
+
+def mac_bytes(mac: str | bytes) -> bytes:
+    if isinstance(mac, (bytes, bytearray)):
+        if len(mac) != 6:
+            raise ValueError(f"MAC must be 6 bytes, got {len(mac)}")
+        return bytes(mac)
+    b = bytes(int(x, 16) for x in mac.replace("-", ":").split(":"))
+    if len(b) != 6:
+        raise ValueError(f"bad MAC {mac!r}")
+    return b
+
+
+def fold(s: np.ndarray) -> np.ndarray:
+    """Fold 64-bit one's-complement sums to 16 bits (not inverted)."""
+    s = np.asarray(s, np.uint64)
+    for _ in range(4):
+        s = (s & np.uint64(0xFFFF)) + (s >> np.uint64(16))
+    return s
+
+
+def _words(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    return int(np.frombuffer(b, ">u2").astype(np.uint64).sum())
+
+
+def template(src_mac, dst_mac, src_ip, dst_ip, sport: int, dport: int) -> tuple[bytes, int]:
+    """(Eth/IP/UDP header bytes with zero lengths and checksums, partial checksum).
+
+    The partial checksum covers every constant 16-bit word that enters the
+    IPv4 header checksum (IPv4) or the UDP checksum (IPv6: pseudo-header
+    addresses and next header, ports).
+    """
+    src_ip, dst_ip = ipaddress.ip_address(src_ip), ipaddress.ip_address(dst_ip)
+    if src_ip.version != dst_ip.version:
+        raise ValueError(f"address families differ: {src_ip} -> {dst_ip}")
+    ports = sport.to_bytes(2, "big") + dport.to_bytes(2, "big")
+    eth = mac_bytes(dst_mac) + mac_bytes(src_mac)
+    if dst_ip.version == 4:
+        ip = bytes([0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, IPPROTO_UDP, 0, 0]) + src_ip.packed + dst_ip.packed
+        return eth + ETH_P_IP.to_bytes(2, "big") + ip + ports + bytes(4), _words(ip)
+    ip = bytes([0x60, 0, 0, 0, 0, 0, IPPROTO_UDP, 64]) + src_ip.packed + dst_ip.packed
+    partial = _words(src_ip.packed + dst_ip.packed) + IPPROTO_UDP + _words(ports)
+    return eth + ETH_P_IPV6.to_bytes(2, "big") + ip + ports + bytes(4), partial
+
+
+class Templates:
+    """Per-peer frame templates, indexed by peer id."""
+
+    def __init__(self):
+        self.table = np.zeros((0, TEMPLATE_WIDTH), np.uint8)
+        self.hlen = np.zeros(0, np.int64)
+        self.partial = np.zeros(0, np.uint64)
+
+    def __len__(self):
+        return len(self.hlen)
+
+    def add(self, tmpl: bytes, partial: int) -> int:
+        row = np.zeros((1, TEMPLATE_WIDTH), np.uint8)
+        row[0, : len(tmpl)] = np.frombuffer(tmpl, np.uint8)
+        self.table = np.concatenate([self.table, row])
+        self.hlen = np.append(self.hlen, len(tmpl))
+        self.partial = np.append(self.partial, np.uint64(partial))
+        return len(self.hlen) - 1
+
+
+def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
+          lengths: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Frames for a batch: ``[(rows, frames (m, L) uint8, frame_lens (m,))]``, one item per header length.
+
+    ``rows`` index the batch; frame bytes past ``frame_lens`` are undefined.
+    """
+    n = len(peer)
+    if n == 0:
+        return []
+    peer = np.asarray(peer, np.int64)
+    if peer.min() < 0 or peer.max() >= len(tp):
+        raise ValueError(f"peer ids must be in [0, {len(tp)}); add_peer() first")
+    lengths = np.asarray(lengths, np.int64)
+    hl_all = tp.hlen[peer]
+    out = []
+    for hl in np.unique(hl_all):
+        rows = np.arange(n) if len(out) == 0 and hl_all[0] == hl and np.all(hl_all == hl) else np.flatnonzero(hl_all == hl)
+        out.append((rows, *_build_one(tp, int(hl), peer[rows], headers[rows], payload, rows, lengths[rows])))
+    return out
+
+
+def _build_one(tp, hl, peer, headers, payload, rows, lengths):
+    m = len(peer)
+    w = int(lengths.max()) if m else 0
+    if w > payload.shape[1]:
+        raise ValueError(f"lengths exceed the payload width {payload.shape[1]}")
+    L = hl + wire.HEADER_LEN + w
+    L += L & 1  # even width: the IPv6 checksum sums 16-bit words
+    st = np.empty((m, L), np.uint8)
+    st[:, :hl] = tp.table[peer, :hl]
+    st[:, hl: hl + wire.HEADER_LEN] = wire.encode_batch(headers)
+    if len(rows) == len(payload) and rows[-1] == len(rows) - 1:
+        st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[:, :w]
+    else:
+        st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[rows, :w]
+    udp_len = UDP_LEN + wire.HEADER_LEN + lengths
+    u = hl - UDP_LEN
+    st[:, u + 4] = udp_len >> 8
+    st[:, u + 5] = udp_len & 0xFF
+    if hl == HDR4:
+        tot = IPV4_LEN + udp_len
+        st[:, 16] = tot >> 8
+        st[:, 17] = tot & 0xFF
+        c = ~fold(tp.partial[peer] + tot.astype(np.uint64)) & np.uint64(0xFFFF)
+        st[:, 24] = (c >> np.uint64(8)).astype(np.uint8)
+        st[:, 25] = (c & np.uint64(0xFF)).astype(np.uint8)
+        # UDP checksum stays 0 (from the template)
+    else:
+        st[:, 18] = udp_len >> 8
+        st[:, 19] = udp_len & 0xFF
+        # zero bytes past each frame so the word sum covers exactly the datagram
+        flen = hl + wire.HEADER_LEN + lengths
+        st[np.arange(L) >= flen[:, None]] = 0
+        body = st[:, hl:].view(">u2").sum(axis=1, dtype=np.uint64)
+        s = tp.partial[peer] + body + 2 * udp_len.astype(np.uint64)  # pseudo-header length + UDP length field
+        c = ~fold(s) & np.uint64(0xFFFF)
+        c[c == 0] = 0xFFFF
+        st[:, u + 6] = (c >> np.uint64(8)).astype(np.uint8)
+        st[:, u + 7] = (c & np.uint64(0xFF)).astype(np.uint8)
+    return st, hl + wire.HEADER_LEN + lengths
+
+
+def parse(block: np.ndarray, frame_lens: np.ndarray, port: int | None = None):
+    """Locate the UDP payload in each frame of ``block`` ((n, >= PARSE_WIDTH) uint8).
+
+    Returns ``(ok, off, plen, family)``: ``ok`` a bool mask of well-formed
+    Eth/IPv4|IPv6/UDP frames (to ``port`` when given) with at least a DBLP
+    header; ``off`` the UDP payload offset; ``plen`` the UDP payload length
+    (the smaller of what UDP says and what the frame holds); ``family`` 4 or 6.
+    """
+    n = len(block)
+    ar = np.arange(n)
+    b = block
+    et = (b[:, 12].astype(np.int64) << 8) | b[:, 13]
+    v4 = (et == ETH_P_IP) & ((b[:, 14] >> 4) == 4) & (b[:, 23] == IPPROTO_UDP)
+    v6 = (et == ETH_P_IPV6) & ((b[:, 14] >> 4) == 6) & (b[:, 20] == IPPROTO_UDP)
+    ihl = (b[:, 14] & 0x0F).astype(np.int64) * 4
+    v4 &= ihl >= IPV4_LEN
+    # IPv4 fragments (MF set or offset non-zero) are not DBLP packets
+    v4 &= ((b[:, 20].astype(np.int64) & 0x3F) | b[:, 21]) == 0
+    u = np.where(v4, ETH_LEN + ihl, ETH_LEN + IPV6_LEN)
+    ucl = np.minimum(u, b.shape[1] - UDP_LEN)
+    udp_len = (b[ar, ucl + 4].astype(np.int64) << 8) | b[ar, ucl + 5]
+    off = u + UDP_LEN
+    plen = np.minimum(udp_len - UDP_LEN, np.asarray(frame_lens, np.int64) - off)
+    ok = (v4 | v6) & (udp_len >= UDP_LEN) & (plen >= wire.HEADER_LEN)
+    if port is not None:
+        dport = (b[ar, ucl + 2].astype(np.int64) << 8) | b[ar, ucl + 3]
+        ok &= dport == port
+    return ok, off, plen, np.where(v6, 6, 4)
+
+
+def source_match(block: np.ndarray, family: np.ndarray, addrs: list) -> np.ndarray:
+    """Peer id per frame from the source IP, -1 when no registered address matches."""
+    out = np.full(len(block), -1, np.int32)
+    for pid, a in enumerate(addrs):
+        if a is None:
+            continue
+        a = ipaddress.ip_address(a)
+        if a.version == 4:
+            hit = (family == 4) & np.all(block[:, 26:30] == np.frombuffer(a.packed, np.uint8), axis=1)
+        else:
+            hit = (family == 6) & np.all(block[:, 22:38] == np.frombuffer(a.packed, np.uint8), axis=1)
+        out[hit & (out < 0)] = pid
+    return out
