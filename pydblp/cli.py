@@ -13,6 +13,9 @@ import sys
 
 EPILOG = """\
 examples:
+  dblp load eth0                          attach the host XDP program (native mode)
+  dblp status                             where pydblp is loaded, jobs, counters
+  dblp stats eth0 1 5                     per-verdict rates, five one-second samples
   dblp dump -r trace.pcap                 decode DBLP packets in a capture
   dblp dump -i eth0 --netns w0 -c 10      ten live packets from a namespace
 """
@@ -28,6 +31,215 @@ def _formatter(prog):
 
 # ---- subcommands -----------------------------------------------------------
 # (each _add_* registers one subcommand)
+
+# ---- host program: load, unload, status, stats, job, config -----------------
+
+HOST_EPILOG = """\
+examples:
+  dblp load eth0                          native XDP on eth0, DBLP on UDP 47800
+  dblp load veth0 --netns w0 --mode skb   generic mode inside namespace w0
+  dblp job add eth0 --job 7 --world 4 --rank 1
+  dblp stats eth0 1 10                    ten one-second samples
+  dblp unload --all                       remove every pydblp attachment and pin
+"""
+
+
+def _iface_args(p, required: bool = True):
+    p.add_argument("ifname", metavar="IFNAME", nargs=None if required else "?", help="interface")
+    p.add_argument("--netns", metavar="NS", help="network namespace of the interface")
+
+
+def _add_load(sub):
+    p = sub.add_parser("load", help="attach the host XDP program to an interface",
+                       formatter_class=_formatter, epilog=HOST_EPILOG,
+                       description="Compile and attach bpf/dblp_host.bpf.c; pin its maps under "
+                                   "/sys/fs/bpf/dblp so `job`, `stats` and `unload` find them.")
+    _iface_args(p)
+    p.add_argument("--mode", choices=["native", "skb"], default="native", help="XDP mode (default native)")
+    p.add_argument("--port", type=int, default=47800, help="UDP destination port of DBLP traffic")
+    p.add_argument("--force", action="store_true", help="replace an XDP program pydblp did not attach")
+    p.set_defaults(func=_cmd_load)
+
+
+def _cmd_load(args) -> int:
+    from pydblp import host
+
+    p = host.HostProgram(args.ifname, netns=args.netns, mode=args.mode, port=args.port,
+                         force=args.force, pin=True, keep=True)
+    where = f" (netns {args.netns})" if args.netns else ""
+    print(f"loaded {host.PROG_NAME} on {args.ifname}{where}: {p.mode.value} mode, "
+          f"prog id {p.prog_id}, port {args.port}, pins {p.pins}")
+    p.close()
+    return 0
+
+
+def _add_unload(sub):
+    p = sub.add_parser("unload", help="detach the host program and remove its pins",
+                       formatter_class=_formatter, epilog=HOST_EPILOG)
+    _iface_args(p, required=False)
+    p.add_argument("--all", action="store_true", help="every pydblp attachment, in every namespace")
+    p.set_defaults(func=_cmd_unload)
+
+
+def _cmd_unload(args) -> int:
+    from pydblp import host
+
+    if args.all == bool(args.ifname):
+        raise UsageError("give an interface or --all (not both)")
+    targets = ([(e["ifname"], e["netns"]) for e in host.loaded()] if args.all
+               else [(args.ifname, args.netns)])
+    for ifname, ns in targets:
+        where = f" (netns {ns})" if ns else ""
+        if host.unload(ifname, ns):
+            print(f"unloaded {ifname}{where}")
+        elif not args.all:
+            raise UsageError(f"pydblp is not loaded on {ifname}{where}")
+    return 0
+
+
+def _add_status(sub):
+    p = sub.add_parser("status", help="table of pydblp attachments, jobs and counters",
+                       formatter_class=_formatter, epilog=HOST_EPILOG)
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args) -> int:
+    from pydblp import host
+
+    rows = []
+    for e in host.loaded():
+        jobs, c = "-", None
+        if e["pinned"]:
+            with host.open_pinned(e["ifname"], e["netns"]) as m:
+                jobs = ",".join(f"{j}:{v['rank']}/{v['world_size']}{'u' if v['transport'] == 'udp' else ''}"
+                                for j, v in sorted(m.jobs().items())) or "-"
+                c = m.counters()
+        mode = e["mode"].value if e["mode"] else "stale-pins"
+        rows.append([e["netns"] or "-", e["ifname"], mode, str(e["prog_id"] or "-"), jobs,
+                     *([str(c["pass"] + c["dblp_pass"]), str(c["redirect"]), str(sum(c["drop"].values())),
+                        str(sum(c["shed"]))] if c else ["-"] * 4)])
+    head = ["NETNS", "IFACE", "MODE", "PROG", "JOBS(job:rank/world)", "PASS", "REDIRECT", "DROP", "SHED"]
+    _table(head, rows)
+    if not rows:
+        print("(pydblp is not loaded anywhere)")
+    return 0
+
+
+def _table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for row in [head, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+
+
+def _add_stats(sub):
+    p = sub.add_parser("stats", help="per-verdict and per-priority rates, bcc-tools style",
+                       formatter_class=_formatter, epilog=HOST_EPILOG,
+                       description="Print packet rates per verdict every INTERVAL seconds, COUNT times "
+                                   "(default: 1 s, until Ctrl-C).")
+    _iface_args(p)
+    p.add_argument("interval", nargs="?", type=float, default=None, help="seconds (default 1)")
+    p.add_argument("count", nargs="?", type=int, default=None, help="samples (default: until Ctrl-C)")
+    # argparse binds all positionals at the first one, so `stats IF --netns NS 1 5`
+    # leaves "1 5" over: main() assigns them to these, in order.
+    p.set_defaults(func=_cmd_stats, late_positionals=(("interval", float), ("count", int)))
+
+
+def _flat_counters(c: dict) -> dict[str, int]:
+    out = {k: c[k] for k in ("pass", "dblp_pass", "redirect", "nosock")}
+    out.update({f"drop:{k}": v for k, v in c["drop"].items()})
+    out.update({f"shed:p{i}": v for i, v in enumerate(c["shed"])})
+    return out
+
+
+def _cmd_stats(args) -> int:
+    import time
+
+    from pydblp import host
+
+    if args.interval is None:
+        args.interval = 1.0
+    if args.interval <= 0 or (args.count is not None and args.count <= 0):
+        raise UsageError("interval and count must be positive")
+    with host.open_pinned(args.ifname, args.netns) as m:
+        prev, t0 = _flat_counters(m.counters()), time.monotonic()
+        print(f"{'TIME':8}  {'pass':>10} {'dblp_pass':>10} {'redirect':>10} {'nosock':>8} "
+              f"{'drop':>8} {'shed':>8}   (packets/s; nonzero drop/shed causes follow)")
+        n = 0
+        while args.count is None or n < args.count:
+            time.sleep(args.interval)
+            cur, t1 = _flat_counters(m.counters()), time.monotonic()
+            dt = t1 - t0
+            rate = {k: (cur[k] - prev[k]) / dt for k in cur}
+            drop = sum(v for k, v in rate.items() if k.startswith("drop:"))
+            shed = sum(v for k, v in rate.items() if k.startswith("shed:"))
+            causes = " ".join(f"{k}={v:.0f}" for k, v in rate.items() if ":" in k and v)
+            print(f"{time.strftime('%H:%M:%S')}  {rate['pass']:10.0f} {rate['dblp_pass']:10.0f} "
+                  f"{rate['redirect']:10.0f} {rate['nosock']:8.0f} {drop:8.0f} {shed:8.0f}   {causes}",
+                  flush=True)
+            prev, t0, n = cur, t1, n + 1
+    return 0
+
+
+def _add_job(sub):
+    p = sub.add_parser("job", help="register, remove or list jobs on a loaded interface",
+                       formatter_class=_formatter, epilog=HOST_EPILOG)
+    jsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    a = jsub.add_parser("add", help="admit a job (others are dropped as 'job')")
+    _iface_args(a)
+    a.add_argument("--job", type=int, required=True, help="job id (non-zero)")
+    a.add_argument("--world", type=int, required=True, help="world size")
+    a.add_argument("--rank", type=int, required=True, help="this host's rank")
+    a.add_argument("--transport", choices=["xsk", "udp"], default="xsk",
+                   help="xsk: redirect to AF_XDP (default); udp: pass to the kernel stack")
+    d = jsub.add_parser("del", help="remove a job")
+    _iface_args(d)
+    d.add_argument("--job", type=int, required=True)
+    ls = jsub.add_parser("list", help="list jobs")
+    _iface_args(ls)
+    p.set_defaults(func=_cmd_job)
+
+
+def _cmd_job(args) -> int:
+    from pydblp import host
+
+    with host.open_pinned(args.ifname, args.netns) as m:
+        if args.action == "add":
+            m.register_job(args.job, args.world, args.rank, args.transport)
+        elif args.action == "del":
+            if not m.unregister_job(args.job):
+                raise UsageError(f"job {args.job} is not registered on {args.ifname}")
+        else:
+            _table(["JOB", "WORLD", "RANK", "TRANSPORT"],
+                   [[j, v["world_size"], v["rank"], v["transport"]] for j, v in sorted(m.jobs().items())])
+    return 0
+
+
+def _add_config(sub):
+    p = sub.add_parser("config", help="set pressure, rate estimate or shed levels of a loaded interface",
+                       formatter_class=_formatter, epilog=HOST_EPILOG)
+    _iface_args(p)
+    p.add_argument("--pressure", type=int, help="pressure level 0..1000 (normally written by the receiver)")
+    p.add_argument("--rate-pps", type=int, help="raise pressure from the arrival rate above this (0: off)")
+    p.add_argument("--shed-at", help="8 comma-separated levels: shed prio p at pressure >= level (0 never)")
+    p.set_defaults(func=_cmd_config)
+
+
+def _cmd_config(args) -> int:
+    from pydblp import host
+
+    shed_at = None
+    if args.shed_at:
+        try:
+            shed_at = tuple(int(x) for x in args.shed_at.split(","))
+        except ValueError:
+            raise UsageError("--shed-at takes 8 integers, e.g. 0,900,800,700,600,500,400,300") from None
+    with host.open_pinned(args.ifname, args.netns) as m:
+        m.configure(rate_pps=args.rate_pps, shed_at=shed_at)
+        if args.pressure is not None:
+            m.set_pressure(args.pressure)
+        print(f"{args.ifname}: pressure {m.pressure}, port {m.port}")
+    return 0
+
 
 # ---- dump --------------------------------------------------------------------
 
@@ -124,6 +336,21 @@ def _cmd_dump(args) -> int:
 
 
 
+# ---- testbed and fault (implemented in pydblp/testbed/cli.py) ----------------
+
+
+def _add_testbed(sub):
+    from pydblp.testbed.cli import add_testbed
+
+    add_testbed(sub)
+
+
+def _add_fault(sub):
+    from pydblp.testbed.cli import add_fault
+
+    add_fault(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dblp", formatter_class=_formatter, epilog=EPILOG,
@@ -137,15 +364,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    for name, conv in getattr(args, "late_positionals", ()):
+        if extra and getattr(args, name) is None:
+            try:
+                setattr(args, name, conv(extra.pop(0)))
+            except ValueError:
+                parser.error(f"{args.command}: {name} must be a number")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from pydblp.bpf import BPFError
     from pydblp.net import NetError
 
     try:
         return args.func(args) or 0
-    except (UsageError, NetError, FileNotFoundError, PermissionError) as e:
+    except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError) as e:
         print(f"dblp {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

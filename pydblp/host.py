@@ -165,6 +165,12 @@ class HostMaps:
         for m in self.maps.values():
             m.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     """Maps of a program that ``dblp load`` (or a pinning HostProgram) attached."""

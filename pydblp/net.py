@@ -124,13 +124,19 @@ def xdp_query(ifname: str, netns: str | None = None) -> dict | None:
     return {"mode": mode, "prog_id": attrs.get("IFLA_XDP_PROG_ID")}
 
 
+def _xdp(fd: int, flags: int) -> dict:
+    # The nested form: pyroute2's xdp_fd= shortcut silently drops xdp_flags,
+    # which attaches in the kernel's default mode and detaches only that mode.
+    return {"xdp": {"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags)]}}
+
+
 def xdp_attach(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | None = None,
                replace: bool = True) -> None:
     """Attach ``prog_fd`` to ``ifname`` in ``mode``; with ``replace=False`` refuse to replace."""
     flags = Mode(mode).flags | (0 if replace else XDP_FLAGS_UPDATE_IF_NOEXIST)
     with ipr(netns) as ip:
         try:
-            ip.link("set", index=ifindex(ifname, netns), xdp_fd=prog_fd, xdp_flags=flags)
+            ip.link("set", index=ifindex(ifname, netns), **_xdp(prog_fd, flags))
         except Exception as e:  # pyroute2 NetlinkError carries errno in .code
             code = getattr(e, "code", None)
             hint = {errno.EBUSY: "a program in another mode is attached; unload it first",
@@ -151,7 +157,7 @@ def xdp_detach(ifname: str, mode: Mode | None = None, netns: str | None = None) 
         return False
     mode = Mode(mode or found["mode"])
     with ipr(netns) as ip:
-        ip.link("set", index=ifindex(ifname, netns), xdp_fd=-1, xdp_flags=mode.flags)
+        ip.link("set", index=ifindex(ifname, netns), **_xdp(-1, mode.flags))
     return True
 
 

@@ -1,0 +1,165 @@
+"""The host program on a real veth in native mode, driven through the CLI."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+
+import pytest
+
+from pydblp import bpf, cli, host, net, wire
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
+
+A, B = "198.18.7.1", "198.18.7.2"
+PORT = wire.DEFAULT_PORT
+
+
+@pytest.fixture
+def pair(netns, bpf_xdp):
+    """Namespaces a and b joined by veth va <-> vb, 198.18.7.0/24, no route out."""
+    a, b = netns("a"), netns("b")
+    with net.ipr(a) as ip:
+        ip.link("add", ifname="va", kind="veth", peer={"ifname": "vb", "net_ns_fd": b})
+    for ns, ifname, addr in ((a, "va", A), (b, "vb", B)):
+        with net.ipr(ns) as ip:
+            idx = ip.link_lookup(ifname=ifname)[0]
+            ip.addr("add", index=idx, address=addr, prefixlen=24)
+            ip.link("set", index=idx, state="up")
+            ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")
+    # static neighbours: a burst must not wait on (and overflow) ARP resolution
+    macs = {}
+    for ns, ifname in ((a, "va"), (b, "vb")):
+        with net.ipr(ns) as ip:
+            macs[ns] = ip.get_links(ip.link_lookup(ifname=ifname)[0])[0].get_attr("IFLA_ADDRESS")
+    for ns, ifname, peer_ns, peer_addr in ((a, "va", b, B), (b, "vb", a, A)):
+        with net.ipr(ns) as ip:
+            ip.neigh("add", dst=peer_addr, lladdr=macs[peer_ns], ifindex=ip.link_lookup(ifname=ifname)[0],
+                     state=0x80)  # NUD_PERMANENT
+    yield a, b
+    cli.main(["unload", "--all"])
+
+
+def udp_socket(ns: str, bind: tuple | None = None) -> socket.socket:
+    with net.in_netns(ns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if bind:
+        s.bind(bind)
+    return s
+
+
+def no_pydblp_anywhere() -> list:
+    left = [e for e in host.loaded()]
+    if (bpf.PIN_ROOT / "host").exists():
+        left += list((bpf.PIN_ROOT / "host").rglob("*"))
+    return left
+
+
+def test_cli_load_traffic_counters_unload_all(pair, capsys):
+    a, b = pair
+    assert cli.main(["load", "vb", "--netns", b]) == 0
+    assert net.xdp_query("vb", b)["mode"] == net.Mode.NATIVE
+    assert cli.main(["job", "add", "vb", "--netns", b, "--job", "7", "--world", "2", "--rank", "1",
+                     "--transport", "udp"]) == 0
+    rx = udp_socket(b, (B, PORT))
+    rx.settimeout(2)
+    tx = udp_socket(a)
+    n = 500
+    got = set()
+    for i in range(n):  # in steps of 50, so the socket buffer never overflows
+        tx.sendto(wire.encode(wire.Header(job=7, src=0, dst=1, chunk=i, nchunks=n), struct.pack("!I", i)),
+                  (B, PORT))
+        if i % 50 == 49:
+            while len(got) <= i:
+                hdr, payload = wire.decode(rx.recv(2048), world_size=2, rank=1)
+                got.add(struct.unpack("!I", payload)[0])
+    assert got == set(range(n))
+    tx.sendto(b"\xde\xad" * 20, (B, PORT))          # bad magic
+    tx.sendto(wire.encode(wire.Header(job=8, dst=1)), (B, PORT))  # unregistered job
+    tx.sendto(b"not dblp", (B, PORT + 1))            # other port: passes
+    with host.open_pinned("vb", b) as m:
+        c = m.counters()
+    assert c["dblp_pass"] == n
+    assert c["drop"]["magic"] == 1 and c["drop"]["job"] == 1
+    assert c["pass"] >= 1  # the other-port datagram (and any ARP)
+    capsys.readouterr()
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert f"{b}  vb" in out and "7:1/2u" in out and "native" in out
+    assert cli.main(["stats", "vb", "--netns", b, "0.05", "2"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    assert cli.main(["unload", "--all"]) == 0
+    assert net.xdp_query("vb", b) is None and net.xdp_query("va", a) is None
+    assert no_pydblp_anywhere() == []
+    rx.close(), tx.close()
+
+
+def test_load_refuses_twice_and_foreign_program_unless_forced(pair, capsys):
+    from bcc import BPF
+
+    a, b = pair
+    assert cli.main(["load", "vb", "--netns", b]) == 0
+    assert cli.main(["load", "vb", "--netns", b]) == 2
+    assert "already loaded" in capsys.readouterr().err
+    assert cli.main(["unload", "vb", "--netns", b]) == 0
+    foreign = BPF(text=b"int other(struct xdp_md *ctx) { return 2; }")
+    fn = foreign.load_func(b"other", BPF.XDP)
+    net.xdp_attach("vb", fn.fd, net.Mode.SKB, b)
+    assert cli.main(["load", "vb", "--netns", b]) == 2
+    err = capsys.readouterr().err
+    assert "'other'" in err and "--force" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["unload", "vb", "--netns", b]) == 2  # not ours: left alone
+    assert net.xdp_query("vb", b)["mode"] == net.Mode.SKB
+    assert cli.main(["load", "vb", "--netns", b, "--force"]) == 0
+    assert host.attached_program("vb", b)["name"] == host.PROG_NAME
+    assert net.xdp_query("vb", b)["mode"] == net.Mode.NATIVE  # the skb program went with --force
+    foreign.cleanup()
+
+
+def test_cli_mistakes_are_one_line(pair, capsys):
+    a, b = pair
+    for argv in (["load", "nosuch0", "--netns", b], ["stats", "vb", "--netns", b],
+                 ["job", "list", "vb", "--netns", b], ["unload"], ["load", "vb", "--netns", "nosuchns"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dblp ") and len(err.splitlines()) == 1, err
+
+
+def test_malformed_flood_is_counted_and_harmless(pair):
+    """Random bytes, truncated headers and huge lengths: all dropped, all counted, then valid traffic flows."""
+    a, b = pair
+    with host.HostProgram("vb", netns=b) as p:
+        p.register_job(7, 2, 1, "udp")
+        rx = udp_socket(b, (B, PORT))
+        rx.settimeout(2)
+        tx = udp_socket(a)
+        rng = random.Random(1)
+        sent = 0
+        good = wire.encode(wire.Header(job=7, src=0, dst=1, nchunks=2))
+        for i in range(6000):
+            kind = i % 3
+            if kind == 0:
+                buf = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 200)))
+                if len(buf) >= 2 and buf[:2] == b"\xdb\x1b":
+                    continue
+            elif kind == 1:
+                buf = good[: rng.randrange(0, wire.HEADER_LEN)]
+            else:
+                buf = good[:28] + struct.pack("!H", rng.randrange(1, 65536)) + good[30:]
+            tx.sendto(buf, (B, PORT))
+            sent += 1
+        for i in range(10):
+            tx.sendto(good, (B, PORT))
+        for i in range(10):
+            assert wire.decode(rx.recv(2048), world_size=2, rank=1)[0].job == 7
+        rx.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            rx.recv(2048)  # nothing malformed reached the socket
+        c = p.counters()
+        assert sum(c["drop"].values()) == sent
+        assert c["drop"]["short"] >= 2000 and c["drop"]["length"] >= 2000 - 10
+        assert c["dblp_pass"] == 10
+        rx.close(), tx.close()
+    assert net.xdp_query("vb", b) is None
