@@ -301,7 +301,7 @@ def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int 
         try:
             sock = _ListenSocket(iface=_netns_iface(iface), filter=expr)
         except PermissionError:
-            raise CaptureError("live capture needs root (CAP_NET_RAW)") from None
+            raise CaptureError(f"cannot capture on {iface!r}{where}: needs root (CAP_NET_RAW)") from None
         except OSError as e:
             raise CaptureError(f"cannot capture on {iface!r}{where}: {e.strerror or e}") from None
         except Scapy_Exception as e:
