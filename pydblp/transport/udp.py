@@ -1,0 +1,309 @@
+"""UDP transport: the :class:`Transport` interface over an ordinary UDP socket.
+
+Needs no root (root only for ``netns``), so it runs anywhere and is the
+comparator for the AF_XDP transport.  Batches cross the kernel boundary with
+``recvmmsg(2)``/``sendmmsg(2)`` through ctypes: each message has two iovecs,
+one on its row of ``batch.headers`` and one on its row of ``batch.payload``,
+so the kernel scatters headers and payloads straight into the caller's numpy
+arrays (no staging copy, no per-packet Python).  The ``mmsghdr``/``iovec``
+arrays are numpy structured arrays whose pointers are filled vectorised.
+
+One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
+(IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
+IPv4 socket.  Receive-buffer overflows are counted by the kernel and read
+back through ``SO_RXQ_OVFL`` (``stats()["rx_dropped"]``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import os
+import select
+import socket
+import time
+
+import numpy as np
+
+from pydblp import net, wire
+from pydblp.transport.base import Batch, Transport, TransportError, parse_ip
+
+SO_RXQ_OVFL = 40
+SO_RCVBUFFORCE = 33
+SO_SNDBUFFORCE = 32
+MSG_TRUNC = 0x20
+MSG_DONTWAIT = 0x40
+SOCKADDR_LEN = 28  # sockaddr_in6; sockaddr_in (16) fits
+CTRL_LEN = 32      # CMSG_SPACE(sizeof(u32)) = 24, rounded up
+
+MMSG_DTYPE = np.dtype([("name", "<u8"), ("namelen", "<u4"), ("_p0", "<u4"), ("iov", "<u8"), ("iovlen", "<u8"),
+                       ("control", "<u8"), ("controllen", "<u8"), ("flags", "<i4"), ("_p1", "<u4"),
+                       ("len", "<u4"), ("_p2", "<u4")])
+IOV_DTYPE = np.dtype([("base", "<u8"), ("len", "<u8")])
+assert MMSG_DTYPE.itemsize == 64 and IOV_DTYPE.itemsize == 16
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
+_libc.sendmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
+
+
+def _sockaddr(family: int, ip, port: int) -> bytes:
+    if family == socket.AF_INET6:
+        if ip.version == 4:
+            ip = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)
+        return (socket.AF_INET6.to_bytes(2, "little") + port.to_bytes(2, "big") + bytes(4) + ip.packed
+                + bytes(4))
+    if ip.version != 4:
+        raise TransportError(errno.EAFNOSUPPORT, f"{ip}: this UDP socket is IPv4 only (IPv6 disabled here)")
+    return (socket.AF_INET.to_bytes(2, "little") + port.to_bytes(2, "big") + ip.packed).ljust(SOCKADDR_LEN, b"\0")
+
+
+def _rows_ok(batch: Batch) -> bool:
+    h, p = batch.headers, batch.payload
+    return (h.dtype == wire.HEADER_DTYPE and h.strides[0] == wire.HEADER_LEN and p.dtype == np.uint8
+            and p.ndim == 2 and p.strides[1] == 1 and p.flags.writeable and h.flags.writeable)
+
+
+class UdpTransport(Transport):
+    """A UDP socket on ``port`` (inside ``netns`` when given).
+
+    ``ifname`` binds the socket to that device (SO_BINDTODEVICE) when
+    allowed; ``bind`` picks a local address (default: all).  ``queue`` is
+    accepted for interface symmetry and ignored.
+    """
+
+    kind = "udp"
+
+    def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
+                 port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 8 << 20,
+                 sndbuf: int = 4 << 20, max_batch: int = 4096):
+        self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
+        self._sock = None
+        self._fd = -1
+        self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
+                                 "rx_truncated", "rx_dropped", "tx_errors", "tx_blocked"), 0)
+        self._peers: list = []
+        self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
+        cap = max_batch
+        self._rx_mmsg = np.zeros(cap, MMSG_DTYPE)
+        self._rx_iov = np.zeros((cap, 2), IOV_DTYPE)
+        self._rx_name = np.zeros((cap, SOCKADDR_LEN), np.uint8)
+        self._rx_ctrl = np.zeros((cap, CTRL_LEN), np.uint8)
+        self._rx_mmsg["name"] = self._rx_name.ctypes.data + np.arange(cap, dtype=np.uint64) * SOCKADDR_LEN
+        self._rx_mmsg["control"] = self._rx_ctrl.ctypes.data + np.arange(cap, dtype=np.uint64) * CTRL_LEN
+        self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
+        self._rx_mmsg["iovlen"] = 2
+        self._rx_bound = None  # (headers ptr, payload ptr, row stride, width) the iovecs point at
+        self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
+        self._tx_iov = np.zeros((cap, 2), IOV_DTYPE)
+        self._tx_mmsg["iov"] = self._tx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
+        self._tx_mmsg["iovlen"] = 2
+        self.max_batch = cap
+        try:
+            with net.in_netns(netns):
+                try:
+                    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                    self.family = socket.AF_INET6
+                except OSError:
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                    self.family = socket.AF_INET
+                self._sock = s
+                self._fd = s.fileno()
+                for opt, force, val in ((socket.SO_RCVBUF, SO_RCVBUFFORCE, rcvbuf),
+                                        (socket.SO_SNDBUF, SO_SNDBUFFORCE, sndbuf)):
+                    try:
+                        s.setsockopt(socket.SOL_SOCKET, force, val)
+                    except OSError:  # not root: capped by net.core.[rw]mem_max
+                        s.setsockopt(socket.SOL_SOCKET, opt, val)
+                s.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+                if ifname:
+                    try:
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, ifname.encode())
+                    except PermissionError:
+                        pass
+                    except OSError as e:
+                        raise TransportError(e.errno, f"no interface {ifname!r}"
+                                             + (f" in netns {netns}" if netns else "")) from None
+                host = bind or ("::" if self.family == socket.AF_INET6 else "0.0.0.0")
+                try:
+                    s.bind((host, port))
+                except OSError as e:
+                    raise TransportError(e.errno, f"bind UDP {host} port {port}: {os.strerror(e.errno)}") from None
+                self.port = s.getsockname()[1]
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
+            self._wpoll = select.poll()
+            self._wpoll.register(self._fd, select.POLLOUT)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def open(cls, netns: str | None = None, ifname: str | None = None, queue: int = 0,
+             port: int = wire.DEFAULT_PORT, **kw) -> "UdpTransport":
+        return cls(ifname, netns=netns, queue=queue, port=port, **kw)
+
+    def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
+        ip = parse_ip(addr)
+        row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]
+        self._names = np.concatenate([self._names, row])
+        self._peers.append(ip)
+        return len(self._peers) - 1
+
+    # ---- receive -------------------------------------------------------
+
+    def _point_rx(self, into: Batch) -> None:
+        key = (into.headers.ctypes.data, into.payload.ctypes.data, into.payload.strides[0], into.maxlen)
+        if self._rx_bound == key:
+            return
+        n = min(into.cap, self.max_batch)
+        i = np.arange(n, dtype=np.uint64)
+        self._rx_iov["base"][:n, 0] = np.uint64(key[0]) + i * np.uint64(wire.HEADER_LEN)
+        self._rx_iov["len"][:n, 0] = wire.HEADER_LEN
+        self._rx_iov["base"][:n, 1] = np.uint64(key[1]) + i * np.uint64(key[2])
+        self._rx_iov["len"][:n, 1] = into.maxlen
+        self._rx_bound = key
+
+    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
+        if self._fd < 0:
+            raise TransportError(errno.EBADF, "transport is closed")
+        if into is None:
+            into = Batch.empty(1024)
+        if not _rows_ok(into):  # the kernel can only scatter into plain rows
+            tmp = self.recv(Batch.empty(into.cap, into.maxlen), timeout, max)
+            k = len(tmp)
+            into.headers[:k], into.payload[:k], into.lengths[:k], into.peer[:k] = \
+                tmp.headers, tmp.payload, tmp.lengths, tmp.peer
+            into.n = k
+            return into.view(0, k)
+        cap = min(into.cap, self.max_batch, max or into.cap)
+        self._point_rx(into)
+        mm = self._rx_mmsg
+        mm["namelen"][:cap] = SOCKADDR_LEN
+        mm["controllen"][:cap] = CTRL_LEN
+        ptr = mm.ctypes.data
+        k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+        if k < 0:
+            e = ctypes.get_errno()
+            if e not in (errno.EAGAIN, errno.EINTR):
+                raise TransportError(e, f"recvmmsg: {os.strerror(e)}")
+            if timeout != 0:
+                self._poll.poll(None if timeout is None else int(timeout * 1000))
+                k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+            if k < 0:
+                into.n = 0
+                return into.view(0, 0)
+        m = mm[:k]
+        plen = m["len"].astype(np.int64)
+        hdrs = into.headers[:k]
+        ok = wire.validate_batch(hdrs, plen) == 0
+        lens = plen - wire.HEADER_LEN
+        trunc = lens > into.maxlen
+        if trunc.any():
+            self._c["rx_truncated"] += int((trunc & ok).sum())
+            lens = np.minimum(lens, into.maxlen)
+        # SO_RXQ_OVFL: a cumulative drop count rides on messages after a drop
+        ctl = m["controllen"] >= 20
+        if ctl.any():
+            last = np.flatnonzero(ctl)[-1]
+            self._c["rx_dropped"] = max(self._c["rx_dropped"], int(self._rx_ctrl[last, 16:20].view("<u4")[0]))
+        peer = self._match(k)
+        if not ok.all():  # rare: compact the valid rows to the front
+            sel = np.flatnonzero(ok)
+            self._c["rx_invalid"] += k - len(sel)
+            into.headers[: len(sel)] = hdrs[sel]
+            into.payload[: len(sel)] = into.payload[sel]
+            lens, peer = lens[sel], peer[sel]
+            k = len(sel)
+        into.lengths[:k] = lens
+        into.peer[:k] = peer
+        into.n = k
+        self._c["rx_packets"] += k
+        self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
+        return into.view(0, k)
+
+    def _match(self, k: int) -> np.ndarray:
+        out = np.full(k, -1, np.int32)
+        if not self._peers or k == 0:
+            return out
+        names = self._rx_name[:k]
+        for pid in range(len(self._peers)):
+            ref = self._names[pid]
+            if self.family == socket.AF_INET6:
+                hit = np.all(names[:, 8:24] == ref[8:24], axis=1)
+            else:
+                hit = np.all(names[:, 4:8] == ref[4:8], axis=1)
+            out[hit & (out < 0)] = pid
+        return out
+
+    # ---- transmit ------------------------------------------------------
+
+    def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
+        if self._fd < 0:
+            raise TransportError(errno.EBADF, "transport is closed")
+        n = len(batch)
+        if n == 0:
+            return 0
+        peer = np.asarray(batch.peer[:n], np.int64)
+        if peer.min() < 0 or peer.max() >= len(self._peers):
+            raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
+        hdrs = np.ascontiguousarray(batch.headers[:n])
+        pay = batch.payload[:n]
+        if pay.strides[1] != 1:
+            pay = np.ascontiguousarray(pay)
+        lens = np.asarray(batch.lengths[:n], np.int64)
+        if lens.max() > pay.shape[1]:
+            raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
+        names = self._names  # keep alive for the call
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent = 0
+        while sent < n:
+            m = min(n - sent, self.max_batch)
+            i = np.arange(m, dtype=np.uint64)
+            rows = slice(sent, sent + m)
+            self._tx_iov["base"][:m, 0] = np.uint64(hdrs.ctypes.data) + (i + np.uint64(sent)) * np.uint64(wire.HEADER_LEN)
+            self._tx_iov["len"][:m, 0] = wire.HEADER_LEN
+            self._tx_iov["base"][:m, 1] = np.uint64(pay.ctypes.data) + (i + np.uint64(sent)) * np.uint64(pay.strides[0])
+            self._tx_iov["len"][:m, 1] = lens[rows]
+            self._tx_mmsg["name"][:m] = np.uint64(names.ctypes.data) + peer[rows].astype(np.uint64) * np.uint64(SOCKADDR_LEN)
+            self._tx_mmsg["namelen"][:m] = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
+            done = errs = 0
+            while done < m:
+                r = _libc.sendmmsg(self._fd, self._tx_mmsg.ctypes.data + done * MMSG_DTYPE.itemsize, m - done,
+                                   MSG_DONTWAIT)
+                if r > 0:
+                    done += r
+                    continue
+                e = ctypes.get_errno()
+                if e in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
+                    self._c["tx_blocked"] += 1
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
+                    continue
+                # this message failed (unreachable, refused...): count it, skip it
+                self._c["tx_errors"] += 1
+                errs += 1
+                done += 1
+            ok = done - errs
+            self._c["tx_packets"] += ok
+            self._c["tx_bytes"] += int(lens[sent: sent + done].sum()) + ok * wire.HEADER_LEN  # approx. on errors
+            sent += done
+            if done < m:
+                break
+        return sent
+
+    def stats(self) -> dict:
+        return dict(self._c)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._fd = -1

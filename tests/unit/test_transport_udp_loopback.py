@@ -1,0 +1,111 @@
+"""The UDP transport without root: loopback, both families, batches bit-exact."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from pydblp import wire
+from pydblp.transport import Batch, open_transport
+from pydblp.transport.udp import UdpTransport
+
+
+def make_batch(n, start=0, maxlen=1400, peer=0, seed=0):
+    h = wire.empty_batch(n)
+    h["kind"] = wire.Kind.DATA
+    h["job"] = 9
+    h["nchunks"] = 1 << 20
+    h["chunk"] = np.arange(start, start + n)
+    h["prio"] = np.arange(n) % 8
+    rng = np.random.default_rng(seed + start)
+    pay = rng.integers(0, 256, (n, maxlen), dtype=np.uint8)
+    lens = 1 + (np.arange(start, start + n) * 37) % maxlen
+    return Batch.fill(h, pay, lens, peer)
+
+
+def check_same(sent: Batch, got: Batch):
+    assert len(got) == len(sent)
+    o = np.argsort(got.headers["chunk"])
+    assert np.array_equal(got.headers[o], sent.headers)
+    assert np.array_equal(got.lengths[o], sent.lengths)
+    w = got.payload.shape[1]
+    mask = np.arange(w) < sent.lengths[:, None]
+    assert np.array_equal(np.where(mask, got.payload[o], 0), np.where(mask, sent.payload[:, :w], 0))
+
+
+def _have_ipv6_loopback():
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+def test_udp_loopback_bit_exact(addr):
+    if addr == "::1" and not _have_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with UdpTransport(port=0) as a, UdpTransport(port=0) as b:
+        pb = a.add_peer(addr, b.port)
+        pa = b.add_peer(addr, a.port)
+        into = Batch.empty(2048, 1400)
+        total = 0
+        for start in range(0, 20000, 1000):
+            sent = make_batch(1000, start, peer=pb)
+            assert a.send(sent) == 1000
+            got_h, got_l, got_p = [], [], []
+            n = 0
+            for _ in range(200):
+                r = b.recv(into, timeout=0.5)
+                got_h.append(r.headers.copy()); got_l.append(r.lengths.copy()); got_p.append(r.payload.copy())
+                assert (r.peer == pa).all()
+                n += len(r)
+                if n >= 1000:
+                    break
+            got = Batch(np.concatenate(got_h), np.concatenate(got_p), np.concatenate(got_l), np.zeros(n, np.int32), n)
+            check_same(sent, got)
+            total += n
+        s = b.stats()
+        assert s["rx_packets"] == total == 20000
+        assert s["rx_invalid"] == s["rx_truncated"] == s["rx_dropped"] == 0
+        assert a.stats()["tx_packets"] == 20000
+
+
+def test_udp_invalid_and_truncated_counted():
+    with UdpTransport(port=0) as b, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+        good = wire.encode(wire.Header(job=3, chunk=1, nchunks=2), b"x" * 100)
+        raw.sendto(b"junk" * 10, ("127.0.0.1", b.port))
+        raw.sendto(good, ("127.0.0.1", b.port))
+        raw.sendto(wire.encode(wire.Header(job=3), b"y" * 300), ("127.0.0.1", b.port))
+        into = Batch.empty(8, 200)
+        got = []
+        for _ in range(20):
+            r = b.recv(into, timeout=0.2)
+            got += [(int(h["chunk"]), int(l)) for h, l in zip(r.headers, r.lengths)]
+            if len(got) >= 2:
+                break
+        assert got == [(1, 100), (0, 200)]
+        s = b.stats()
+        assert s["rx_invalid"] == 1 and s["rx_truncated"] == 1
+        assert into.payload[1, :200].tobytes() == b"y" * 200
+
+
+def test_udp_recv_timeout_and_empty():
+    with open_transport("udp", port=0) as t:
+        r = t.recv(timeout=0)
+        assert len(r) == 0
+        r = t.recv(timeout=0.05)
+        assert len(r) == 0
+        assert t.send(Batch.empty(4)) == 0
+    assert t.closed
+    t.close()  # twice is fine
+
+
+def test_udp_bad_peer_rejected():
+    with UdpTransport(port=0) as t:
+        b = make_batch(3, peer=5)
+        with pytest.raises(ValueError):
+            t.send(b)
