@@ -77,7 +77,9 @@ class Batch:
         or an array of them.
         """
         n = len(headers)
-        payload = np.asarray(payload, np.uint8).reshape(n, -1)
+        payload = np.asarray(payload, np.uint8)
+        if payload.ndim != 2:
+            payload = payload.reshape(n, -1)
         lengths = np.full(n, payload.shape[1], np.int32) if lengths is None else np.asarray(lengths, np.int32)
         hdr = np.array(headers, dtype=wire.HEADER_DTYPE, copy=True)
         tag = np.where(hdr["flags"] & wire.Flag.TAG, wire.TAG_LEN, 0)

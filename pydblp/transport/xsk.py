@@ -217,12 +217,14 @@ class XskTransport(Transport):
         sxdp = ctypes.create_string_buffer(struct.pack("=HHIII", AF_XDP, flags, self.ifindex, self.queue, 0), 16)
         deadline = time.monotonic() + timeout
         delay = 0.002
+        self.bind_retries = 0
         while True:
             if _libc.bind(self._fd, sxdp, 16) == 0:
                 return
             e = ctypes.get_errno()
             # EBUSY: the previous socket on this queue is still being torn down (deferred work)
             if e == errno.EBUSY and time.monotonic() < deadline:
+                self.bind_retries += 1
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
                 continue
