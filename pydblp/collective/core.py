@@ -1,0 +1,530 @@
+"""Bounded-loss allreduce over a :class:`~pydblp.transport.Transport`.
+
+One :class:`Collective` per rank.  Every rank calls :meth:`Collective.allreduce`
+with a tensor of the same size in the same order; each call is one *round*.
+
+Transpose allreduce (``mode="tar"``, default): the tensor is cut into chunks
+of ``chunk_bytes``; chunk rows are split into ``world`` shards and shard k
+belongs to rank k.  Reduce-scatter: every rank sends shard k straight to
+rank k.  The owner estimates the mean (``zero`` or ``unbiased``) and sends
+the result to every rank (all-gather).  Every packet crosses one hop.
+Parameter server (``mode="ps"``): one shard, owned by rank 0.
+
+Completion (DBLP): a message of n chunks with tolerance ``tol`` (1/255
+units in the header) is done once ``n - floor(n * tol / 255)`` chunks have
+arrived; the receiver then sends STOP.  A sender that has sent everything
+and heard no STOP within the probe timeout sends PROBE; the receiver answers
+STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
+what is missing.  Loss within the bound is tolerated, loss above it is
+always repaired.  Control packets travel at prio 0 over the same transport
+with a probe timeout that adapts to measured STOP delays (milliseconds).
+
+Failure semantics:
+
+* Loss: never raises.  Rounds wait for the bound unless ``deadline`` is set;
+  then a round may end below it, which is reported in its
+  :class:`RoundRecord` (``below_bound``), never silently.
+* A dead or unreachable peer: if a peer the round still needs sends nothing
+  for ``peer_timeout`` seconds, :meth:`allreduce` raises
+  :class:`CollectiveError` naming the rank.  The collective stays usable
+  for a later round only if the peer comes back; tear it down otherwise.
+* Packets of other jobs, duplicates and late packets of finished rounds are
+  ignored and counted (``counters``); packets of the next round are kept
+  until it starts.  Malformed packets never reach here (the transport
+  validates them).
+
+Payload: float32 little-endian, ``chunk_bytes / 4`` values per chunk (the
+last chunk zero-padded).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pydblp import wire
+from pydblp.collective import estimators, phase as phases
+from pydblp.transport.base import Batch, Transport
+
+DATA, PROBE, BITMAP, STOP = wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP
+AG = int(wire.Flag.ALLGATHER)
+RETX = int(wire.Flag.RETX)
+MASK32 = 0xFFFFFFFF
+
+
+class CollectiveError(RuntimeError):
+    """A round cannot complete: a peer is dead or unreachable, or the inputs disagree."""
+
+
+@dataclass
+class Config:
+    """Knobs of a collective; every rank must use the same mode, chunk size and job."""
+
+    job: int = 1
+    mode: str = "tar"                # "tar" (transpose allreduce) or "ps" (parameter server, rank 0)
+    estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (sum/arrived)
+    fill: str = "stale"              # all-gather misses: "stale" or "local"
+    priority: str = "magnitude"      # "magnitude", "position" or "none"
+    phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
+    chunk_bytes: int = 1408          # payload per packet (fits MTU 1500 over IPv4 and IPv6)
+    deadline: float | None = None    # seconds; a round may end below the bound only if set
+    peer_timeout: float = 10.0       # a needed peer silent this long fails the round
+    probe_min: float = 0.002
+    probe_max: float = 0.2
+    burst: int = 256                 # packets sent per loop turn before draining receive
+
+
+@dataclass
+class RoundRecord:
+    index: int
+    round: int
+    tensor: int
+    tol: float
+    phase: str
+    latency: float
+    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
+    min_delivered: float = 1.0
+    retransmits: int = 0
+    probes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    below_bound: bool = False
+
+
+class _Out:
+    """One outgoing message: rows of a shard to one peer."""
+
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int):
+        self.ag, self.dst, self.rows, self.prio, self.tol8 = ag, dst, rows, prio, tol8
+        self.n = len(rows)
+        self.need = self.n - self.n * tol8 // 255
+        self.sent = 0
+        self.retx = np.zeros(self.n, bool)
+        self.acked = np.zeros(self.n, bool)
+        self.done = self.n == 0
+        self.t_sent_all = None
+        self.t_last = 0.0
+        self.probes = 0
+        self.retransmits = 0
+
+
+class _In:
+    """One incoming message: a shard from one peer."""
+
+    def __init__(self, ag: bool, src: int, n: int):
+        self.ag, self.src, self.n = ag, src, n
+        self.mask = np.zeros(n, bool)
+        self.count = 0
+        self.tol8 = None
+        self.stop_sent = False
+
+    @property
+    def need(self) -> int:
+        return self.n if self.tol8 is None else self.n - self.n * self.tol8 // 255
+
+    @property
+    def done(self) -> bool:
+        return self.count >= self.need
+
+
+class _Round:
+    pass
+
+
+class Collective:
+    """Bounded-loss allreduce for one rank.
+
+    ``peers[r]`` is ``(addr, port)`` or ``(addr, port, mac)`` of rank r (this
+    rank's own entry is ignored).  Not thread-safe: one caller at a time.
+    """
+
+    def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
+        self.cfg = config or Config()
+        c = self.cfg
+        if c.mode not in ("tar", "ps"):
+            raise ValueError(f"mode {c.mode!r}: use tar or ps")
+        if c.estimator not in estimators.ESTIMATORS or c.fill not in estimators.FILLS \
+                or c.priority not in estimators.PRIORITIES:
+            raise ValueError(f"estimator/fill/priority must be in {estimators.ESTIMATORS}/"
+                             f"{estimators.FILLS}/{estimators.PRIORITIES}")
+        if c.chunk_bytes % 4 or not 64 <= c.chunk_bytes <= 8000:
+            raise ValueError("chunk_bytes must be a multiple of 4 in 64..8000")
+        if not 0 <= rank < world or len(peers) != world:
+            raise ValueError(f"rank {rank}, world {world} and {len(peers)} peers do not fit")
+        self.t, self.rank, self.world = transport, rank, world
+        self.C = c.chunk_bytes // 4
+        self.controller = phases.make(c.phase)
+        self._pid = np.full(world, -1, np.int32)
+        for r, p in enumerate(peers):
+            if r != rank:
+                addr, port, *mac = p
+                self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
+        self._rx = Batch.empty(1024, max(c.chunk_bytes, 64))
+        self.round = 0
+        self.index = 0
+        self.records: list[RoundRecord] = []
+        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "bad_payload"), 0)
+        self._last: dict[int, np.ndarray] = {}   # tensor id -> previous result rows (stale fill)
+        self._prev = None                         # (round, {(ag, src): _In}) answers late probes
+        self._stash: list[tuple] = []             # packets of the next round
+        self._probe_timeout = 0.005
+        self._ctrl: list[tuple] = []
+
+    # ---- public ----------------------------------------------------------
+    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
+        """Return the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
+
+        Same shape as ``x``, float32.  Raises :class:`CollectiveError` when a
+        needed peer is silent for ``peer_timeout``.
+        """
+        if op not in ("mean", "sum"):
+            raise ValueError("op must be mean or sum")
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        st = self._start(flat, tensor)
+        try:
+            self._run(st)
+        finally:
+            self._finish(st)
+        out = st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+        self.controller.observe(self.index - 1, out)
+        return out * np.float32(self.world) if op == "sum" else out
+
+    def close(self) -> None:
+        self.t.close()
+
+    # ---- round set-up ----------------------------------------------------
+    def _start(self, flat: np.ndarray, tensor: int) -> _Round:
+        st = _Round()
+        self.round = (self.round + 1) & MASK32
+        st.round, st.tensor, st.index = self.round, tensor, self.index
+        st.tol = self.controller.tol(self.index)
+        st.tol8 = min(254, int(st.tol * 255))
+        st.phase = self.controller.phase()
+        T = max(1, -(-flat.size // self.C))
+        st.x = np.zeros((T, self.C), np.float32)
+        st.x.reshape(-1)[: flat.size] = flat
+        nsh = self.world if self.cfg.mode == "tar" else 1
+        st.bounds = [(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)]
+        st.owner = {k: k for k in range(nsh)} if nsh > 1 else {0: 0}
+        me = self.rank
+        st.my_shard = me if me < nsh else None
+        st.y = np.zeros_like(st.x)
+        st.have = np.zeros(T, bool)
+        st.ins: dict[tuple[bool, int], _In] = {}
+        st.outs: dict[tuple[bool, int], _Out] = {}
+        st.reduced = st.my_shard is None
+        if st.my_shard is not None:
+            a, b = st.bounds[st.my_shard]
+            st.rbuf = np.zeros((self.world, b - a, self.C), np.float32)
+            st.rmask = np.zeros((self.world, b - a), bool)
+            st.rbuf[me] = st.x[a:b]
+            st.rmask[me] = True
+            for src in range(self.world):
+                if src != me:
+                    st.ins[(False, src)] = _In(False, src, b - a)
+        for k, (a, b) in enumerate(st.bounds):
+            if k == st.my_shard:
+                continue
+            st.ins[(True, k)] = _In(True, k, b - a)
+            rows = st.x[a:b]
+            st.outs[(False, k)] = _Out(False, k, rows, self._prio(rows, a, T), st.tol8)
+        for key, inn in list(st.ins.items()):
+            if inn.n == 0:
+                del st.ins[key]
+        st.t0 = time.monotonic()
+        st.heard = np.full(self.world, st.t0)
+        st.stats0 = self.t.stats()
+        stash, self._stash = self._stash, []
+        for hdr, pay, lens in stash:
+            self._process(st, hdr, pay, lens, st.t0)
+        return st
+
+    def _prio(self, rows: np.ndarray, first: int, total: int) -> np.ndarray:
+        return estimators.chunk_priority(rows, self.cfg.priority, first, total)
+
+    # ---- the loop --------------------------------------------------------
+    def _run(self, st: _Round) -> None:
+        cfg = self.cfg
+        while True:
+            now = time.monotonic()
+            if not st.reduced and all(st.ins[(False, s)].done for s in range(self.world)
+                                      if (False, s) in st.ins):
+                self._reduce(st)
+            busy = self._send_some(st, now)
+            self._flush_ctrl()
+            if self._complete(st):
+                return
+            if cfg.deadline is not None and now - st.t0 > cfg.deadline:
+                if not st.reduced:
+                    self._reduce(st)
+                    continue  # give the all-gather one turn, then stop at the next check
+                st.expired = True
+                return
+            b = self.t.recv(self._rx, timeout=0.0 if busy else 0.002)
+            if b.n:
+                self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+            self._timers(st, time.monotonic())
+
+    def _complete(self, st: _Round) -> bool:
+        return (st.reduced and all(o.done for o in st.outs.values())
+                and all(i.done for i in st.ins.values() if i.ag))
+
+    def _reduce(self, st: _Round) -> None:
+        """Owner: estimate the shard's mean and start the all-gather."""
+        a, b = st.bounds[st.my_shard]
+        st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator)
+        st.have[a:b] = True
+        st.reduced = True
+        prio = self._prio(st.y[a:b], a, len(st.y))
+        for dst in range(self.world):
+            if dst != self.rank and b > a:
+                st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8)
+
+    # ---- sending ---------------------------------------------------------
+    def _send_some(self, st: _Round, now: float) -> bool:
+        """Send up to ``burst`` data packets, retransmissions first; True if more wait."""
+        budget = self.cfg.burst
+        more = False
+        for o in st.outs.values():
+            if o.done or budget <= 0:
+                more |= not o.done and (o.sent < o.n or o.retx.any())
+                continue
+            if o.retx.any():
+                idx = np.flatnonzero(o.retx)[:budget]
+                o.retx[idx] = False
+                o.retransmits += len(idx)
+                self._send_data(st, o, idx, RETX)
+                budget -= len(idx)
+                o.t_last = now
+            if o.sent < o.n and budget > 0:
+                idx = np.arange(o.sent, min(o.n, o.sent + budget))
+                self._send_data(st, o, idx, 0)
+                o.sent += len(idx)
+                budget -= len(idx)
+                o.t_last = now
+                if o.sent == o.n:
+                    o.t_sent_all = now
+            more |= o.sent < o.n or bool(o.retx.any())
+        return more
+
+    def _send_data(self, st: _Round, o: _Out, idx: np.ndarray, flags: int) -> None:
+        k = len(idx)
+        h = wire.empty_batch(k)
+        h["kind"] = DATA
+        h["job"] = self.cfg.job
+        h["round"] = st.round
+        h["tensor"] = st.tensor
+        h["src"] = self.rank
+        h["dst"] = o.dst
+        h["prio"] = o.prio[idx]
+        h["dtype"] = wire.Dtype.F32
+        h["chunk"] = idx
+        h["nchunks"] = o.n
+        h["tol"] = o.tol8
+        h["flags"] = flags | (AG if o.ag else 0)
+        payload = o.rows[idx].view(np.uint8)
+        self._send(Batch.fill(h, payload, peer=self._pid[o.dst]))
+
+    def _send(self, batch: Batch) -> None:
+        sent = self.t.send(batch, timeout=1.0)
+        if sent < len(batch):  # the ring or socket stayed full: the loss machinery repairs it
+            self.counters["tx_short"] = self.counters.get("tx_short", 0) + len(batch) - sent
+
+    def _ctrl_packet(self, st_round: int, tensor: int, kind: int, ag: bool, dst: int, n: int,
+                     tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
+        self._ctrl.append((st_round, tensor, kind, ag, dst, n, tol8, chunk, payload))
+
+    def _flush_ctrl(self) -> None:
+        if not self._ctrl:
+            return
+        ctrl, self._ctrl = self._ctrl, []
+        k = len(ctrl)
+        h = wire.empty_batch(k)
+        width = max(4, max(len(c[8]) for c in ctrl))
+        pay = np.zeros((k, width), np.uint8)
+        lens = np.zeros(k, np.int32)
+        for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, payload) in enumerate(ctrl):
+            h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
+                    wire.Dtype.RAW, chunk, max(n, 1), len(payload), tol8, AG if ag else 0)
+            pay[i, : len(payload)] = np.frombuffer(payload, np.uint8)
+            lens[i] = len(payload)
+        self._send(Batch.fill(h, pay, lens, peer=self._pid[[c[4] for c in ctrl]]))
+
+    # ---- receiving -------------------------------------------------------
+    def _process(self, st: _Round, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
+        me, W = self.rank, self.world
+        mine = (h["job"] == self.cfg.job) & (h["dst"] == me) & (h["src"] < W) & (h["src"] != me)
+        self.counters["foreign"] += int(np.count_nonzero(~mine))
+        src_all = h["src"].astype(np.int64)
+        st.heard[src_all[mine]] = now
+        rnd = h["round"]
+        cur = mine & (rnd == st.round)
+        nxt = mine & (rnd == ((st.round + 1) & MASK32))
+        prev = mine & (rnd == ((st.round - 1) & MASK32))
+        kind = h["kind"]
+        if nxt.any():
+            rows = np.flatnonzero(nxt)
+            self._stash.append((h[rows].copy(), pay[rows].copy(), lens[rows].copy()))
+            self.counters["stashed"] += len(rows)
+        data = cur & (kind == DATA)
+        if data.any():
+            self._absorb(st, h, pay, lens, np.flatnonzero(data))
+        self.counters["late"] += int(np.count_nonzero(prev & (kind == DATA)))
+        for i in np.flatnonzero((cur | prev) & (kind != DATA)):
+            self._control(st, h[i], pay[i, : lens[i]], now, current=bool(cur[i]))
+
+    def _absorb(self, st: _Round, h, pay, lens, rows) -> None:
+        width = self.C * 4
+        good = lens[rows] == width
+        self.counters["bad_payload"] += int(np.count_nonzero(~good))
+        rows = rows[good]
+        hh = h[rows]
+        src = hh["src"].astype(np.int64)
+        chunk = hh["chunk"].astype(np.int64)
+        ag = (hh["flags"] & AG) != 0
+        vals = np.ascontiguousarray(pay[rows, :width]).view(np.float32)
+        touched = set()
+        # reduce-scatter contributions to my shard
+        sel = ~ag
+        if sel.any() and st.my_shard is not None and not st.reduced:
+            n = st.rmask.shape[1]
+            s, c, v, tl = src[sel], chunk[sel], vals[sel], hh["tol"][sel]
+            ok = (c < n) & (hh["nchunks"][sel] == n)
+            s, c, v, tl = s[ok], c[ok], v[ok], tl[ok]
+            new = ~st.rmask[s, c]
+            key = s * n + c
+            _, first = np.unique(key, return_index=True)
+            uniq = np.zeros(len(key), bool)
+            uniq[first] = True
+            new &= uniq
+            self.counters["duplicate"] += int(len(s) - np.count_nonzero(new))
+            st.rbuf[s[new], c[new]] = v[new]
+            st.rmask[s[new], c[new]] = True
+            counts = np.bincount(s[new], minlength=self.world)
+            for r in np.flatnonzero(counts | np.bincount(s, minlength=self.world)):
+                inn = st.ins[(False, int(r))]
+                inn.count += int(counts[r])
+                inn.mask = st.rmask[r]
+                if inn.tol8 is None:
+                    inn.tol8 = int(tl[s == r][0])
+                touched.add(inn)
+        # all-gather results from shard owners
+        if ag.any():
+            s, c, v, tl = src[ag], chunk[ag], vals[ag], hh["tol"][ag]
+            for k in np.unique(s):
+                k = int(k)
+                inn = st.ins.get((True, k))
+                if inn is None:
+                    continue
+                a, _ = st.bounds[k]
+                m = (s == k) & (c < inn.n)
+                ck = c[m]
+                ck, first = np.unique(ck, return_index=True)
+                vk = v[m][first]
+                new = ~inn.mask[ck]
+                self.counters["duplicate"] += int(np.count_nonzero(m) - np.count_nonzero(new))
+                inn.mask[ck[new]] = True
+                st.y[a + ck[new]] = vk[new]
+                st.have[a + ck[new]] = True
+                inn.count += int(np.count_nonzero(new))
+                if inn.tol8 is None and m.any():
+                    inn.tol8 = int(tl[m][0])
+                touched.add(inn)
+        for inn in touched:
+            if inn.done and not inn.stop_sent:
+                self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
+                inn.stop_sent = True
+
+    def _control(self, st: _Round, h, payload: np.ndarray, now: float, current: bool) -> None:
+        ag = bool(h["flags"] & AG)
+        src = int(h["src"])
+        kind = int(h["kind"])
+        rnd = int(h["round"])
+        if kind == PROBE:
+            ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
+            inn = ins.get((ag, src)) if ins is not None else None
+            if inn is None:
+                return
+            if inn.tol8 is None:
+                inn.tol8 = int(h["tol"])
+            if inn.done:
+                self._ctrl_packet(rnd, int(h["tensor"]), STOP, ag, src, inn.n, inn.tol8)
+                inn.stop_sent = True
+            else:
+                bits = np.packbits(inn.mask, bitorder="little").tobytes()
+                step = self.cfg.chunk_bytes
+                for off in range(0, len(bits), step):
+                    self._ctrl_packet(rnd, int(h["tensor"]), BITMAP, ag, src, inn.n, inn.tol8,
+                                      chunk=off * 8, payload=bits[off: off + step])
+            return
+        if not current:
+            return
+        o = st.outs.get((ag, src))
+        if o is None or o.done:
+            return
+        if kind == STOP:
+            self._out_done(o, now)
+        elif kind == BITMAP:
+            first = int(h["chunk"])
+            bits = np.unpackbits(payload, bitorder="little").astype(bool)
+            bits = bits[: max(0, o.n - first)]
+            o.acked[first: first + len(bits)] |= bits
+            if np.count_nonzero(o.acked) >= o.need:
+                self._out_done(o, now)
+            else:
+                seg = slice(first, first + len(bits))
+                o.retx[seg] |= ~o.acked[seg]
+                o.t_last = now
+
+    def _out_done(self, o: _Out, now: float) -> None:
+        o.done = True
+        if o.t_sent_all is not None and o.probes == 0:
+            delay = now - o.t_sent_all
+            self._probe_timeout = min(self.cfg.probe_max, max(self.cfg.probe_min,
+                                      0.8 * self._probe_timeout + 0.2 * (3 * delay + 0.001)))
+
+    def _timers(self, st: _Round, now: float) -> None:
+        for o in st.outs.values():
+            if o.done or o.sent < o.n or o.retx.any():
+                continue
+            wait = self._probe_timeout * (2 ** min(o.probes, 4))
+            if now - o.t_last >= wait:
+                self._ctrl_packet(st.round, st.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
+                o.probes += 1
+                o.t_last = now
+        needed = {o.dst for o in st.outs.values() if not o.done}
+        needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}
+        for r in needed:
+            if now - st.heard[r] > self.cfg.peer_timeout:
+                raise CollectiveError(
+                    f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
+                    f"{st.index} (tensor {st.tensor}): peer dead or unreachable")
+
+    # ---- round end -------------------------------------------------------
+    def _finish(self, st: _Round) -> None:
+        missing = ~st.have
+        if missing.any():
+            last = self._last.get(st.tensor)
+            if self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
+                st.y[missing] = last[missing]
+            else:
+                st.y[missing] = st.x[missing]
+        self._last[st.tensor] = st.y.copy()
+        self._prev = (st.round, st.ins)
+        s1 = self.t.stats()
+        rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
+                          phase=st.phase, latency=time.monotonic() - st.t0)
+        for (ag, src), inn in st.ins.items():
+            rec.delivered[f"{'ag' if ag else 'rs'}:{src}"] = inn.count / inn.n
+            rec.below_bound |= not inn.done
+        rec.min_delivered = min(rec.delivered.values(), default=1.0)
+        rec.retransmits = sum(o.retransmits for o in st.outs.values())
+        rec.probes = sum(o.probes for o in st.outs.values())
+        rec.below_bound |= not all(o.done for o in st.outs.values())
+        rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
+        rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
+        self.records.append(rec)
+        self.index += 1

@@ -1,0 +1,63 @@
+"""Estimators for partial reductions, and priorities of chunks.
+
+All functions are vectorised over chunks; a chunk is a row of ``C`` values.
+
+Reduce (the shard owner, from ``W`` contributions ``buf[w]`` with arrival
+mask ``mask[w]``):
+
+* ``zero``: missing contributions count as zero, ``sum / W`` (DBLP, MLT).
+* ``unbiased``: ``sum / arrived`` per chunk (Weintraub et al.): if each
+  contribution arrives independently with the same probability, the
+  expectation equals the true mean.
+
+All-gather misses (a chunk of the result that did not arrive):
+
+* ``stale``: the previous round's value of that chunk (falls back to local
+  in the first round).
+* ``local``: this rank's own contribution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ESTIMATORS = ("zero", "unbiased")
+FILLS = ("stale", "local")
+PRIORITIES = ("magnitude", "position", "none")
+
+
+def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str) -> np.ndarray:
+    """Estimate the mean over W contributions: buf (W, n, C), mask (W, n) -> (n, C)."""
+    m = mask[:, :, None]
+    total = np.where(m, buf, 0).sum(axis=0, dtype=np.float32)
+    if estimator == "zero":
+        return total / np.float32(buf.shape[0])
+    if estimator == "unbiased":
+        arrived = mask.sum(axis=0).astype(np.float32)
+        return total / np.maximum(arrived, 1)[:, None]
+    raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
+
+
+def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None) -> np.ndarray:
+    """Priority class 1 (most important) .. 7 per chunk; 0 is kept for control and pins.
+
+    ``magnitude``: chunks ranked by L2 norm, largest first (MLT).
+    ``position``: by position in the tensor, earliest first (DDP buckets
+    list the last layers first, so early rows are the layers nearest the
+    output).  ``none``: all 1.
+    """
+    n = len(rows)
+    if n == 0 or how == "none":
+        return np.ones(n, np.uint8)
+    if how == "magnitude":
+        norms = np.linalg.norm(rows, axis=1)
+        order = np.argsort(-norms, kind="stable")
+        rank = np.empty(n, np.int64)
+        rank[order] = np.arange(n)
+        frac = rank / n
+    elif how == "position":
+        total = total_rows or n
+        frac = (first_row + np.arange(n)) / total
+    else:
+        raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")
+    return (1 + np.minimum((frac * 7).astype(np.int64), 6)).astype(np.uint8)

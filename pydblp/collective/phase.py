@@ -1,0 +1,102 @@
+"""Phase controllers: the loss tolerance of each round.
+
+``Static`` is the MLT-style baseline (one fixed tolerance).  ``Dblp`` is
+DBLP's phase-aware controller (Ma et al.): every ``freq`` rounds it compares
+the L2 norm G of the averaged gradient with the previous measurement; the
+regime is *critical* when ``|G_prev - G| / G_prev >= eta``.  Training starts
+critical.  Critical rounds use ``p_low``; the others ``p_low + k``.
+``Schedule`` takes any callable ``round index -> tolerance``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+
+class PhaseController:
+    """Decides ``tol`` (a loss fraction in [0, 1)) before each round and learns after it."""
+
+    name = "?"
+
+    def tol(self, index: int) -> float:
+        raise NotImplementedError
+
+    def phase(self) -> str:
+        return self.name
+
+    def observe(self, index: int, result: np.ndarray) -> None:
+        """Called with the averaged gradient after round ``index``."""
+
+
+class Static(PhaseController):
+    name = "static"
+
+    def __init__(self, tol: float = 0.0):
+        _check(tol)
+        self._tol = tol
+
+    def tol(self, index: int) -> float:
+        return self._tol
+
+
+class Dblp(PhaseController):
+    """DBLP defaults: p_low 1.6 % (within their 0.8-2.4 % range), k 40 points, freq 10, eta 0.5."""
+
+    name = "dblp"
+
+    def __init__(self, p_low: float = 0.016, k: float = 0.40, freq: int = 10, eta: float = 0.5):
+        _check(p_low)
+        _check(p_low + k)
+        if freq < 1 or eta <= 0:
+            raise ValueError("freq must be >= 1 and eta > 0")
+        self.p_low, self.k, self.freq, self.eta = p_low, k, freq, eta
+        self.critical = True
+        self.g_prev: float | None = None
+        self.history: list[tuple[int, float, bool]] = []  # (round index, G, critical)
+
+    def tol(self, index: int) -> float:
+        return self.p_low if self.critical else self.p_low + self.k
+
+    def phase(self) -> str:
+        return "critical" if self.critical else "relaxed"
+
+    def observe(self, index: int, result: np.ndarray) -> None:
+        if index % self.freq:
+            return
+        g = float(np.linalg.norm(result.astype(np.float64, copy=False)))
+        if self.g_prev is not None and self.g_prev > 0 and math.isfinite(g):
+            self.critical = abs(self.g_prev - g) / self.g_prev >= self.eta
+        self.g_prev = g
+        self.history.append((index, g, self.critical))
+
+
+class Schedule(PhaseController):
+    name = "schedule"
+
+    def __init__(self, fn: Callable[[int], float]):
+        self.fn = fn
+
+    def tol(self, index: int) -> float:
+        t = float(self.fn(index))
+        _check(t)
+        return t
+
+
+def _check(tol: float) -> None:
+    if not 0.0 <= tol < 1.0:
+        raise ValueError(f"tolerance {tol} must be in [0, 1)")
+
+
+def make(spec: str | PhaseController) -> PhaseController:
+    """``static:0.02``, ``dblp`` or ``dblp:0.016``, or a controller as is."""
+    if isinstance(spec, PhaseController):
+        return spec
+    name, _, arg = spec.partition(":")
+    if name == "static":
+        return Static(float(arg or 0.0))
+    if name == "dblp":
+        return Dblp(float(arg)) if arg else Dblp()
+    raise ValueError(f"unknown phase controller {spec!r}: use static:TOL or dblp[:P_LOW]")
