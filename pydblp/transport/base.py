@@ -38,7 +38,7 @@ XDP program (``pressure=``), which then sheds low-priority packets within each
 message's loss bound; beyond that the kernel drops at the full ring and
 counts it (``stats()["rx_ring_full"]``, ``["rx_dropped"]``).  UDP: the socket
 receive buffer fills and the kernel drops, counted in
-``stats()["rx_dropped"]`` (SO_RXQ_OVFL).  The collective layer above repairs
+``stats()["rx_dropped"]`` (SO_MEMINFO).  The collective layer above repairs
 loss beyond the bound (PROBE/BITMAP).
 """
 

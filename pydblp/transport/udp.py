@@ -11,11 +11,12 @@ arrays are numpy structured arrays whose pointers are filled vectorised.
 One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
 (IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
 IPv4 socket.  Receive-buffer overflows are counted by the kernel and read
-back through ``SO_RXQ_OVFL`` (``stats()["rx_dropped"]``).
+back through ``SO_MEMINFO`` (``stats()["rx_dropped"]``).
 """
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import ipaddress
@@ -29,13 +30,13 @@ import numpy as np
 from pydblp import net, wire
 from pydblp.transport.base import Batch, Transport, TransportError, parse_ip
 
-SO_RXQ_OVFL = 40
+SO_MEMINFO = 55
+SK_MEMINFO_DROPS = 8
 SO_RCVBUFFORCE = 33
 SO_SNDBUFFORCE = 32
 MSG_TRUNC = 0x20
 MSG_DONTWAIT = 0x40
 SOCKADDR_LEN = 28  # sockaddr_in6; sockaddr_in (16) fits
-CTRL_LEN = 32      # CMSG_SPACE(sizeof(u32)) = 24, rounded up
 
 MMSG_DTYPE = np.dtype([("name", "<u8"), ("namelen", "<u4"), ("_p0", "<u4"), ("iov", "<u8"), ("iovlen", "<u8"),
                        ("control", "<u8"), ("controllen", "<u8"), ("flags", "<i4"), ("_p1", "<u4"),
@@ -82,16 +83,14 @@ class UdpTransport(Transport):
         self._sock = None
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "rx_dropped", "tx_errors", "tx_blocked"), 0)
+                                 "rx_truncated", "tx_errors", "tx_blocked"), 0)
         self._peers: list = []
         self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
         cap = max_batch
         self._rx_mmsg = np.zeros(cap, MMSG_DTYPE)
         self._rx_iov = np.zeros((cap, 2), IOV_DTYPE)
         self._rx_name = np.zeros((cap, SOCKADDR_LEN), np.uint8)
-        self._rx_ctrl = np.zeros((cap, CTRL_LEN), np.uint8)
         self._rx_mmsg["name"] = self._rx_name.ctypes.data + np.arange(cap, dtype=np.uint64) * SOCKADDR_LEN
-        self._rx_mmsg["control"] = self._rx_ctrl.ctypes.data + np.arange(cap, dtype=np.uint64) * CTRL_LEN
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
         self._rx_bound = None  # (headers ptr, payload ptr, row stride, width) the iovecs point at
@@ -117,7 +116,6 @@ class UdpTransport(Transport):
                         s.setsockopt(socket.SOL_SOCKET, force, val)
                     except OSError:  # not root: capped by net.core.[rw]mem_max
                         s.setsockopt(socket.SOL_SOCKET, opt, val)
-                s.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
                 if ifname:
                     try:
                         s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, ifname.encode())
@@ -182,7 +180,6 @@ class UdpTransport(Transport):
         self._point_rx(into)
         mm = self._rx_mmsg
         mm["namelen"][:cap] = SOCKADDR_LEN
-        mm["controllen"][:cap] = CTRL_LEN
         ptr = mm.ctypes.data
         k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
         if k < 0:
@@ -204,11 +201,6 @@ class UdpTransport(Transport):
         if trunc.any():
             self._c["rx_truncated"] += int((trunc & ok).sum())
             lens = np.minimum(lens, into.maxlen)
-        # SO_RXQ_OVFL: a cumulative drop count rides on messages after a drop
-        ctl = m["controllen"] >= 20
-        if ctl.any():
-            last = np.flatnonzero(ctl)[-1]
-            self._c["rx_dropped"] = max(self._c["rx_dropped"], int(self._rx_ctrl[last, 16:20].view("<u4")[0]))
         peer = self._match(k)
         if not ok.all():  # rare: compact the valid rows to the front
             sel = np.flatnonzero(ok)
@@ -297,7 +289,12 @@ class UdpTransport(Transport):
         return sent
 
     def stats(self) -> dict:
-        return dict(self._c)
+        s = dict(self._c)
+        if self._sock is not None:
+            info = np.frombuffer(self._sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 64), "<u4")
+            s["rx_dropped"] = int(info[SK_MEMINFO_DROPS])
+            s["rx_queued_bytes"] = int(info[0])
+        return s
 
     def fileno(self) -> int:
         return self._fd

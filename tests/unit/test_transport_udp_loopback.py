@@ -109,3 +109,34 @@ def test_udp_bad_peer_rejected():
         b = make_batch(3, peer=5)
         with pytest.raises(ValueError):
             t.send(b)
+
+
+def test_udp_transport_works_without_root():
+    """A loopback transfer in a forked child that dropped to an unprivileged user (when we are root)."""
+    import os
+
+    if os.geteuid() != 0:
+        return  # the tests above already ran unprivileged
+    pid = os.fork()
+    if pid == 0:  # child: no exceptions may escape into pytest
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            assert os.geteuid() == 65534
+            with UdpTransport(port=0) as a, UdpTransport(port=0) as b:
+                sent = make_batch(500, peer=a.add_peer("127.0.0.1", b.port))
+                assert a.send(sent) == 500
+                n = 0
+                for _ in range(50):
+                    n += len(b.recv(Batch.empty(1024, 1400), timeout=0.1))
+                    if n == 500:
+                        break
+                code = 0 if n == 500 else 2
+        except BaseException:
+            code = 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
