@@ -71,6 +71,7 @@ class Config:
     phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
     chunk_bytes: int = 1408          # payload per packet (fits MTU 1500 over IPv4 and IPv6)
     deadline: float | None = None    # seconds; a round may end below the bound only if set
+                                     # (owners stop waiting for contributions at half of it)
     peer_timeout: float = 10.0       # a needed peer silent this long fails the round
     probe_min: float = 0.002
     probe_max: float = 0.2
@@ -250,19 +251,16 @@ class Collective:
         cfg = self.cfg
         while True:
             now = time.monotonic()
-            if not st.reduced and all(st.ins[(False, s)].done for s in range(self.world)
-                                      if (False, s) in st.ins):
-                self._reduce(st)
+            late = cfg.deadline is not None and now - st.t0 > cfg.deadline / 2
+            if not st.reduced and (late or all(st.ins[(False, s)].done for s in range(self.world)
+                                               if (False, s) in st.ins)):
+                self._reduce(st)  # with a deadline, owners stop waiting at half of it
             busy = self._send_some(st, now)
             self._flush_ctrl()
             if self._complete(st):
                 return
             if cfg.deadline is not None and now - st.t0 > cfg.deadline:
-                if not st.reduced:
-                    self._reduce(st)
-                    continue  # give the all-gather one turn, then stop at the next check
-                st.expired = True
-                return
+                return  # below the bound: _finish fills the gaps and reports it
             b = self.t.recv(self._rx, timeout=0.0 if busy else 0.002)
             if b.n:
                 self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())

@@ -1,0 +1,224 @@
+"""The collective over real UDP sockets on loopback: ranks are threads.
+
+No root needed.  Loss is not injected here (see tests/linux for the
+testbed's fabric faults); these tests cover exactness, modes, world sizes,
+estimators, phase control, dead peers, deadlines and stray packets.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pydblp import wire
+from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedule, Static, estimators
+from pydblp.transport.udp import UdpTransport
+
+
+class Ranks:
+    """``world`` collectives on loopback, run in threads."""
+
+    def __init__(self, world: int, **cfg):
+        self.world = world
+        self.ts = [UdpTransport(port=0) for _ in range(world)]
+        peers = [("127.0.0.1", t.port) for t in self.ts]
+        self.cols = [Collective(self.ts[r], r, world, peers, Config(**cfg)) for r in range(world)]
+
+    def run(self, fn, ranks=None, timeout: float = 60.0):
+        """Call fn(rank, collective) in one thread per rank; results and exceptions by rank."""
+        ranks = range(self.world) if ranks is None else ranks
+        res, errs = {}, {}
+
+        def go(r):
+            try:
+                res[r] = fn(r, self.cols[r])
+            except Exception as e:  # collected and asserted by the test
+                errs[r] = e
+
+        th = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in th), "a rank hung"
+        return res, errs
+
+    def close(self):
+        for t in self.ts:
+            t.close()
+
+
+@pytest.fixture
+def ranks():
+    made = []
+
+    def make(world, **cfg):
+        r = Ranks(world, **cfg)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def inputs(world, n, rounds=1, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(n).astype(np.float32) for _ in range(world)] for _ in range(rounds)]
+
+
+@pytest.mark.parametrize("mode", ["tar", "ps"])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_zero_loss_equals_exact_mean(ranks, world, mode):
+    rk = ranks(world, mode=mode)
+    xs = inputs(world, 50_000, rounds=2, seed=world)
+    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(2)])
+    assert not errs
+    for i in range(2):
+        exact = np.mean(np.float64(xs[i]), axis=0)
+        for r in range(world):
+            np.testing.assert_allclose(res[r][i], exact, rtol=0, atol=1e-5)
+    rec = rk.cols[0].records[-1]
+    assert rec.min_delivered == 1.0 and not rec.below_bound and rec.retransmits == 0
+
+
+@pytest.mark.parametrize("n", [1, 351, 352, 353, 8 * 1024 * 1024 // 4])
+def test_sizes_and_shapes(ranks, n):
+    rk = ranks(4)
+    xs = inputs(4, n)[0]
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[r].reshape(-1, 1) if n > 1 else xs[r]))
+    assert not errs
+    exact = np.mean(xs, axis=0)
+    for r in range(4):
+        assert res[r].shape == (xs[r].reshape(-1, 1) if n > 1 else xs[r]).shape
+        np.testing.assert_allclose(res[r].reshape(-1), exact, atol=1e-5)
+
+
+def test_sum_op_and_many_rounds_with_tolerance(ranks):
+    rk = ranks(3, phase="static:0.05", estimator="zero")
+    xs = inputs(3, 20_000, rounds=20)
+    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r], op="sum") for i in range(20)])
+    assert not errs
+    for i in range(20):
+        # with no loss, tolerance may end a message before its last chunks land;
+        # every chunk that arrived is exact, so compare the delivered fraction too
+        rec = rk.cols[0].records[i]
+        assert rec.min_delivered >= 1 - rec.tol - 1e-9
+        exact = np.sum(xs[i], axis=0)
+        close = np.isclose(res[0][i], exact, atol=1e-4)
+        assert close.mean() >= 1 - 3 * 0.05
+    assert [r.tol for r in rk.cols[0].records] == [int(0.05 * 255) / 255] * 20
+
+
+def test_dead_peer_fails_round_within_timeout(ranks):
+    rk = ranks(3, peer_timeout=0.5)
+    x = np.ones(10_000, np.float32)
+    t0 = time.monotonic()
+    res, errs = rk.run(lambda r, c: c.allreduce(x), ranks=[0, 1], timeout=10)
+    elapsed = time.monotonic() - t0
+    assert set(errs) == {0, 1}
+    for e in errs.values():
+        assert isinstance(e, CollectiveError) and "rank 2" in str(e) and "dead or unreachable" in str(e)
+    assert elapsed < 3.0
+
+
+@pytest.mark.parametrize("fill", ["stale", "local"])
+def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
+    rk = ranks(3, deadline=0.4, peer_timeout=30, fill=fill, estimator="unbiased")
+    xs = inputs(3, 30_000, rounds=2, seed=3)
+    first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
+    assert not errs
+    # round 2 without rank 2: ranks 0 and 1 hit the deadline
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[1][r]), ranks=[0, 1])
+    assert not errs
+    for r in (0, 1):
+        rec = rk.cols[r].records[-1]
+        assert rec.below_bound and rec.min_delivered == 0.0 and rec.latency >= 0.4
+    C = rk.cols[0].C
+    T = -(-30_000 // C)
+    a2 = 2 * T // 3 * C  # shard 2 (owned by the absent rank) starts here
+    out = res[0]
+    want = first[0] if fill == "stale" else xs[1][0]
+    np.testing.assert_array_equal(out[a2:], want[a2:])
+    # shard 0 was estimated from the two contributions that arrived (unbiased: /2)
+    a1 = T // 3 * C
+    np.testing.assert_allclose(out[:a1], (xs[1][0][:a1] + xs[1][1][:a1]) / 2, atol=1e-5)
+
+
+def test_foreign_job_and_garbage_are_ignored_and_counted(ranks):
+    rk = ranks(2)
+    port = rk.ts[1].port
+    stray = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(50):
+        stray.sendto(wire.encode(wire.Header(job=99, src=0, dst=1, nchunks=4, chunk=i % 4), b"\0" * 1408),
+                     ("127.0.0.1", port))
+    stray.sendto(b"garbage", ("127.0.0.1", port))
+    stray.close()
+    xs = inputs(2, 10_000)[0]
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[r]))
+    assert not errs
+    np.testing.assert_allclose(res[1], np.mean(xs, axis=0), atol=1e-5)
+    assert rk.cols[1].counters["foreign"] == 50
+    assert rk.ts[1].stats()["rx_invalid"] == 1
+
+
+def test_unbiased_estimator_is_unbiased_and_zero_shrinks():
+    """Workers' gradients are noisy samples of the true gradient g.  With random
+    arrival, ``unbiased`` averages to g (mean error -> 0 like 1/sqrt(rounds));
+    ``zero`` shrinks it to E[arrived]/W * g."""
+    rng = np.random.default_rng(7)
+    W, n, C, rounds, p, sigma = 4, 32, 8, 3000, 0.7, 1.0
+    g = rng.uniform(0.5, 2.0, (n, C)).astype(np.float32)
+    err_u = np.zeros((n, C))
+    est_z = np.zeros((n, C))
+    for _ in range(rounds):
+        x = (g + sigma * rng.standard_normal((W, n, C))).astype(np.float32)
+        mask = rng.random((W, n)) < p
+        mask[0] = True  # the owner's own contribution always arrives
+        err_u += estimators.reduce_mean(x, mask, "unbiased") - g
+        est_z += estimators.reduce_mean(x, mask, "zero")
+    bias_u = err_u / rounds
+    # per element: each round's error has std <= sigma, so the mean's std <= sigma/sqrt(rounds)
+    tol = 5 * sigma / np.sqrt(rounds)
+    assert np.abs(bias_u).max() < tol, (np.abs(bias_u).max(), tol)
+    assert abs(bias_u.mean()) < tol / np.sqrt(n * C) * 2
+    shrink = (1 + p * (W - 1)) / W  # own always + each other with probability p
+    np.testing.assert_allclose(est_z / rounds, shrink * g, atol=tol)
+    assert shrink < 0.8
+
+
+def test_priorities_magnitude_and_position():
+    rows = np.arange(14, dtype=np.float32)[:, None] * np.ones((1, 4), np.float32)
+    p = estimators.chunk_priority(rows, "magnitude")
+    assert p[-1] == 1 and p[0] == 7 and np.all(np.diff(p.astype(int)) <= 0)
+    q = estimators.chunk_priority(rows, "position", 0, 14)
+    assert q[0] == 1 and q[-1] == 7 and np.all(np.diff(q.astype(int)) >= 0)
+    assert set(estimators.chunk_priority(rows, "none")) == {1}
+    assert p.min() >= 1  # prio 0 is never given to data
+
+
+def test_dblp_controller_switches_on_gradient_norm_change():
+    c = Dblp(p_low=0.02, k=0.4, freq=2, eta=0.5)
+    assert c.tol(0) == 0.02 and c.phase() == "critical"
+    norms = {0: 10.0, 2: 9.0, 4: 8.5, 6: 2.0, 8: 1.9}
+    tols = []
+    for i in range(10):
+        tols.append(c.tol(i))
+        c.observe(i, np.full(4, norms.get(i, 123.0) / 2, np.float32))
+    # 0: first measurement, stays critical; 2: -10 % -> relaxed; 6: -76 % -> critical; 8: relaxed
+    assert tols == pytest.approx([0.02, 0.02, 0.02, 0.42, 0.42, 0.42, 0.42, 0.02, 0.02, 0.42])
+    assert Static(0.1).tol(5) == 0.1 and Schedule(lambda i: i / 100).tol(7) == 0.07
+    with pytest.raises(ValueError):
+        Static(1.0)
+
+
+def test_dblp_tolerance_reaches_the_wire(ranks):
+    rk = ranks(2, phase=Schedule(lambda i: [0.0, 0.4][i % 2]))
+    xs = inputs(2, 5000, rounds=4)
+    _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(4)])
+    assert not errs
+    assert [round(r.tol, 3) for r in rk.cols[1].records] == [0.0, round(int(0.4 * 255) / 255, 3)] * 2
