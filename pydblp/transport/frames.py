@@ -99,10 +99,13 @@ class Templates:
 
 
 def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
-          lengths: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+          lengths: np.ndarray, out: np.ndarray | None = None) -> list[tuple]:
     """Frames for a batch: ``[(rows, frames (m, L) uint8, frame_lens (m,))]``, one item per header length.
 
-    ``rows`` index the batch; frame bytes past ``frame_lens`` are undefined.
+    ``rows`` index the batch (None: all rows, in order); frame bytes past
+    ``frame_lens`` are undefined.  With ``out`` (an (n, >= L) uint8 array, e.g.
+    consecutive UMEM frames) a batch whose peers share one header length is
+    built in place there, without a staging copy.
     """
     n = len(peer)
     if n == 0:
@@ -112,27 +115,30 @@ def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndar
         raise ValueError(f"peer ids must be in [0, {len(tp)}); add_peer() first")
     lengths = np.asarray(lengths, np.int64)
     hl_all = tp.hlen[peer]
-    out = []
+    hl0 = hl_all[0]
+    if np.all(hl_all == hl0):
+        return [(None, *_build_one(tp, int(hl0), peer, headers, payload, lengths, out))]
+    out_list = []
     for hl in np.unique(hl_all):
-        rows = np.arange(n) if len(out) == 0 and hl_all[0] == hl and np.all(hl_all == hl) else np.flatnonzero(hl_all == hl)
-        out.append((rows, *_build_one(tp, int(hl), peer[rows], headers[rows], payload, rows, lengths[rows])))
-    return out
+        rows = np.flatnonzero(hl_all == hl)
+        out_list.append((rows, *_build_one(tp, int(hl), peer[rows], headers[rows], payload[rows], lengths[rows])))
+    return out_list
 
 
-def _build_one(tp, hl, peer, headers, payload, rows, lengths):
+def _build_one(tp, hl, peer, headers, payload, lengths, out=None):
     m = len(peer)
     w = int(lengths.max()) if m else 0
     if w > payload.shape[1]:
         raise ValueError(f"lengths exceed the payload width {payload.shape[1]}")
     L = hl + wire.HEADER_LEN + w
     L += L & 1  # even width: the IPv6 checksum sums 16-bit words
-    st = np.empty((m, L), np.uint8)
+    if out is not None and out.shape[1] >= L:
+        st = out[:m, :L]
+    else:
+        st = np.empty((m, L), np.uint8)
     st[:, :hl] = tp.table[peer, :hl]
     st[:, hl: hl + wire.HEADER_LEN] = wire.encode_batch(headers)
-    if len(rows) == len(payload) and rows[-1] == len(rows) - 1:
-        st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[:, :w]
-    else:
-        st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[rows, :w]
+    st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[:, :w]
     udp_len = UDP_LEN + wire.HEADER_LEN + lengths
     u = hl - UDP_LEN
     st[:, u + 4] = udp_len >> 8

@@ -190,7 +190,10 @@ class XskTransport(Transport):
             # frames: receive ones go to the fill ring now, transmit ones to the free list
             self._fill_pending = np.zeros(0, np.uint64)
             self._fill_push(np.arange(rx_frames, dtype=np.uint64) * np.uint64(frame_size))
+            # transmit frames: a FIFO, so frames leave and complete in UMEM order and a
+            # batch usually gets consecutive frames it can be built in place into
             self._tx_free = (np.arange(rx_frames, nframes, dtype=np.uint64) * np.uint64(frame_size))
+            self._tx_head = 0
             self._tx_nfree = tx_frames
             self._tx_outstanding = 0
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
@@ -406,7 +409,8 @@ class XskTransport(Transport):
             addrs = c.desc[(cons + np.arange(n)) & c.mask]
             c.cons[0] = (cons + n) & 0xFFFFFFFF
             fs = np.uint64(self.frame_size)
-            self._tx_free[self._tx_nfree: self._tx_nfree + n] = (addrs // fs) * fs
+            T = self.tx_frames
+            self._tx_free[(self._tx_head + self._tx_nfree + np.arange(n)) % T] = (addrs // fs) * fs
             self._tx_nfree += n
             self._tx_outstanding -= n
         return n
@@ -439,6 +443,12 @@ class XskTransport(Transport):
         n = len(batch)
         if n == 0:
             return 0
+        peer = batch.peer[:n]
+        if peer.min() < 0 or peer.max() >= len(self._tmpl):
+            raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
+        longest = int(batch.lengths[:n].max()) + wire.HEADER_LEN + int(self._tmpl.hlen[peer].max())
+        if longest + (longest & 1) > self.frame_size:
+            raise ValueError(f"a {longest}-byte frame does not fit a {self.frame_size}-byte UMEM frame")
         deadline = None if timeout is None else time.monotonic() + timeout
         tx = self._tx
         sent = 0
@@ -454,18 +464,30 @@ class XskTransport(Transport):
                         break
                     time.sleep(0.0002)
                 continue
-            part = batch.view(sent, sent + m)
-            addrs = self._tx_free[self._tx_nfree - m: self._tx_nfree].copy()
-            self._tx_nfree -= m
-            rows_frames = frames.build(self._tmpl, part.peer, part.headers, part.payload, part.lengths)
-            lens = np.empty(m, np.uint32)
             fs = self.frame_size
-            for rows, st, flen in rows_frames:
+            T = self.tx_frames
+            addrs = self._tx_free[(self._tx_head + np.arange(m)) % T]
+            fr = (addrs // np.uint64(fs)).astype(np.int64)
+            brk = np.flatnonzero(np.diff(fr) != 1)
+            if len(brk):  # take the consecutive run only; the rest goes next round
+                m = int(brk[0]) + 1
+                addrs, fr = addrs[:m], fr[:m]
+            self._tx_head = (self._tx_head + m) % T
+            self._tx_nfree -= m
+            part = batch.view(sent, sent + m)
+            f0 = int(fr[0])
+            built = frames.build(self._tmpl, part.peer, part.headers, part.payload, part.lengths,
+                                 out=self._umem2d[f0: f0 + m])
+            lens = np.empty(m, np.uint32)
+            for rows, st, flen in built:
                 L = st.shape[1]
-                if L > fs:
-                    raise ValueError(f"frame of {L} bytes does not fit a {fs}-byte UMEM frame")
-                self._umem2d[(addrs[rows] // np.uint64(fs)).astype(np.int64), :L] = st
-                lens[rows] = flen
+                if rows is None:
+                    if st.ctypes.data != self._umem2d[f0].ctypes.data:  # not built in place
+                        self._umem2d[f0: f0 + m, :L] = st
+                    lens[:] = flen
+                else:
+                    self._umem2d[fr[rows], :L] = st
+                    lens[rows] = flen
             idx = (prod + np.arange(m)) & tx.mask
             tx.desc["addr"][idx] = addrs
             tx.desc["len"][idx] = lens

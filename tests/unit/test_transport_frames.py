@@ -54,8 +54,15 @@ def test_frames_match_scapy():
     b = _batch(300, peers)
     out = frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
     assert sorted(np.concatenate([r for r, _, _ in out]).tolist()) == list(range(300))
+    # one family: built in place into a caller's array, same bytes
+    one = _batch(50, [peers[1]])
+    dst = np.zeros((50, 2048), np.uint8)
+    [(rows, st, flen)] = frames.build(tp, one.peer, one.headers, one.payload, one.lengths, out=dst)
+    assert rows is None and np.shares_memory(st, dst)
+    [(_, st2, _)] = frames.build(tp, one.peer, one.headers, one.payload, one.lengths)
+    assert all(dst[i, : flen[i]].tobytes() == st2[i, : flen[i]].tobytes() for i in range(50))
     for rows, st, flen in out:
-        for j, i in enumerate(rows):
+        for j, i in enumerate(range(len(st)) if rows is None else rows):
             dblp = wire.encode(wire.Header.unpack(b.headers[i].tobytes()), b.payload[i, : b.lengths[i]].tobytes())
             want = _scapy_frame(tp, int(b.peer[i]), dblp)
             assert st[j, : flen[j]].tobytes() == want, f"row {i} peer {b.peer[i]} len {b.lengths[i]}"
@@ -64,7 +71,7 @@ def test_frames_match_scapy():
 def test_ipv6_checksum_never_zero_and_verifies():
     tp, (_, p6, _) = _tp()
     b = _batch(2000, [p6], seed=11)
-    [(rows, st, flen)] = frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
+    [(_, st, flen)] = frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
     for j in range(0, 2000, 97):
         f = Ether(st[j, : flen[j]].tobytes())
         c = f[UDP].chksum
@@ -78,7 +85,7 @@ def test_parse_finds_payload_and_rejects_others():
     b = _batch(64, peers)
     blocks, lens, want_off = [], [], []
     for rows, st, flen in frames.build(tp, b.peer, b.headers, b.payload, b.lengths):
-        for j in range(len(rows)):
+        for j in range(len(st)):
             blocks.append(np.pad(st[j, : flen[j]], (0, 2048))[:2048])
             lens.append(flen[j])
             want_off.append(frames.HDR4 if st[j, 12] == 8 else frames.HDR6)
@@ -92,11 +99,12 @@ def test_parse_finds_payload_and_rejects_others():
     ok, off, plen, fam = frames.parse(blk[:, : frames.PARSE_WIDTH], np.array(lens))
     assert ok[:64].all() and not ok[64:].any()
     assert np.array_equal(off[:64], want_off[:64])
-    hdr_lens = np.array([b.lengths[i] for rows, _, _ in frames.build(tp, b.peer, b.headers, b.payload, b.lengths) for i in rows])
+    hdr_lens = np.array([b.lengths[i] for rows, st, _ in frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
+                         for i in (range(len(st)) if rows is None else rows)])
     assert np.array_equal(plen[:64], hdr_lens + wire.HEADER_LEN)
     ok2, *_ = frames.parse(blk[:, : frames.PARSE_WIDTH], np.array(lens), port=47801)
     assert ok2[:64].sum() == sum(1 for rows, st, _ in frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
-                                 for j in range(len(rows)) if st[j, 12] == 8 and st[j, 36:38].tolist() == [0xBA, 0xB9])
+                                 for j in range(len(st)) if st[j, 12] == 8 and st[j, 36:38].tolist() == [0xBA, 0xB9])
 
 
 def test_source_match():

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Transport benchmark: AF_XDP vs UDP receive and transmit between two namespaces.
+
+One run, one veth pair (``va`` in namespace A, ``vb`` in B, MTU 1500, native
+XDP), 1400-byte payloads.  A sender process in A, pinned to one CPU, offers
+as much as it can with the AF_XDP transport; the receiver in B, pinned to
+the other CPU, is one of:
+
+  (a) ``xdp_drop``  an XDP program that counts and drops: what the sender offers
+  (b) ``xsk_rx``    the host program + :class:`XskTransport` receiving into numpy
+  (c) ``udp_rx``    the host program passing a 'udp' job + :class:`UdpTransport`
+
+and transmit rate for the two transports into an XDP_DROP receiver:
+
+  ``xsk_tx`` / ``udp_tx``  packets per second the sender pushes out
+
+The configurations are interleaved within each repeat (a, b, c, tx...) so
+background load hits them alike; the figures are medians over repeats and
+the ratios b/a, b/c and xsk_tx/udp_tx are taken between medians of the
+same run (see bench/README.md).  Needs root.  Bounded: about
+``repeats * 5 * (duration + 0.5)`` seconds plus ~5 s of compiling.
+
+    .venv/bin/python bench/transport.py [--duration 1.5] [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from pydblp import bpf, net, wire  # noqa: E402
+from pydblp.transport import Batch  # noqa: E402
+from pydblp.transport.udp import UdpTransport  # noqa: E402
+from pydblp.transport.xsk import XskTransport  # noqa: E402
+
+A4, B4 = "198.18.9.1", "198.18.9.2"
+MACS = ("02:00:5e:13:00:01", "02:00:5e:13:00:02")
+JOB_X, JOB_U = 21, 22
+DROP_PROG = r"""
+BPF_PERCPU_ARRAY(cnt, u64, 2);
+int xdp_count_drop(struct xdp_md *ctx) {
+    int k0 = 0, k1 = 1;
+    u64 *p = cnt.lookup(&k0), *b = cnt.lookup(&k1);
+    if (p) *p += 1;
+    if (b) *b += ctx->data_end - ctx->data;
+    return XDP_DROP;
+}
+"""
+
+
+def setup(tag: str):
+    a, b = f"dblpbench{tag}a", f"dblpbench{tag}b"
+    for ns in (a, b):
+        net.netns_del(ns)
+        net.netns_add(ns)
+    with net.ipr(a) as ip:
+        ip.link("add", ifname="va", kind="veth", peer={"ifname": "vb", "net_ns_fd": b})
+    for ns, dev, i, addr, peer in ((a, "va", 0, A4, B4), (b, "vb", 1, B4, A4)):
+        with net.ipr(ns) as ip:
+            idx = ip.link_lookup(ifname=dev)[0]
+            ip.link("set", index=idx, address=MACS[i], mtu=1500)
+            ip.addr("add", index=idx, address=addr, prefixlen=24)
+            ip.link("set", index=idx, state="up")
+            ip.neigh("add", dst=peer, lladdr=MACS[1 - i], ifindex=idx, state=0x80)
+    return a, b
+
+
+def batch(n: int, payload: int, job: int, peer: int) -> Batch:
+    h = wire.empty_batch(n)
+    h["kind"], h["job"], h["src"], h["dst"] = wire.Kind.DATA, job, 0, 1
+    h["nchunks"] = 1 << 20
+    h["chunk"] = np.arange(n)
+    pay = np.random.default_rng(0).integers(0, 256, (n, payload), dtype=np.uint8)
+    return Batch.fill(h, pay, None, peer)
+
+
+def sender(kind: str, ns: str, job: int, duration: float, payload: int, nbatch: int, cpu: int, go_r: int, res_w: int):
+    """Child process: send as fast as possible for ``duration``; report (sent, elapsed)."""
+    code = 1
+    try:
+        os.sched_setaffinity(0, {cpu})
+        if kind == "xsk":
+            t = XskTransport("va", netns=ns, rx_frames=64, tx_frames=4096)
+        else:
+            t = UdpTransport("va", netns=ns, port=0)
+        with t:
+            b = batch(nbatch, payload, job, t.add_peer(B4))
+            os.read(go_r, 1)
+            sent = 0
+            t0 = time.perf_counter()
+            end = t0 + duration
+            while time.perf_counter() < end:
+                sent += t.send(b, timeout=0.05)
+            el = time.perf_counter() - t0
+            if kind == "xsk":
+                t.flush(0.5)
+            os.write(res_w, struct.pack("=Qd", sent, el))
+        code = 0
+    except BaseException as e:  # never return into the parent's code
+        os.write(2, f"sender: {e!r}\n".encode())
+    finally:
+        os._exit(code)
+
+
+def run_one(kind_tx, ns_a, job, args, recv_fn):
+    """Fork a sender, run ``recv_fn(done)`` while it sends; return (sent, elapsed, received)."""
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        sender(kind_tx, ns_a, job, args.duration, args.payload, args.batch, args.cpus[0], go_r, res_w)
+    os.close(go_r)
+    os.close(res_w)
+    time.sleep(0.1)  # let the child open its socket
+    os.write(go_w, b"g")
+    done = {"res": None}
+
+    def finished() -> bool:
+        if done["res"] is None and select.select([res_r], [], [], 0)[0]:
+            data = os.read(res_r, 16)
+            done["res"] = struct.unpack("=Qd", data) if len(data) == 16 else (0, args.duration)
+        return done["res"] is not None
+
+    try:
+        received = recv_fn(finished)
+        deadline = time.monotonic() + args.duration + 5
+        while not finished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(go_w)
+        os.close(res_r)
+    if done["res"] is None or os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"sender ({kind_tx}) failed")
+    sent, el = done["res"]
+    return sent, el, received
+
+
+def drain_loop(t, into, finished):
+    got = 0
+    idle_since = None
+    while True:
+        n = len(t.recv(into, timeout=0.02))
+        got += n
+        if finished():
+            if n:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 0.05:
+                return got
+
+
+def counter(drop_map) -> int:
+    return sum(struct.unpack("=Q", v)[0] for v in drop_map.lookup(struct.pack("=I", 0)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=1.5, help="seconds each sender runs (default 1.5)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--payload", type=int, default=1400)
+    ap.add_argument("--batch", type=int, default=1024, help="packets per send/recv call")
+    ap.add_argument("--cpus", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1],
+                    help="sender CPU,receiver CPU (default 0,1)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench/transport.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
+        return 2
+    from bcc import BPF
+
+    from pydblp.host import HostProgram
+
+    ns_a, ns_b = setup(str(os.getpid() % 100000))
+    host = drop = None
+    results: dict[str, list] = {k: [] for k in ("xdp_drop", "xsk_rx", "udp_rx", "xsk_tx", "udp_tx")}
+    try:
+        drop = BPF(text=DROP_PROG)
+        drop_fd = drop.load_func("xdp_count_drop", BPF.XDP).fd
+        drop_map = bpf.Map(drop["cnt"].map_fd, owned=False)
+        host = HostProgram("vb", netns=ns_b, mode="native")
+        host.register_job(JOB_X, 2, 1, "xsk")
+        host.register_job(JOB_U, 2, 1, "udp")
+        os.sched_setaffinity(0, {args.cpus[1]})
+        into = Batch.empty(args.batch * 4, args.payload)
+        dblp_bytes = args.payload + wire.HEADER_LEN
+
+        for rep in range(args.repeats):
+            # (a) XDP_DROP: what the sender offers
+            net.xdp_attach("vb", drop_fd, net.Mode.NATIVE, ns_b)
+            c0 = counter(drop_map)
+            sent, el, _ = run_one("xsk", ns_a, JOB_X, args, lambda fin: None)
+            time.sleep(0.05)
+            results["xdp_drop"].append((counter(drop_map) - c0, sent, el))
+            # (b) AF_XDP receive into numpy
+            net.xdp_attach("vb", host.prog_fd, net.Mode.NATIVE, ns_b)
+            with XskTransport("vb", netns=ns_b, host=host) as t:
+                sent, el, got = run_one("xsk", ns_a, JOB_X, args, lambda fin: drain_loop(t, into, fin))
+                results["xsk_rx"].append((got, sent, el))
+            # (c) UDP transport (host program passes the 'udp' job up)
+            with UdpTransport("vb", netns=ns_b) as t:
+                sent, el, got = run_one("xsk", ns_a, JOB_U, args, lambda fin: drain_loop(t, into, fin))
+                results["udp_rx"].append((got, sent, el))
+            # transmit: each transport into an XDP_DROP receiver
+            net.xdp_attach("vb", drop_fd, net.Mode.NATIVE, ns_b)
+            for kind in ("xsk", "udp"):
+                c0 = counter(drop_map)
+                sent, el, _ = run_one(kind, ns_a, JOB_X, args, lambda fin: None)
+                time.sleep(0.05)
+                results[f"{kind}_tx"].append((counter(drop_map) - c0, sent, el))
+            print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(
+                f"{k} {v[-1][0] / v[-1][2] / 1e6:.3f}" for k, v in results.items()) + " Mpps", flush=True)
+    finally:
+        if host is not None:
+            net.xdp_attach("vb", host.prog_fd, net.Mode.NATIVE, ns_b)
+            host.close()
+        if drop is not None:
+            drop.cleanup()
+        net.netns_del(ns_a)
+        net.netns_del(ns_b)
+
+    def med(key, what):
+        rows = results[key]
+        vals = [(got if what == "rx" else sent) / el for got, sent, el in rows]
+        return statistics.median(vals), min(vals), max(vals)
+
+    out = {"payload": args.payload, "duration_s": args.duration, "repeats": args.repeats, "batch": args.batch,
+           "cpus": args.cpus, "ncpu": os.cpu_count(), "kernel": os.uname().release, "figures": {}}
+    print(f"\n{args.payload}-byte payloads, {args.duration:.1f} s x {args.repeats} repeats, medians (min-max):")
+    print(f"{'config':<10} {'Mpps':>8} {'Gbit/s':>8}  {'range Mpps':>15}  {'delivered':>9}  {'offered Mpps':>12}")
+    for key in results:
+        m, lo, hi = med(key, "rx" if key != "udp_tx" and key != "xsk_tx" else "tx")
+        offered = statistics.median([s / el for _, s, el in results[key]])
+        deliv = statistics.median([g / s if s else 0 for g, s, _ in results[key]])
+        out["figures"][key] = {"mpps": m / 1e6, "min": lo / 1e6, "max": hi / 1e6,
+                               "gbps": m * dblp_bytes * 8 / 1e9, "offered_mpps": offered / 1e6,
+                               "delivered": deliv, "runs": results[key]}
+        print(f"{key:<10} {m / 1e6:8.3f} {m * dblp_bytes * 8 / 1e9:8.2f}  {lo / 1e6:6.3f}-{hi / 1e6:<8.3f}"
+              f"  {deliv:9.3f}  {offered / 1e6:12.3f}")
+    f = out["figures"]
+    ratios = {"xsk_rx/xdp_drop (b/a)": f["xsk_rx"]["mpps"] / f["xdp_drop"]["mpps"],
+              "xsk_rx/udp_rx (b/c)": f["xsk_rx"]["mpps"] / f["udp_rx"]["mpps"],
+              "xsk_tx/udp_tx": f["xsk_tx"]["mpps"] / f["udp_tx"]["mpps"]}
+    out["ratios"] = ratios
+    print("\nratios (medians of this run):")
+    for k, v in ratios.items():
+        print(f"  {k:<24} {v:.2f}")
+    print("Gbit/s counts DBLP bytes (32-byte header + payload); tx rows: packets the sender pushed per second,"
+          " 'delivered' = share the XDP_DROP receiver counted.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
