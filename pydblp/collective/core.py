@@ -193,12 +193,29 @@ class Collective:
         self.controller.observe(self.index - 1, out)
         return out * np.float32(self.world) if op == "sum" else out
 
+    def broadcast_shards(self, x: np.ndarray, tensor: int = 0) -> np.ndarray:
+        """Every rank gets shard k of ``x`` from its owner k (an all-gather of absolute values).
+
+        Used for bounded-drift parameter broadcast (Weintraub et al.): a chunk
+        that does not arrive keeps this rank's own value, so ranks drift by
+        at most what one missed broadcast leaves, never a random walk.
+        Same bound, STOP/PROBE and failure semantics as :meth:`allreduce`.
+        """
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        st = self._start(flat, tensor, reduce=False)
+        try:
+            self._run(st)
+        finally:
+            self._finish(st)
+        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+
     def close(self) -> None:
         self.t.close()
 
     # ---- round set-up ----------------------------------------------------
-    def _start(self, flat: np.ndarray, tensor: int) -> _Round:
+    def _start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> _Round:
         st = _Round()
+        st.reduce = reduce
         self.round = (self.round + 1) & MASK32
         st.round, st.tensor, st.index = self.round, tensor, self.index
         st.tol = self.controller.tol(self.index)
@@ -217,7 +234,11 @@ class Collective:
         st.ins: dict[tuple[bool, int], _In] = {}
         st.outs: dict[tuple[bool, int], _Out] = {}
         st.reduced = st.my_shard is None
-        if st.my_shard is not None:
+        if st.my_shard is not None and not reduce:  # broadcast: my shard is my own values
+            a, b = st.bounds[st.my_shard]
+            st.y[a:b] = st.x[a:b]
+            self._start_allgather(st)
+        elif st.my_shard is not None:
             a, b = st.bounds[st.my_shard]
             st.rbuf = np.zeros((self.world, b - a, self.C), np.float32)
             st.rmask = np.zeros((self.world, b - a), bool)
@@ -230,6 +251,8 @@ class Collective:
             if k == st.my_shard:
                 continue
             st.ins[(True, k)] = _In(True, k, b - a)
+            if not reduce:
+                continue
             rows = st.x[a:b]
             st.outs[(False, k)] = _Out(False, k, rows, self._prio(rows, a, T), st.tol8)
         for key, inn in list(st.ins.items()):
@@ -274,6 +297,10 @@ class Collective:
         """Owner: estimate the shard's mean and start the all-gather."""
         a, b = st.bounds[st.my_shard]
         st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator)
+        self._start_allgather(st)
+
+    def _start_allgather(self, st: _Round) -> None:
+        a, b = st.bounds[st.my_shard]
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st.y[a:b], a, len(st.y))
@@ -506,11 +533,12 @@ class Collective:
         missing = ~st.have
         if missing.any():
             last = self._last.get(st.tensor)
-            if self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
+            if st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
                 st.y[missing] = last[missing]
             else:
                 st.y[missing] = st.x[missing]
-        self._last[st.tensor] = st.y.copy()
+        if st.reduce:
+            self._last[st.tensor] = st.y.copy()
         self._prev = (st.round, st.ins)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,

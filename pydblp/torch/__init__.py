@@ -1,0 +1,188 @@
+"""PyTorch integration: a DDP communication hook and a bounded-drift parameter broadcaster.
+
+Typical use, under ``torchrun`` (the default process group must be gloo: it
+is the control plane, used here only for rendezvous)::
+
+    dist.init_process_group("gloo")
+    state = pydblp.torch.State.from_process_group(iface="eth0", config=Config(phase="dblp"))
+    ddp.register_comm_hook(state, pydblp.torch.hook)
+
+Rendezvous: each rank publishes its data-plane address, port, MAC and queue
+in the default store under ``pydblp/<job>/<rank>`` and reads everyone else's.
+
+Failure semantics (the collective's, see :mod:`pydblp.collective.core`):
+
+* Loss within a round's tolerance is absorbed by the estimator; loss above
+  it is repaired by retransmission.  Nothing is raised for loss.
+* A peer that stays silent for ``Config.peer_timeout`` seconds makes the
+  round fail: the hook's future completes with :class:`CollectiveError`,
+  which DDP raises from ``backward()``.  The state is then unusable.
+* ``Config.deadline`` (off by default) lets a round end below its loss
+  bound; the round record says so (``state.collective.records``).
+"""
+
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import ipaddress
+import json
+import queue as _queue
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pydblp import net, wire
+from pydblp.collective import Collective, CollectiveError, Config
+
+__all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError"]
+
+
+class State:
+    """A collective plus the one thread that drives it (rounds run in submission order)."""
+
+    def __init__(self, collective: Collective, owned=()):
+        self.collective = collective
+        self._owned = list(owned)
+        self._jobs: _queue.Queue = _queue.Queue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="pydblp-transport", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
+                           port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
+                           config: Config | None = None, store=None) -> "State":
+        """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
+
+        ``transport``: ``udp`` (any user) or ``xsk`` (AF_XDP: root; attaches
+        the host XDP program to ``iface`` unless ``dblp load`` already did).
+        ``addr`` overrides the address published to peers (default: the
+        first IPv4 address of ``iface``).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
+        cfg = config or Config()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = store or dist.distributed_c10d._get_default_store()
+        owned = []
+        me = {"addr": addr or (_iface_addr(iface, netns) if iface else "127.0.0.1"),
+              "mac": _iface_mac(iface, netns) if iface else None, "queue": queue}
+        if transport == "xsk":
+            if not iface:
+                raise ValueError("the xsk transport needs iface=")
+            from pydblp import host
+            from pydblp.transport.xsk import XskTransport
+            try:
+                maps = host.open_pinned(iface, netns)
+            except host.HostError:
+                maps = host.HostProgram(iface, netns=netns)
+            owned.append(maps)
+            maps.register_job(cfg.job, world, rank, "xsk")
+            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps)
+        elif transport == "udp":
+            from pydblp.transport.udp import UdpTransport
+            t = UdpTransport(iface, netns=netns, queue=queue, port=port)
+        else:
+            raise ValueError(f"transport {transport!r}: use udp or xsk")
+        me["port"] = t.port
+        store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
+        peers = []
+        for r in range(world):
+            p = json.loads(store.get(f"pydblp/{cfg.job}/{r}"))
+            peers.append((p["addr"], p["port"], p["mac"]))
+        return cls(Collective(t, rank, world, peers, cfg), owned=[t, *owned])
+
+    def submit(self, fn, *args) -> torch.futures.Future:
+        """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if self._failed is not None:
+                fut.set_exception(CollectiveError(f"an earlier round failed: {self._failed}"))
+                continue
+            try:
+                fut.set_result(fn(self.collective, *args))
+            except BaseException as e:  # completes the future; DDP raises it in backward()
+                self._failed = e
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        """Stop the thread, close the transport and detach what this state attached."""
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        for o in self._owned:
+            o.close()
+        self._owned = []
+
+
+def _iface_addr(iface: str, netns: str | None) -> str:
+    with net.ipr(netns) as ip:
+        for a in ip.get_addr(index=net.ifindex(iface, netns)):
+            addr = a.get_attr("IFA_ADDRESS")
+            if addr and ipaddress.ip_address(addr).version == 4:
+                return addr
+    raise net.NetError(f"{iface} has no IPv4 address; pass addr=")
+
+
+def _iface_mac(iface: str, netns: str | None) -> str:
+    with net.ipr(netns) as ip:
+        return ip.get_links(net.ifindex(iface, netns))[0].get_attr("IFLA_ADDRESS")
+
+
+def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the bucket's mean gradient over ranks, through the bounded-loss collective.
+
+    The future completes on the transport thread with a tensor of the
+    bucket's dtype and device.  DDP does not pre-divide: the hook returns
+    the mean, as DDP's default allreduce hook does.
+    """
+    buf = bucket.buffer()
+    grad = buf.detach().to("cpu", torch.float32).numpy()
+    tensor_id = bucket.index() & 0xFFFF
+
+    def run(col: Collective, g=grad, like=buf):
+        out = col.allreduce(g, tensor=tensor_id)
+        return torch.from_numpy(out).to(like.device, like.dtype)
+
+    return state.submit(run)
+
+
+class ParameterBroadcaster:
+    """Bounded-drift parameter broadcast (Weintraub et al.) every ``every`` steps.
+
+    Shard owners broadcast the absolute values of their shard of the flat
+    parameter vector; a chunk that does not arrive keeps this rank's own
+    (stale) value.  Call :meth:`step` after each optimizer step.
+    """
+
+    TENSOR = 0xFFFF  # tensor id reserved for broadcasts (DDP buckets use small ids)
+
+    def __init__(self, state: State, module: torch.nn.Module, every: int = 1):
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.state, self.module, self.every = state, module, every
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Broadcast if this is a k-th step; returns whether it did.  Blocks for the round."""
+        self.steps += 1
+        if self.steps % self.every:
+            return False
+        params = [p for p in self.module.parameters()]
+        flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]).numpy()
+        out = self.state.submit(lambda col: col.broadcast_shards(flat, tensor=self.TENSOR)).wait()
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.copy_(torch.from_numpy(np.ascontiguousarray(out[off: off + n])).view_as(p).to(p.dtype))
+            off += n
+        return True
