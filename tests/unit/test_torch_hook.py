@@ -32,13 +32,14 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         ours = DDP(_model(0), bucket_cap_mb=0.01)  # small buckets: several rounds per step
         ours.register_comm_hook(state, ptorch.hook)
         ref = DDP(_model(0), bucket_cap_mb=0.01)
-        opt_a = torch.optim.SGD(ours.parameters(), lr=0.05)
-        opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)
+        opt_a = torch.optim.SGD(ours.parameters(), lr=0.2)
+        opt_b = torch.optim.SGD(ref.parameters(), lr=0.2)
+        teacher = torch.randn(20, 5, generator=torch.Generator().manual_seed(5))  # learnable labels
         g = torch.Generator().manual_seed(100 + rank)
         log = {"grad_diff": [], "loss_ours": [], "loss_gloo": []}
         for _ in range(STEPS):
             x = torch.randn(32, 20, generator=g)
-            y = torch.randint(0, 5, (32,), generator=g)
+            y = (x @ teacher).argmax(dim=1)
             for model, opt, key in ((ours, opt_a, "loss_ours"), (ref, opt_b, "loss_gloo")):
                 opt.zero_grad()
                 loss = torch.nn.functional.cross_entropy(model(x), y)
