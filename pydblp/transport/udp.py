@@ -16,7 +16,6 @@ back through ``SO_MEMINFO`` (``stats()["rx_dropped"]``).
 
 from __future__ import annotations
 
-import builtins
 import ctypes
 import errno
 import ipaddress

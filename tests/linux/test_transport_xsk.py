@@ -272,3 +272,19 @@ def test_errors_are_clear(pair):
             t.send(packets(0, 3, 1, 0, peer=4))
     with pytest.raises(OSError, match="closed"):
         t.recv()
+
+
+def test_add_peer_resolves_the_mac_on_demand(pair):
+    """No static neighbour for a third address: add_peer makes the kernel ARP for it."""
+    a, b = pair["ns"]
+    extra = "198.18.8.3"
+    with net.ipr(b) as ip:
+        ip.addr("add", index=ip.link_lookup(ifname="vb")[0], address=extra, prefixlen=24)
+    try:
+        with xsk(pair, 0) as ta, xsk(pair, 1) as tb:
+            pid = ta.add_peer(extra)
+            assert ta._tmpl.table[pid, :6].tobytes() == bytes.fromhex(MAC[1].replace(":", ""))
+            transfer(ta, tb, pid, 2000, 0, 1)
+    finally:
+        with net.ipr(b) as ip:
+            ip.addr("del", index=ip.link_lookup(ifname="vb")[0], address=extra, prefixlen=24)
