@@ -39,7 +39,9 @@ def pair(netns, bpf_xdp):
             ip.neigh("add", dst=peer_addr, lladdr=macs[peer_ns], ifindex=ip.link_lookup(ifname=ifname)[0],
                      state=0x80)  # NUD_PERMANENT
     yield a, b
-    cli.main(["unload", "--all"])
+    for ns, ifname in ((a, "va"), (b, "vb")):
+        if host.attached_program(ifname, ns):
+            host.unload(ifname, ns)
 
 
 def udp_socket(ns: str, bind: tuple | None = None) -> socket.socket:
@@ -58,6 +60,7 @@ def no_pydblp_anywhere() -> list:
 
 
 def test_cli_load_traffic_counters_unload_all(pair, capsys):
+    """Ends with `dblp unload --all`, which (by design) clears every pydblp attachment on the host."""
     a, b = pair
     assert cli.main(["load", "vb", "--netns", b]) == 0
     assert net.xdp_query("vb", b)["mode"] == net.Mode.NATIVE
@@ -87,12 +90,14 @@ def test_cli_load_traffic_counters_unload_all(pair, capsys):
     capsys.readouterr()
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
-    assert f"{b}  vb" in out and "7:1/2u" in out and "native" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith(b))
+    assert row[:3] == [b, "vb", "native"] and row[4] == "7:1/2u" and int(row[7]) == 2
     assert cli.main(["stats", "vb", "--netns", b, "0.05", "2"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 3
     assert cli.main(["unload", "--all"]) == 0
     assert net.xdp_query("vb", b) is None and net.xdp_query("va", a) is None
     assert no_pydblp_anywhere() == []
+    assert not any(l["xdp_prog_id"] for ns in (a, b) for l in net.links(ns))
     rx.close(), tx.close()
 
 
