@@ -34,9 +34,14 @@ CNT_DROP_BASE = 16
 CNT_SHED_BASE = 32
 CNT_MAX = 40
 
-JOB = struct.Struct("=HHB3x")          # struct dblp_job
-MSG_KEY = struct.Struct("=IIHH")       # struct dblp_msg_key
-HOST_CFG = struct.Struct("=HHII8I")    # struct dblp_host_cfg
+# (member, struct code) of each map struct in dblp.h, in order
+STRUCTS = {
+    "dblp_job": (("world_size", "H"), ("rank", "H"), ("transport", "B"), ("pad", "3x")),
+    "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H")),
+    "dblp_host_cfg": (("port", "H"), ("pad", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I")),
+}
+JOB, MSG_KEY, HOST_CFG = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
+                          for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg"))
 MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate")
 
 # Default pressure at which each priority is shed: prio 7 first, prio 0 never.

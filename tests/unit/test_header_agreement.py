@@ -217,3 +217,75 @@ def test_python_change_alone_fails(tmp_path):
     assert any("sizeof(struct dblp_hdr)" in p for p in disagreements(HEADER, tmp_path, fields=fields))
     fields = python_fields() + [("extra", 1)]
     assert any("wire.FIELDS has extra" in p for p in disagreements(HEADER, tmp_path, fields=fields))
+
+
+# ---- the host program's map structs (pydblp.host.STRUCTS) ----------------------
+
+def struct_layout(header: Path, tmp: Path, structs: dict) -> dict[str, tuple[int, dict]]:
+    """sizeof and (offset, size) per member of each named struct, compiled from ``header``."""
+    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "dblp.h"', "int main(void) {"]
+    for name, members in structs.items():
+        lines.append(f'  printf("{name} sizeof %zu\\n", sizeof(struct {name}));')
+        for m, _ in members:
+            lines.append(f'  printf("{name} {m} %zu %zu\\n", offsetof(struct {name}, {m}), '
+                         f"sizeof(((struct {name} *)0)->{m}));")
+    lines += ["  return 0;", "}"]
+    src, exe = tmp / "structs.c", tmp / "structs"
+    src.write_text("\n".join(lines) + "\n")
+    cc = subprocess.run([GCC, "-std=gnu11", "-I", str(header.parent), "-o", str(exe), str(src)],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0, cc.stderr
+    out: dict[str, tuple[int, dict]] = {}
+    for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines():
+        name, m, *vals = line.split()
+        size, members = out.get(name, (0, {}))
+        if m == "sizeof":
+            out[name] = (int(vals[0]), members)
+        else:
+            members[m] = (int(vals[0]), int(vals[1]))
+            out[name] = (size, members)
+    return out
+
+
+def struct_disagreements(header: Path, tmp: Path, structs: dict) -> list[str]:
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    problems = []
+    for name, members in structs.items():
+        body = re.search(rf"struct\s+{name}\s*\{{(.*?)\}}", text, flags=re.S)
+        if not body:
+            problems.append(f"struct {name} not in dblp.h")
+            continue
+        c_members = [re.findall(r"(\w+)\s*(?:\[[^\]]*\])?\s*$", d.strip())[0]
+                     for d in body.group(1).split(";") if d.strip()]
+        if c_members != [m for m, _ in members]:
+            problems.append(f"struct {name}: C members {c_members}, Python {[m for m, _ in members]}")
+    if problems:
+        return problems
+    layout = struct_layout(header, tmp, structs)
+    for name, members in structs.items():
+        size, c = layout[name]
+        py_size = struct.calcsize("=" + "".join(code for _, code in members))
+        if size != py_size:
+            problems.append(f"sizeof(struct {name}) = {size}, Python {py_size}")
+        off = 0
+        for m, code in members:
+            width = struct.calcsize("=" + code)
+            if c[m] != (off, width):
+                problems.append(f"{name}.{m}: C offset/size {c[m]}, Python {(off, width)}")
+            off += width
+    return problems
+
+
+def test_host_map_structs_agree(tmp_path):
+    from pydblp import host
+
+    assert struct_disagreements(HEADER, tmp_path, host.STRUCTS) == []
+
+
+def test_host_struct_change_alone_fails(tmp_path):
+    from pydblp import host
+
+    hdr = _mutated(tmp_path, "__u32 rate_pps;", "__u64 rate_pps;")
+    assert any("dblp_host_cfg" in p for p in struct_disagreements(hdr, tmp_path, host.STRUCTS))
+    changed = dict(host.STRUCTS, dblp_job=(("world_size", "I"), ("rank", "H"), ("transport", "B"), ("pad", "3x")))
+    assert any("dblp_job" in p for p in struct_disagreements(HEADER, tmp_path, changed))
