@@ -70,15 +70,17 @@ class UdpTransport(Transport):
 
     ``ifname`` binds the socket to that device (SO_BINDTODEVICE) when
     allowed; ``bind`` picks a local address (default: all).  ``queue`` is
-    accepted for interface symmetry and ignored.
+    accepted for interface symmetry and ignored.  ``recv`` with a timeout
+    retries up to ``spin`` seconds before sleeping in poll(2).
     """
 
     kind = "udp"
 
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 8 << 20,
-                 sndbuf: int = 4 << 20, max_batch: int = 4096):
+                 sndbuf: int = 4 << 20, max_batch: int = 4096, spin: float = 200e-6):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
+        self.spin = spin
         self._sock = None
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
@@ -185,7 +187,11 @@ class UdpTransport(Transport):
             e = ctypes.get_errno()
             if e not in (errno.EAGAIN, errno.EINTR):
                 raise TransportError(e, f"recvmmsg: {os.strerror(e)}")
-            if timeout != 0:
+            if timeout != 0 and self.spin > 0:  # as XskTransport: spin briefly before sleeping
+                end = time.perf_counter() + (self.spin if timeout is None else min(self.spin, timeout))
+                while k < 0 and time.perf_counter() < end:
+                    k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+            if k < 0 and timeout != 0:
                 self._poll.poll(None if timeout is None else int(timeout * 1000))
                 k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
             if k < 0:

@@ -113,7 +113,8 @@ class XskTransport(Transport):
     """An AF_XDP socket bound to (``netns``, ``ifname``, ``queue``).
 
     ``mode``: ``'auto'`` (zero-copy if the driver has it, else copy),
-    ``'copy'`` or ``'zerocopy'``; veth is copy mode only.  ``pressure`` is
+    ``'copy'`` or ``'zerocopy'``; veth is copy mode only.  ``recv`` with a
+    timeout spins up to ``spin`` seconds on the ring before sleeping in poll(2).  ``pressure`` is
     called with the rx ring occupancy 0..1000 when it changes (default:
     ``host.set_pressure`` when ``host`` is given).  ``port`` is the UDP port
     packets are sent from and to (unless a peer says otherwise) and the one
@@ -125,8 +126,10 @@ class XskTransport(Transport):
     def __init__(self, ifname: str, netns: str | None = None, queue: int = 0, port: int = wire.DEFAULT_PORT,
                  *, host=None, xskmap=None, pressure=None, mode: str = "auto", frame_size: int = 2048,
                  rx_frames: int = 4096, tx_frames: int = 4096, rx_ring: int | None = None,
-                 tx_ring: int | None = None, need_wakeup: bool = True, bind_timeout: float = 3.0):
+                 tx_ring: int | None = None, need_wakeup: bool = True, bind_timeout: float = 3.0,
+                 spin: float = 200e-6):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
+        self.spin = spin
         self._fd = -1
         self._sock = None
         self._rings: list[_Ring] = []
@@ -341,7 +344,13 @@ class XskTransport(Transport):
         cons = int(rx.cons[0])
         avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
         if avail == 0:
-            if self.need_wakeup and int(self._fill.flags[0]) & XDP_RING_NEED_WAKEUP or timeout != 0:
+            if timeout != 0 and self.spin > 0:
+                # spin briefly before sleeping: a sleeping reader costs the kernel a
+                # wakeup per NAPI flush, charged to whoever runs the receive softirq
+                end = time.perf_counter() + (self.spin if timeout is None else min(self.spin, timeout))
+                while avail == 0 and time.perf_counter() < end:
+                    avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+            if avail == 0 and (self.need_wakeup and int(self._fill.flags[0]) & XDP_RING_NEED_WAKEUP or timeout != 0):
                 self._c["rx_polls"] += 1
                 self._poll.poll(None if timeout is None else int(timeout * 1000))
                 avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
