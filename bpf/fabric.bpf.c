@@ -1,0 +1,228 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/* Testbed fabric: the switch of an emulated cluster misbehaving on purpose.
+ *
+ * Attached (native XDP) to every switch-side veth port of a testbed; one
+ * loaded object serves all ports of that testbed.  A port's XDP program sees
+ * the frames its worker sends, so faults are applied per EGRESS port, found
+ * from the destination MAC through `fdb` (filled by userspace): a fault set on
+ * port wK acts on frames the switch delivers to worker K, and a frame crosses
+ * exactly one egress port, so it meets each configured fault once.
+ *
+ * Per frame, in order: microburst window, Bernoulli loss, Gilbert-Elliott
+ * loss, then the virtual queue of the egress port (token bucket draining at
+ * `rate` bytes/s, `buffer` bytes deep): tail drop beyond the buffer, and below
+ * it DBLP-priority-aware early drop (prio p dropped once the backlog would
+ * pass thresh[p]; prio 0 and non-DBLP traffic never), at most
+ * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
+ * src, dst).  The queue decides drops only; it never delays a frame.
+ * TCP, UDP and everything else unicast are treated alike; broadcast and
+ * multicast frames pass untouched (counted as FLOOD on the ingress port).
+ */
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/udp.h>
+#include "dblp.h"
+#include "fabric.h"
+
+BPF_HASH(port_cfg, u32, struct fabric_cfg, FABRIC_MAX_PORTS);
+BPF_HASH(port_state, u32, struct fabric_state, FABRIC_MAX_PORTS);
+BPF_HASH(fdb, struct fabric_mac, u32, FABRIC_MAX_PORTS);
+BPF_PERCPU_HASH(counters, struct fabric_ckey, struct fabric_cval, FABRIC_MAX_PORTS * FABRIC_NCAUSES);
+BPF_TABLE("lru_hash", struct fabric_msg, u32, msgs, FABRIC_MSG_ENTRIES);
+
+static __always_inline void count(u32 ifindex, u32 cause, u64 bytes)
+{
+	struct fabric_ckey k = {.ifindex = ifindex, .cause = cause};
+	struct fabric_cval *v = counters.lookup(&k);
+
+	if (!v) {
+		struct fabric_cval zero = {};
+		counters.insert(&k, &zero);
+		v = counters.lookup(&k);
+		if (!v)
+			return;
+	}
+	v->packets += 1;
+	v->bytes += bytes;
+}
+
+static __always_inline int chance(u64 p)
+{
+	return p && (u64)bpf_get_prandom_u32() < p;
+}
+
+/* DBLP DATA header of a UDP/IPv4|IPv6 frame, or NULL. */
+static __always_inline struct dblp_hdr *dblp_of(struct ethhdr *eth, void *data_end)
+{
+	void *l4;
+	u8 proto;
+	u16 ethertype = eth->h_proto;
+
+	if (ethertype == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+
+		if ((void *)(ip + 1) > data_end || ip->ihl < 5)
+			return NULL;
+		if (ip->frag_off & bpf_htons(0x3fff))  /* fragment: no UDP header here */
+			return NULL;
+		proto = ip->protocol;
+		l4 = (void *)ip + ip->ihl * 4;
+	} else if (ethertype == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+
+		if ((void *)(ip6 + 1) > data_end)
+			return NULL;
+		proto = ip6->nexthdr;
+		l4 = ip6 + 1;
+	} else {
+		return NULL;
+	}
+	if (proto != IPPROTO_UDP)
+		return NULL;
+	struct udphdr *udp = l4;
+	if ((void *)(udp + 1) > data_end)
+		return NULL;
+	struct dblp_hdr *h = (void *)(udp + 1);
+	if ((void *)(h + 1) > data_end)
+		return NULL;
+	if (h->magic != bpf_htons(DBLP_MAGIC) || h->version != DBLP_VERSION || h->kind != DBLP_KIND_DATA)
+		return NULL;
+	return h;
+}
+
+/* Burst window armed on this port and `now` inside one. */
+static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
+{
+	u64 off;
+
+	if (!cfg->burst_dur_ns || now < cfg->burst_start_ns)
+		return 0;
+	off = now - cfg->burst_start_ns;
+	if (cfg->burst_period_ns) {
+		if (cfg->burst_count && off / cfg->burst_period_ns >= cfg->burst_count)
+			return 0;
+		off = off % cfg->burst_period_ns;
+	}
+	return off < cfg->burst_dur_ns;
+}
+
+int fabric(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	u64 len = data_end - data;
+	u32 in_if = ctx->ingress_ifindex;
+
+	if ((void *)(eth + 1) > data_end)
+		return XDP_PASS;
+
+	struct fabric_mac mac = {};
+	__builtin_memcpy(mac.addr, eth->h_dest, ETH_ALEN);
+	u32 *egress = (mac.addr[0] & 1) ? NULL : fdb.lookup(&mac);
+	if (!egress) {
+		count(in_if, FABRIC_C_FLOOD, len);
+		return XDP_PASS;
+	}
+	u32 out_if = *egress;
+	struct fabric_cfg *cfg = port_cfg.lookup(&out_if);
+	struct fabric_state *st = port_state.lookup(&out_if);
+	if (!cfg || !st) {
+		count(out_if, FABRIC_C_PASS, len);
+		return XDP_PASS;
+	}
+	u64 now = bpf_ktime_get_ns();
+
+	if (in_burst(cfg, now) && chance(cfg->burst_ratio)) {
+		count(out_if, FABRIC_C_BURST, len);
+		return XDP_DROP;
+	}
+	if (chance(cfg->loss)) {
+		count(out_if, FABRIC_C_LOSS, len);
+		return XDP_DROP;
+	}
+	if (cfg->flags & FABRIC_F_GE) {
+		u32 bad = st->ge_bad;
+
+		if (bad ? chance(cfg->ge_r) : chance(cfg->ge_p))
+			bad = !bad;
+		st->ge_bad = bad;
+		if (chance(bad ? cfg->ge_loss_bad : cfg->ge_loss_good)) {
+			count(out_if, FABRIC_C_GE, len);
+			return XDP_DROP;
+		}
+	}
+	if (!(cfg->flags & FABRIC_F_QUEUE)) {
+		count(out_if, FABRIC_C_PASS, len);
+		return XDP_PASS;
+	}
+
+	/* Virtual queue.  Early-drop candidates: DBLP DATA with prio > 0 and a
+	 * non-zero bound.  The message counter is found before taking the port
+	 * lock (no helper calls under it) and claimed under it: a message has a
+	 * single destination, so its counter is only touched under this lock. */
+	struct dblp_hdr *h = dblp_of(eth, data_end);
+	u32 prio = 0, *spent = NULL;
+	u64 thresh = 0, bound = 0;
+	if (h && h->prio > 0 && h->prio < FABRIC_NPRIO) {
+		prio = h->prio;
+		thresh = cfg->thresh[prio & (FABRIC_NPRIO - 1)];
+		bound = (u64)bpf_ntohl(h->nchunks) * h->tol / DBLP_TOL_SCALE;
+	}
+	if (thresh && bound) {
+		struct fabric_msg key = {
+			.job = h->job, .round = h->round, .tensor = h->tensor,
+			.src = h->src, .dst = h->dst,
+		};
+		spent = msgs.lookup(&key);
+		if (!spent) {
+			u32 zero = 0;
+			msgs.insert(&key, &zero);
+			spent = msgs.lookup(&key);
+		}
+	}
+	u64 rate = cfg->rate, buffer = cfg->buffer;
+	int verdict;  /* 0 admit, 1 tail drop, 2 early drop, 3 admit: bound spent */
+
+	bpf_spin_lock(&st->lock);
+	u64 dt = now > st->last_ns ? now - st->last_ns : 0;
+	u64 backlog = st->backlog;
+	u64 drained = dt < 1000000000ULL ? dt * rate / 1000000000ULL : backlog;
+	if (backlog > drained && rate) {
+		backlog -= drained;
+		/* advance time only by what was drained: keep the remainder */
+		st->last_ns += drained * 1000000000ULL / rate;
+	} else {
+		backlog = 0;
+		st->last_ns = now;
+	}
+	if (backlog + len > buffer) {
+		verdict = 1;
+	} else if (thresh && backlog + len > thresh && spent && *spent < bound) {
+		*spent += 1;
+		verdict = 2;
+	} else {
+		verdict = (thresh && backlog + len > thresh) ? 3 : 0;
+		backlog += len;
+		if (backlog > st->peak)
+			st->peak = backlog;
+	}
+	st->backlog = backlog;
+	bpf_spin_unlock(&st->lock);
+
+	if (verdict == 1) {
+		count(out_if, FABRIC_C_TAIL, len);
+		return XDP_DROP;
+	}
+	if (verdict == 2) {
+		count(out_if, FABRIC_C_EARLY + prio, len);
+		return XDP_DROP;
+	}
+	if (verdict == 3)
+		count(out_if, FABRIC_C_BOUND, len);
+	count(out_if, FABRIC_C_PASS, len);
+	return XDP_PASS;
+}

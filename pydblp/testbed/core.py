@@ -1,0 +1,655 @@
+"""An emulated cluster on one machine: worker namespaces behind one switch.
+
+Topology of a testbed ``NAME`` with N workers::
+
+    netns NAME-w0          netns NAME-sw                      netns NAME-wK
+    eth0 198.18.0.1/15 ─── w0 ┐                          ┌ wK ─── eth0 198.18.0.K+1/15
+                              ├─ br0 (Linux bridge) ─────┤
+                         fabric.bpf.c: native XDP on every switch port w0..wN-1
+
+Everything is built with pyroute2 netlink.  Addresses come from 198.18.0.0/15
+(RFC 2544 benchmarking) and exist only inside the testbed's namespaces; there
+is no default route.  Neighbours are static (no ARP on the fabric), IPv6 is
+off (no ND/MLD chatter in the counters), RPS is on for every veth (veth
+reorders otherwise), and each worker NIC has a TBF rate limit (1 Gbit/s by
+default, DESIGN.md section 8).
+
+A JSON state file per testbed (``/run/dblp/testbed/NAME.json``) is written
+*before* anything is created, so ``down`` finds and removes everything a
+creator made, even one killed with SIGKILL half way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydblp import bpf, net
+from pydblp.testbed import fabric as _fabric
+from pydblp.testbed.fabric import Fabric, FabricError
+
+STATE_DIR = Path(os.environ.get("DBLP_TESTBED_DIR", "/run/dblp/testbed"))
+SYSCTL_FILE = "host-sysctl.json"
+PIN_BASE = bpf.PIN_ROOT / "testbed"
+DEFAULT_RATE = "1gbit"
+SUBNET_PREFIX = 15               # 198.18.0.0/15
+HOST_SYSCTLS = {"net.core.netdev_max_backlog": 10000}  # raised while any testbed is up
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+MAX_WORKERS = 250
+TBF_LATENCY_S = 0.05             # TBF queue: 50 ms at the rate
+
+_live: set["Testbed"] = set()
+
+
+class TestbedError(net.NetError):
+    """A testbed cannot be built, found or used; the message says what to do."""
+
+    __test__ = False  # not a pytest class
+
+
+def worker_addr(i: int) -> str:
+    n = i + 1
+    return f"198.18.{n >> 8}.{n & 0xFF}"
+
+
+def worker_mac(i: int) -> str:
+    n = i + 1
+    return f"02:db:00:00:{n >> 8:02x}:{n & 0xFF:02x}"
+
+
+def _mac_bytes(mac: str) -> bytes:
+    return bytes(int(x, 16) for x in mac.split(":"))
+
+
+# ---- state files -------------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked():
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(STATE_DIR / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _state_path(name: str) -> Path:
+    return STATE_DIR / f"{name}.json"
+
+
+def _write_state(state: dict) -> None:
+    path = _state_path(state["name"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
+
+
+def read_state(name: str) -> dict:
+    try:
+        return json.loads(_state_path(name).read_text())
+    except FileNotFoundError:
+        raise TestbedError(f"no testbed {name!r} (see `dblp testbed status`)") from None
+
+
+def names() -> list[str]:
+    """Names of every testbed with a state file (up, or left by a crashed creator)."""
+    if not STATE_DIR.exists():
+        return []
+    return sorted(p.stem for p in STATE_DIR.glob("*.json") if p.name != SYSCTL_FILE)
+
+
+def resolve(name: str | None) -> str:
+    """``name``, or the only testbed there is."""
+    if name:
+        read_state(name)
+        return name
+    found = names()
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise TestbedError("no testbed is up (start one with `dblp testbed up`)")
+    raise TestbedError(f"several testbeds are up ({', '.join(found)}): choose one with --name/--testbed")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- host sysctls (shared by every testbed, restored by the last one down) ---------
+
+def _sysctl_path(key: str) -> Path:
+    return Path("/proc/sys") / key.replace(".", "/")
+
+
+def _raise_host_sysctls() -> None:
+    """Under the lock: the first testbed up records and raises the host sysctls."""
+    rec = STATE_DIR / SYSCTL_FILE
+    if rec.exists():
+        return
+    saved = {}
+    for key, want in HOST_SYSCTLS.items():
+        p = _sysctl_path(key)
+        try:
+            cur = p.read_text().strip()
+        except OSError:
+            continue
+        saved[key] = cur
+    rec.write_text(json.dumps(saved))
+    for key, want in HOST_SYSCTLS.items():
+        if key in saved and int(saved[key]) < want:
+            try:
+                _sysctl_path(key).write_text(str(want))
+            except OSError:
+                pass
+
+
+def _restore_host_sysctls() -> None:
+    """Under the lock: when no testbed is left, put back what the first one changed."""
+    rec = STATE_DIR / SYSCTL_FILE
+    if names() or not rec.exists():
+        return
+    try:
+        saved = json.loads(rec.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    for key, val in saved.items():
+        try:
+            _sysctl_path(key).write_text(str(val))
+        except OSError:
+            pass
+    rec.unlink(missing_ok=True)
+
+
+# ---- namespace helpers ---------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+
+
+def _ns_sysctl(ns: str, key: str, value) -> None:
+    """Write a per-netns sysctl (``/proc/sys/net`` follows the thread's netns)."""
+    with net.in_netns(ns):
+        _sysctl_path(key).write_text(str(value))
+
+
+def _set_rps(ns: str, ifnames: list[str], mask: str) -> None:
+    """Enable RPS on ``ifnames`` of ``ns``: sysfs of that netns, in a forked child.
+
+    /sys/class/net shows the devices of the netns that mounted sysfs, so the
+    child unshares its mount namespace, enters ``ns`` and mounts a fresh sysfs.
+    """
+    pid = os.fork()
+    if pid == 0:  # child: syscalls only, then _exit
+        code = 1
+        try:
+            if _libc.unshare(CLONE_NEWNS) == 0 and \
+                    _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+                fd = os.open(os.path.join(net.NETNS_RUN_DIR, ns), os.O_RDONLY)
+                if _libc.setns(fd, net.CLONE_NEWNET) == 0 and \
+                        _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) == 0:
+                    code = 0
+                    for ifn in ifnames:
+                        for q in Path(f"/sys/class/net/{ifn}/queues").glob("rx-*"):
+                            try:
+                                (q / "rps_cpus").write_text(mask)
+                            except OSError:
+                                code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    # RPS is a performance aid: a failure is tolerated (counted in the state)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _ns_pids(ns: str) -> list[int]:
+    """Processes whose network namespace is ``ns`` (like `ip netns pids`)."""
+    try:
+        st = os.stat(os.path.join(net.NETNS_RUN_DIR, ns))
+    except FileNotFoundError:
+        return []
+    me = os.getpid()
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            s = os.stat(f"/proc/{d}/ns/net")
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            out.append(int(d))
+    return out
+
+
+def _kill_ns_processes(namespaces: list[str], grace: float = 1.0) -> list[int]:
+    """SIGTERM, then SIGKILL, every process left inside the testbed's namespaces.
+
+    They would otherwise keep the namespaces (their veths, XDP attachments and
+    fabric program) alive after the names are gone.
+    """
+    pids = [p for ns in namespaces for p in _ns_pids(ns)]
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _pid_alive(p) and not _reap(p)]
+        time.sleep(0.02)
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+            _reap(p)
+    return pids
+
+
+def _reap(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:
+        return False
+
+
+def teardown(name: str) -> dict:
+    """Remove everything testbed ``name`` made (per its state file); idempotent.
+
+    Returns what was found: ``{'namespaces': [...], 'killed': [...], 'pins': bool}``.
+    """
+    with _locked():
+        try:
+            state = read_state(name)
+        except TestbedError:
+            state = {"name": name, "namespaces": [], "pin_dir": str(PIN_BASE / name)}
+        spaces = state.get("namespaces", [])
+        killed = _kill_ns_processes(spaces)
+        sw = state.get("switch_ns")
+        if sw and net.netns_exists(sw):
+            for port in state.get("ports", {}):
+                with contextlib.suppress(Exception):
+                    net.xdp_detach(port, netns=sw)
+        gone = []
+        for ns in spaces:
+            if net.netns_exists(ns):
+                net.netns_del(ns)
+                gone.append(ns)
+        pin = Path(state.get("pin_dir") or PIN_BASE / name)
+        had_pins = pin.exists()
+        bpf.unpin(pin)
+        _state_path(name).unlink(missing_ok=True)
+        _restore_host_sysctls()
+    return {"namespaces": gone, "killed": killed, "pins": had_pins}
+
+
+def teardown_all() -> list[str]:
+    """``down --all``: every testbed with a state file, plus orphaned pin dirs."""
+    done = []
+    for n in names():
+        teardown(n)
+        done.append(n)
+    if PIN_BASE.exists():
+        for d in PIN_BASE.iterdir():
+            if d.is_dir() and not _state_path(d.name).exists():
+                bpf.unpin(d)
+                done.append(d.name)
+    with _locked():
+        _restore_host_sysctls()
+    return done
+
+
+def _worker_index(worker, n: int) -> int:
+    if isinstance(worker, int):
+        i = worker
+    else:
+        s = str(worker)
+        s = s[1:] if s[:1] == "w" else s
+        if not s.isdigit():
+            raise TestbedError(f"bad worker {worker!r}: use w0..w{n - 1} or an index")
+        i = int(s)
+    if not 0 <= i < n:
+        raise TestbedError(f"no worker {worker!r}: the testbed has w0..w{n - 1}")
+    return i
+
+
+# ---- the testbed -------------------------------------------------------------
+
+class Testbed:
+    """An emulated cluster; a context manager that removes everything on exit.
+
+    >>> with Testbed(workers=4) as tb:
+    ...     tb.burst(ratio=0.8, duration=0.05)
+    ...     tb.run("w1", ["ping", "-c1", tb.addr("w0")])
+
+    ``rate``: each worker NIC's TBF limit ('1gbit' by default, ``0``/'none' for
+    none).  ``fabric=False`` skips the XDP fabric (no faults possible).
+    ``prog``: an already compiled ``(bcc.BPF, fn)`` to share (tests).
+    """
+
+    __test__ = False
+
+    def __init__(self, workers: int = 4, name: str | None = None, mtu: int = 1500,
+                 rate: str | int | None = None, *, fabric: bool = True, mode: str = "native",
+                 rps: bool = True, prog=None):
+        if not 1 <= int(workers) <= MAX_WORKERS:
+            raise TestbedError(f"workers must be within 1..{MAX_WORKERS}, got {workers}")
+        if name is not None and not NAME_RE.match(name):
+            raise TestbedError(f"bad testbed name {name!r}: letters, digits, '_.-', at most 32")
+        if not 68 <= int(mtu) <= 65535:
+            raise TestbedError(f"mtu must be within 68..65535, got {mtu}")
+        self.n = int(workers)
+        self.name = name or f"tb{secrets.token_hex(3)}"
+        self.mtu = int(mtu)
+        try:
+            self.rate_bps = _fabric.parse_rate(DEFAULT_RATE if rate is None else rate)
+        except FabricError as e:
+            raise TestbedError(str(e)) from None
+        if self.rate_bps and self.rate_bps // 8 >= 1 << 32:
+            raise TestbedError("rate above ~34 Gbit/s is not supported by the TBF limit; use 0 for none")
+        self.use_fabric = fabric
+        self.mode = mode
+        self.rps = rps
+        self._prog = prog
+        self.state: dict = {}
+        self._fab: Fabric | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._owner = False
+        self._pid = os.getpid()
+
+    # ---- naming -------------------------------------------------------
+    @property
+    def switch_ns(self) -> str:
+        return f"{self.name}-sw"
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"w{i}" for i in range(self.n)]
+
+    def ns(self, worker) -> str:
+        """The network namespace of ``worker`` ('w2', 2)."""
+        return f"{self.name}-w{_worker_index(worker, self.n)}"
+
+    def addr(self, worker) -> str:
+        """IPv4 address of ``worker`` (198.18.0.0/15)."""
+        return worker_addr(_worker_index(worker, self.n))
+
+    def mac(self, worker) -> str:
+        return worker_mac(_worker_index(worker, self.n))
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Switch port name (w0...) -> its ifindex in the switch namespace."""
+        return dict(self.state.get("ports", {}))
+
+    @property
+    def prog_id(self) -> int | None:
+        return self.state.get("prog_id")
+
+    # ---- lifecycle ----------------------------------------------------
+    @classmethod
+    def open(cls, name: str | None = None) -> "Testbed":
+        """Attach to a testbed another process brought up (``dblp testbed up``)."""
+        state = read_state(resolve(name))
+        tb = cls(workers=state["workers"], name=state["name"], mtu=state["mtu"],
+                 rate=state.get("rate_bps", 0), fabric=state.get("fabric", True))
+        tb.state = state
+        return tb
+
+    def __enter__(self) -> "Testbed":
+        if not self.state:
+            self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> "Testbed":
+        spaces = [self.switch_ns] + [self.ns(i) for i in range(self.n)]
+        with _locked():
+            if _state_path(self.name).exists():
+                raise TestbedError(f"testbed {self.name!r} exists already (`dblp testbed down --name "
+                                   f"{self.name}` removes it)")
+            clash = [s for s in spaces if net.netns_exists(s)]
+            if clash:
+                raise TestbedError(f"namespace {clash[0]} exists already: choose another name")
+            self.state = {
+                "name": self.name, "status": "creating", "creator_pid": os.getpid(),
+                "created": time.time(), "workers": self.n, "mtu": self.mtu,
+                "rate_bps": self.rate_bps, "fabric": self.use_fabric, "mode": self.mode,
+                "switch_ns": self.switch_ns, "namespaces": spaces,
+                "pin_dir": str(PIN_BASE / self.name),
+                "addrs": {f"w{i}": worker_addr(i) for i in range(self.n)},
+                "macs": {f"w{i}": worker_mac(i) for i in range(self.n)},
+                "ports": {}, "prog_id": None,
+            }
+            _write_state(self.state)
+            _raise_host_sysctls()
+        self._owner = True
+        self._pid = os.getpid()
+        _live.add(self)
+        try:
+            self._build(spaces)
+        except BaseException:
+            self.down()
+            raise
+        self.state["status"] = "up"
+        _write_state(self.state)
+        return self
+
+    def _build(self, spaces: list[str]) -> None:
+        for ns in spaces:
+            net.netns_add(ns)
+            # no IPv6 chatter (ND, MLD) on the fabric; must precede link creation
+            for key in ("net.ipv6.conf.all.disable_ipv6", "net.ipv6.conf.default.disable_ipv6"):
+                with contextlib.suppress(OSError):
+                    _ns_sysctl(ns, key, 1)
+        sw = self.switch_ns
+        ports = {}
+        with net.ipr(sw) as ip:
+            ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")
+            ip.link("add", ifname="br0", kind="bridge", br_forward_delay=0, br_stp_state=0)
+            br = ip.link_lookup(ifname="br0")[0]
+            for i in range(self.n):
+                port = f"w{i}"
+                ip.link("add", ifname=port, kind="veth",
+                        peer={"ifname": "eth0", "net_ns_fd": self.ns(i), "address": worker_mac(i)})
+                idx = ip.link_lookup(ifname=port)[0]
+                ip.link("set", index=idx, mtu=self.mtu, master=br)
+                ports[port] = idx
+            ip.link("set", index=br, mtu=self.mtu, state="up")
+        self.state["ports"] = ports
+        _write_state(self.state)
+        for i in range(self.n):
+            with net.ipr(self.ns(i)) as ip:
+                ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")
+                eth = ip.link_lookup(ifname="eth0")[0]
+                ip.link("set", index=eth, mtu=self.mtu)
+                ip.addr("add", index=eth, address=worker_addr(i), prefixlen=SUBNET_PREFIX)
+                for j in range(self.n):
+                    if j != i:
+                        ip.neigh("add", dst=worker_addr(j), lladdr=worker_mac(j), ifindex=eth,
+                                 state=0x80)  # NUD_PERMANENT
+                if self.rate_bps:
+                    rate = self.rate_bps // 8
+                    burst = max(self.mtu * 4, rate // 1000)  # ~1 ms of tokens, >= 4 frames
+                    ip.tc("add", "tbf", eth, 0x10000, rate=rate, burst=burst,
+                          latency=int(TBF_LATENCY_S * 1e6))
+                ip.link("set", index=eth, state="up")
+        if self.rps:
+            mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+            ok = _set_rps(sw, list(ports), mask)
+            for i in range(self.n):
+                ok = _set_rps(self.ns(i), ["eth0"], mask) and ok
+            self.state["rps"] = mask if ok else None
+        if self.use_fabric:
+            macs = {f"w{i}": _mac_bytes(worker_mac(i)) for i in range(self.n)}
+            self.state["prog_id"] = _fabric.load(Path(self.state["pin_dir"]), sw, ports, macs,
+                                                 mode=self.mode, prog=self._prog)
+        with net.ipr(sw) as ip:
+            for idx in ports.values():
+                ip.link("set", index=idx, state="up")
+
+    def detach(self) -> "Testbed":
+        """Leave the testbed up after this process exits (``dblp testbed up``)."""
+        _live.discard(self)
+        self._owner = False
+        return self
+
+    def ping(self, src, dst, count: int = 1, timeout: float = 1.0, size: int = 56) -> int:
+        """ICMP echo from worker ``src`` to worker ``dst`` (an address or worker); replies received."""
+        return ping(self.ns(src), dst if "." in str(dst) else self.addr(dst), count, timeout, size)
+
+    def down(self) -> None:
+        """Remove the testbed (namespaces, links, XDP, pins, state file); idempotent."""
+        if os.getpid() != self._pid:
+            return  # a forked child (pyroute2 forks for netns): never tear down the parent's
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=5)
+        self._procs.clear()
+        if self._fab:
+            self._fab.close()
+            self._fab = None
+        if self.state:
+            teardown(self.name)
+            self.state = {}
+        _live.discard(self)
+
+    # ---- faults -------------------------------------------------------
+    @property
+    def fabric(self) -> Fabric:
+        if not self.state.get("fabric", self.use_fabric):
+            raise TestbedError(f"testbed {self.name} runs without the fabric: no faults")
+        if self._fab is None:
+            self._fab = Fabric(Path(self.state["pin_dir"]), self.ports)
+        return self._fab
+
+    def loss(self, p: float, port=None) -> None:
+        self.fabric.loss(p, port=port)
+
+    def ge(self, p: float, r: float, loss_bad: float = 1.0, loss_good: float = 0.0, port=None) -> None:
+        self.fabric.ge(p, r, loss_bad=loss_bad, loss_good=loss_good, port=port)
+
+    def burst(self, ratio: float = 0.8, duration: float = 0.05, *, at: float | None = None,
+              delay: float = 0.0, every: float | None = None, count: int | None = None,
+              port=None) -> float:
+        return self.fabric.burst(ratio=ratio, duration=duration, at=at, delay=delay,
+                                 every=every, count=count, port=port)
+
+    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None) -> None:
+        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port)
+
+    def clear(self, port=None) -> None:
+        self.fabric.clear(port=port)
+
+    def stats(self, reset: bool = False) -> dict:
+        return self.fabric.stats(reset=reset)
+
+    # ---- processes ----------------------------------------------------
+    def argv(self, worker, argv: list[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``worker``'s netns (setns only: /sys and bpffs stay visible)."""
+        path = os.path.join(net.NETNS_RUN_DIR, self.ns(worker))
+        if shutil.which("nsenter"):
+            return ["nsenter", f"--net={path}", "--", *argv]
+        return [sys.executable, "-m", "pydblp.testbed.nsexec", path, *argv]
+
+    def popen(self, worker, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` in ``worker``; killed at :meth:`down` if still running."""
+        p = subprocess.Popen(self.argv(worker, argv), **kw)
+        self._procs.append(p)
+        return p
+
+    def run(self, worker, argv: list[str], check: bool = False, timeout: float | None = 60,
+            **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` in ``worker`` to completion (``subprocess.run`` keywords apply)."""
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        return subprocess.run(self.argv(worker, argv), check=check, timeout=timeout, **kw)
+
+
+def _icmp_sum(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(int.from_bytes(b[i:i + 2], "big") for i in range(0, len(b), 2))
+    s = (s >> 16) + (s & 0xFFFF)
+    s += s >> 16
+    return ~s & 0xFFFF
+
+
+def ping(ns: str, addr: str, count: int = 1, timeout: float = 1.0, size: int = 56) -> int:
+    """ICMP echo from inside netns ``ns`` to ``addr`` (no ping binary needed); replies received."""
+    import socket
+    import struct
+
+    with net.in_netns(ns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    got = 0
+    try:
+        ident = os.getpid() & 0xFFFF
+        for seq in range(count):
+            body = struct.pack("!d", time.monotonic()).ljust(size, b"\xa5")
+            hdr = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+            pkt = struct.pack("!BBHHH", 8, 0, _icmp_sum(hdr + body), ident, seq) + body
+            s.sendto(pkt, (addr, 0))
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                s.settimeout(left)
+                try:
+                    data, _ = s.recvfrom(65535)
+                except (TimeoutError, OSError):
+                    break
+                ihl = (data[0] & 0xF) * 4
+                typ, _, _, rid, rseq = struct.unpack_from("!BBHHH", data, ihl)
+                if typ == 0 and rid == ident and rseq == seq:
+                    got += 1
+                    break
+    finally:
+        s.close()
+    return got
+
+
+@atexit.register
+def _down_live() -> None:  # a creator exiting without `with` still cleans up
+    for tb in list(_live):
+        if tb._pid != os.getpid():
+            continue
+        with contextlib.suppress(Exception):
+            tb.down()
+
+
+def status() -> list[dict]:
+    """One entry per testbed: state, whether its namespaces exist, creator alive."""
+    out = []
+    for n in names():
+        try:
+            st = read_state(n)
+        except (TestbedError, ValueError):
+            continue
+        present = [s for s in st.get("namespaces", []) if net.netns_exists(s)]
+        st["present"] = len(present) == len(st.get("namespaces", [])) and bool(present)
+        st["creator_alive"] = _pid_alive(st.get("creator_pid", 0) or 0)
+        if st.get("prog_id"):
+            st["fabric_loaded"] = _fabric.prog_exists(st["prog_id"])
+        out.append(st)
+    return out
