@@ -309,7 +309,8 @@ def teardown_all() -> list[str]:
         done.append(n)
     if PIN_BASE.exists():
         for d in PIN_BASE.iterdir():
-            if d.is_dir() and not _state_path(d.name).exists():
+            # orphan: no state file here and no namespace (a testbed of another state dir is live)
+            if d.is_dir() and not _state_path(d.name).exists() and not net.netns_exists(f"{d.name}-sw"):
                 bpf.unpin(d)
                 done.append(d.name)
     with _locked():

@@ -348,13 +348,13 @@ def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, b
     own = prog is None
     if own:
         b = bpf.compile(SOURCE)
-        fn = b.load_func("fabric", b.XDP)
+        fn = b.load_func(b"fabric", b.XDP)
     else:
         b, fn = prog
     try:
         pin_dir.mkdir(parents=True, exist_ok=True)
         for m in MAPS:
-            bpf.obj_pin(b[m].map_fd, pin_dir / m)
+            bpf.obj_pin(b[m.encode()].map_fd, pin_dir / m)
         bpf.obj_pin(fn.fd, pin_dir / "prog")
         fab = Fabric(pin_dir, ports)
         try:

@@ -1,0 +1,319 @@
+"""The fabric program, frame by frame through BPF_PROG_TEST_RUN (deterministic).
+
+One compile for the module.  Maps are used through the same pinned-map code
+(:class:`pydblp.testbed.fabric.Fabric`) the testbed uses, pinned in a
+private directory; egress ports are fake ifindexes reached through the fdb.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import time
+
+import pytest
+
+from pydblp import bpf, wire
+from pydblp.testbed import fabric as fb
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf]
+
+PORT_A, PORT_B = 1001, 1002
+MAC_A = bytes.fromhex("02db00000063")
+MAC_B = bytes.fromhex("02db00000064")
+SRC_MAC = bytes.fromhex("02db00000001")
+XDP_DROP, XDP_PASS = 1, 2
+
+
+def ip4_frame(proto: int, l4: bytes, dst_mac: bytes = MAC_A) -> bytes:
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0,
+                     bytes([198, 18, 0, 1]), bytes([198, 18, 0, 2]))
+    return dst_mac + SRC_MAC + b"\x08\x00" + ip + l4
+
+
+def udp_frame(payload: bytes = b"x" * 64, dst_mac: bytes = MAC_A) -> bytes:
+    return ip4_frame(17, struct.pack("!HHHH", 40000, wire.DEFAULT_PORT, 8 + len(payload), 0) + payload,
+                     dst_mac)
+
+
+def tcp_frame(dst_mac: bytes = MAC_A) -> bytes:
+    return ip4_frame(6, struct.pack("!HHIIBBHHH", 40000, 80, 1, 0, 5 << 4, 0x10, 65535, 0, 0) + b"y" * 64,
+                     dst_mac)
+
+
+def dblp_frame(prio: int, tensor: int = 0, src: int = 0, nchunks: int = 100, tol: int = 0,
+               chunk: int = 0, size: int = 1000, dst_mac: bytes = MAC_A) -> bytes:
+    hdr = wire.Header(job=7, round=3, tensor=tensor, src=src, dst=1, prio=prio, chunk=chunk,
+                      nchunks=nchunks, tol=tol)
+    frame = udp_frame(wire.encode(hdr, b"\0" * (size - 14 - 20 - 8 - 32)), dst_mac)
+    assert len(frame) == size
+    return frame
+
+
+@pytest.fixture(scope="module")
+def compiled(bpf_xdp):
+    b = bpf.compile(fb.SOURCE)
+    fn = b.load_func(b"fabric", b.XDP)
+    yield b, fn
+    b.cleanup()
+
+
+@pytest.fixture
+def fab(compiled, tmp_path_factory):
+    """A Fabric over the compiled maps (pinned in a private dir), two fake egress ports."""
+    b, fn = compiled
+    pin = bpf.PIN_ROOT / "test-fabric" / tmp_path_factory.mktemp("f").name
+    pin.mkdir(parents=True)
+    for m in fb.MAPS:
+        bpf.obj_pin(b[m.encode()].map_fd, pin / m)
+    f = fb.Fabric(pin, {"a": PORT_A, "b": PORT_B})
+    for m in ("port_cfg", "port_state", "fdb", "counters", "msgs"):
+        f.maps[m].clear()
+    f.maps["fdb"].update(fb.MAC.pack(MAC_A, 0), fb.U32.pack(PORT_A))
+    f.maps["fdb"].update(fb.MAC.pack(MAC_B, 0), fb.U32.pack(PORT_B))
+    for idx in (PORT_A, PORT_B):
+        f.maps["port_cfg"].update(fb.U32.pack(idx), fb.PortConfig().pack())
+        f.maps["port_state"].update(fb.U32.pack(idx), fb.STATE.pack(0, 0, 0, 0, 0))
+    f.prog_fd = fn.fd
+    yield f
+    f.close()
+    bpf.unpin(pin)
+    bpf.unpin(bpf.PIN_ROOT / "test-fabric")
+
+
+def verdicts(f, frame: bytes, n: int) -> list[int]:
+    return [bpf.test_run(f.prog_fd, frame)[0] for _ in range(n)]
+
+
+def counts(f, port: str = "a") -> dict[str, int]:
+    return {k: v["packets"] for k, v in f.stats()[port].items() if isinstance(v, dict) and "packets" in v}
+
+
+# ---- agreement of the Python mirrors with the compiled structs ---------------
+
+def _layout(ctype) -> list[tuple[str, int, int]]:
+    return [(name, getattr(ctype, name).offset, ctypes.sizeof(t)) for name, t in ctype._fields_
+            if not name.startswith("__pad")]
+
+
+def test_struct_mirrors_match_compiled_types(compiled):
+    b, _ = compiled
+    assert ctypes.sizeof(b[b"port_cfg"].Leaf) == fb.CFG.size == 128
+    assert ctypes.sizeof(b[b"port_state"].Leaf) == fb.STATE.size
+    assert ctypes.sizeof(b[b"msgs"].Key) == fb.MSG.size
+    assert ctypes.sizeof(b[b"fdb"].Key) == fb.MAC.size
+    assert ctypes.sizeof(b[b"counters"].Key) == fb.CKEY.size
+    assert ctypes.sizeof(b[b"counters"].Leaf) == fb.CVAL.size * bpf.possible_cpus()
+    # field order and offsets of fabric_cfg as the Python struct packs them
+    names = [n for n, _, _ in _layout(b[b"port_cfg"].Leaf)]
+    assert names == list(fb.CFG_FIELDS)
+    offs = {n: o for n, o, _ in _layout(b[b"port_cfg"].Leaf)}
+    assert offs["buffer"] == 88 and offs["flags"] == 92 and offs["thresh"] == 96
+    assert [n for n, _, _ in _layout(b[b"port_state"].Leaf)] == ["lock", "ge_bad", "backlog", "last_ns", "peak"]
+
+
+def test_constants_match_header():
+    text = (bpf.BPF_DIR / "fabric.h").read_text()
+    consts = {"FABRIC_F_GE": fb.F_GE, "FABRIC_F_QUEUE": fb.F_QUEUE, "FABRIC_C_PASS": fb.C_PASS,
+              "FABRIC_C_LOSS": fb.C_LOSS, "FABRIC_C_GE": fb.C_GE, "FABRIC_C_BURST": fb.C_BURST,
+              "FABRIC_C_TAIL": fb.C_TAIL, "FABRIC_C_BOUND": fb.C_BOUND, "FABRIC_C_FLOOD": fb.C_FLOOD,
+              "FABRIC_C_EARLY": fb.C_EARLY, "FABRIC_NCAUSES": fb.NCAUSES, "FABRIC_NPRIO": fb.NPRIO}
+    import re
+
+    for name, val in consts.items():
+        m = re.search(rf"#define {name}\s+\(?(\d+)(?: << (\d+))?", text)
+        assert m, name
+        got = int(m.group(1)) << int(m.group(2) or 0)
+        assert got == val, name
+
+
+# ---- loss ------------------------------------------------------------------------
+
+def test_no_fault_passes_everything(fab):
+    assert set(verdicts(fab, udp_frame(), 50)) == {XDP_PASS}
+    assert counts(fab)["pass"] == 50
+
+
+def test_bernoulli_loss_within_3_sigma(fab):
+    p, n = 0.1, 20000
+    fab.loss(p, port="a")
+    bpf.test_run(fab.prog_fd, udp_frame(), repeat=n)
+    c = counts(fab)
+    assert c["loss"] + c["pass"] == n
+    sigma = math.sqrt(n * p * (1 - p))
+    assert abs(c["loss"] - n * p) <= 3 * sigma, c
+    # other port untouched
+    assert set(verdicts(fab, udp_frame(dst_mac=MAC_B), 200)) == {XDP_PASS}
+
+
+def test_tcp_and_udp_alike_broadcast_untouched(fab):
+    fab.loss(1.0)
+    assert bpf.test_run(fab.prog_fd, udp_frame())[0] == XDP_DROP
+    assert bpf.test_run(fab.prog_fd, tcp_frame())[0] == XDP_DROP
+    assert bpf.test_run(fab.prog_fd, dblp_frame(prio=0))[0] == XDP_DROP
+    bcast = b"\xff" * 6 + udp_frame()[6:]
+    assert bpf.test_run(fab.prog_fd, bcast)[0] == XDP_PASS
+    unknown = bytes.fromhex("02db000000ee") + udp_frame()[6:]
+    assert bpf.test_run(fab.prog_fd, unknown)[0] == XDP_PASS
+    fab.clear()
+    assert bpf.test_run(fab.prog_fd, tcp_frame())[0] == XDP_PASS
+
+
+def test_gilbert_elliott_mean_burst_length(fab):
+    p, r, n = 0.05, 0.25, 20000
+    fab.ge(p, r, loss_bad=1.0, loss_good=0.0, port="a")
+    v = verdicts(fab, udp_frame(), n)
+    runs, cur = [], 0
+    for x in v:
+        if x == XDP_DROP:
+            cur += 1
+        elif cur:
+            runs.append(cur)
+            cur = 0
+    mean = sum(runs) / len(runs)
+    # run lengths are geometric with mean 1/r = 4, sd sqrt(1-r)/r ~ 3.5
+    sd = math.sqrt(1 - r) / r / math.sqrt(len(runs))
+    assert abs(mean - 1 / r) <= 4 * sd, (mean, len(runs))
+    frac = v.count(XDP_DROP) / n
+    assert abs(frac - p / (p + r)) < 0.03, frac
+    assert counts(fab)["ge"] == v.count(XDP_DROP)
+
+
+# ---- microburst windows -------------------------------------------------------------
+
+def _timed(fab, frame: bytes, seconds: float) -> list[tuple[int, int, int]]:
+    out = []
+    end = time.monotonic_ns() + int(seconds * 1e9)
+    while (t0 := time.monotonic_ns()) < end:
+        v = bpf.test_run(fab.prog_fd, frame)[0]
+        out.append((t0, time.monotonic_ns(), v))
+    return out
+
+
+def test_burst_window_drops_only_inside(fab):
+    start = fab.burst(ratio=1.0, duration=0.03, delay=0.02, port="a")
+    s_ns, e_ns = int(start * 1e9), int(start * 1e9) + 30_000_000
+    rec = _timed(fab, udp_frame(), 0.08)
+    inside = [v for t0, t1, v in rec if t0 >= s_ns and t1 < e_ns]
+    outside = [v for t0, t1, v in rec if t1 < s_ns or t0 >= e_ns]
+    assert inside and outside
+    assert set(inside) == {XDP_DROP}
+    assert set(outside) == {XDP_PASS}
+    for t0, t1, v in rec:
+        if v == XDP_DROP:
+            assert t1 >= s_ns and t0 < e_ns, "drop outside the window"
+
+
+def test_periodic_bursts_with_count_and_ratio(fab):
+    P, D = 30_000_000, 10_000_000
+    start = fab.burst(ratio=1.0, duration=D / 1e9, delay=0.005, every=P / 1e9, count=2, port="a")
+    s_ns = int(start * 1e9)
+    windows = [(s_ns + k * P, s_ns + k * P + D) for k in range(2)]
+    rec = _timed(fab, udp_frame(), 0.11)
+    inside = 0
+    for t0, t1, v in rec:
+        touches = any(t1 >= a and t0 < b for a, b in windows)
+        within = any(t0 >= a and t1 < b for a, b in windows)
+        if v == XDP_DROP:
+            assert touches, (t0 - s_ns, t1 - s_ns)
+        if within:
+            inside += 1
+            assert v == XDP_DROP, (t0 - s_ns, t1 - s_ns)
+    assert inside > 10
+    # the third window (k = 2) does not come
+    assert any(t0 >= s_ns + 2 * P for t0, _, _ in rec)
+    assert all(v == XDP_PASS for t0, _, v in rec if t0 >= s_ns + P + D)
+    # partial ratio: about half inside a long window
+    fab.burst(ratio=0.5, duration=5.0, port="b")
+    v = verdicts(fab, udp_frame(dst_mac=MAC_B), 4000)
+    assert abs(v.count(XDP_DROP) / 4000 - 0.5) < 0.05
+
+
+# ---- the priority queue ---------------------------------------------------------------
+
+def model(frames, buffer, thresh, bounds):
+    """Expected verdicts of a queue that never drains (rate ~0) — the C logic in Python."""
+    backlog, spent, out = 0, {}, []
+    for key, prio, size in frames:
+        t = thresh[prio] if prio > 0 else 0
+        bound = bounds[key]
+        if backlog + size > buffer:
+            out.append("tail")
+        elif t and backlog + size > t and bound and spent.get(key, 0) < bound:
+            spent[key] = spent.get(key, 0) + 1
+            out.append("early")
+        else:
+            backlog += size
+            out.append("pass")
+    return out, spent
+
+
+def test_priority_queue_early_drop_order_and_bound(fab):
+    size, buffer = 1000, 40_500
+    fab.queue(8, buffer=buffer, port="a")          # 1 byte/s: the queue only fills
+    thresh = fb.default_thresholds(buffer)
+    frames, sent = [], []
+    # 8 messages (one per prio, src = prio), 30 chunks each, tol 10 % -> bound 2
+    nchunks, tol = 30, 26
+    for chunk in range(nchunks):
+        for prio in (7, 0, 3, 1, 6, 2, 5, 4):
+            frames.append(((prio,), prio, size))
+            sent.append(dblp_frame(prio, tensor=prio, src=prio, nchunks=nchunks, tol=tol, chunk=chunk))
+    bound = nchunks * tol // 255
+    assert bound == 3
+    want, spent = model(frames, buffer, thresh, {(p,): bound for p in range(8)})
+    got = [bpf.test_run(fab.prog_fd, f)[0] for f in sent]
+    assert [XDP_DROP if w != "pass" else XDP_PASS for w in want] == got
+    c = counts(fab)
+    assert c.get("early0", 0) == 0
+    assert sum(c.get(f"early{p}", 0) for p in range(8)) == want.count("early")
+    assert c.get("tail", 0) == want.count("tail") > 0
+    # lower priority (higher number) starts losing first
+    first = {}
+    for (key, prio, _), w in zip(frames, want):
+        if w == "early":
+            first.setdefault(prio, len(first))
+    assert sorted(first, key=first.get) == sorted(first, reverse=True)
+    assert first and 0 not in first
+    # the kernel's per-message counters: none above its bound
+    for k, v in fab.maps["msgs"].items():
+        job, rnd, tensor, src, dst, _ = fb.MSG.unpack(k)
+        assert struct.unpack("=I", v)[0] <= bound
+    assert max(spent.values()) == bound
+    st = fab.stats()["a"]
+    assert st["backlog"] <= buffer and st["peak"] <= buffer
+
+
+def test_queue_drains_at_line_rate(fab):
+    # 800 kbit/s = 100 kB/s: a 20 kB buffer drains in 200 ms
+    fab.queue("800kbit", buffer=20_000, port="a")
+    frame = udp_frame(b"z" * (1000 - 42))
+    got = verdicts(fab, frame, 40)
+    assert got.count(XDP_PASS) == 20 and got[20:] == [XDP_DROP] * 20
+    time.sleep(0.2)
+    assert verdicts(fab, frame, 15) == [XDP_PASS] * 15
+    assert counts(fab)["tail"] == 20
+
+
+def test_tol_zero_is_never_early_dropped(fab):
+    fab.queue(8, buffer=10_000, port="a")
+    v = [bpf.test_run(fab.prog_fd, dblp_frame(7, nchunks=100, tol=0, chunk=i))[0] for i in range(12)]
+    assert v == [XDP_PASS] * 10 + [XDP_DROP] * 2      # only tail drops
+    c = counts(fab)
+    assert c.get("early7", 0) == 0 and c["bound"] > 0 and c["tail"] == 2
+
+
+def test_config_validation(fab):
+    with pytest.raises(fb.FabricError):
+        fab.loss(1.5)
+    with pytest.raises(fb.FabricError):
+        fab.ge(0.1, 0)
+    with pytest.raises(fb.FabricError):
+        fab.burst(duration=0.1, every=0.05)
+    with pytest.raises(fb.FabricError):
+        fab.loss(0.1, port="zz")
+    with pytest.raises(fb.FabricError):
+        fab.queue("1gbit", thresholds=[1, 2])
+    assert fb.parse_rate("1gbit") == 10**9 and fb.parse_rate("none") == 0
+    assert fb.parse_size("64k") == 65536 and fb.parse_duration("50ms") == pytest.approx(0.05)
