@@ -1,0 +1,420 @@
+"""The testbed end to end: build, reach, break on purpose, tear down without a trace.
+
+One 4-worker testbed for the module (one fabric compile, shared); the
+lifecycle tests run the CLI in subprocesses with a private state directory so
+`down --all` never touches another run's testbeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pydblp import bpf, net, wire
+from pydblp.testbed import Testbed, TestbedError, core
+from pydblp.testbed import fabric as fb
+from tests.conftest import unique_name
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def prog(bpf_xdp):
+    b = bpf.compile(fb.SOURCE)
+    fn = b.load_func(b"fabric", b.XDP)
+    yield b, fn
+    b.cleanup()
+
+
+@pytest.fixture(scope="module")
+def tb(prog):
+    with Testbed(workers=4, name=unique_name("tb"), prog=prog) as t:
+        yield t
+
+
+@pytest.fixture
+def clean(tb):
+    tb.clear()
+    tb.stats(reset=True)
+    yield tb
+    tb.clear()
+
+
+def sock(ns: str, kind=socket.SOCK_DGRAM) -> socket.socket:
+    with net.in_netns(ns):
+        return socket.socket(socket.AF_INET, kind)
+
+
+# ---- layout ----------------------------------------------------------------------
+
+def test_layout(tb):
+    st = json.loads((core.STATE_DIR / f"{tb.name}.json").read_text())
+    assert st["status"] == "up" and st["workers"] == 4 and set(st["ports"]) == {"w0", "w1", "w2", "w3"}
+    prog_ids = set()
+    for port in tb.workers:
+        q = net.xdp_query(port, netns=tb.switch_ns)
+        assert q and q["mode"] == net.Mode.NATIVE, q
+        prog_ids.add(q["prog_id"])
+    assert prog_ids == {tb.prog_id}, "one program shared by every port"
+    for w in tb.workers:
+        with net.ipr(tb.ns(w)) as ip:
+            addrs = [a.get_attr("IFA_ADDRESS") for a in ip.get_addr(family=socket.AF_INET)]
+            routes = ip.get_routes(family=socket.AF_INET, table=254)
+            qdisc = [q.get_attr("TCA_KIND") for q in ip.get_qdiscs()]
+        assert tb.addr(w) in addrs and tb.addr(w).startswith("198.18.")
+        assert all(r.get_attr("RTA_DST") for r in routes), "no default route"
+        assert "tbf" in qdisc
+    assert tb.addr("w3") == "198.18.0.4" and tb.ns(2).endswith("-w2")
+    with pytest.raises(TestbedError):
+        tb.ns("w9")
+
+
+# ---- reachability ----------------------------------------------------------------
+
+def test_ping_all_pairs(clean):
+    tb = clean
+    for a in tb.workers:
+        for b in tb.workers:
+            if a != b:
+                assert tb.ping(a, b, count=1, timeout=1.0) == 1, (a, b)
+
+
+def test_tcp_and_udp(clean):
+    tb = clean
+    srv = sock(tb.ns("w2"), socket.SOCK_STREAM)
+    srv.bind((tb.addr("w2"), 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    data = os.urandom(2 << 20)
+    got = bytearray()
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            while chunk := c.recv(1 << 16):
+                got.extend(chunk)
+
+    th = threading.Thread(target=serve)
+    th.start()
+    cli = sock(tb.ns("w0"), socket.SOCK_STREAM)
+    cli.settimeout(10)
+    cli.connect((tb.addr("w2"), port))
+    cli.sendall(data)
+    cli.close()
+    th.join(10)
+    srv.close()
+    assert bytes(got) == data
+
+    u2, u1 = sock(tb.ns("w3")), sock(tb.ns("w1"))
+    u2.bind((tb.addr("w3"), 0))
+    u2.settimeout(2)
+    u1.sendto(b"hello", u2.getsockname())
+    msg, peer = u2.recvfrom(100)
+    assert msg == b"hello" and peer[0] == tb.addr("w1")
+    u1.close(), u2.close()
+    s = tb.stats()
+    assert s["w2"]["pass"]["packets"] > 100 and s["w3"]["pass"]["packets"] >= 1
+
+
+# ---- faults with real traffic --------------------------------------------------------
+
+def udp_blast(tb, src: str, dst: str, n: int, gap: float = 0.0, seconds: float = 5.0,
+              payload: int = 200) -> tuple[list[tuple[int, int]], set[int]]:
+    """Send ``n`` numbered datagrams (seq, send time); return (sent, received seqs)."""
+    rx, tx = sock(tb.ns(dst)), sock(tb.ns(src))
+    rx.bind((tb.addr(dst), 0))
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    rx.settimeout(0.3)
+    got: set[int] = set()
+
+    def recv():
+        while True:
+            try:
+                d = rx.recv(2048)
+            except (TimeoutError, OSError):
+                return
+            got.add(struct.unpack_from("!I", d)[0])
+
+    th = threading.Thread(target=recv)
+    th.start()
+    sent = []
+    pad = b"\0" * (payload - 12)
+    end = time.monotonic() + seconds
+    for i in range(n):
+        if time.monotonic() > end:
+            break
+        t = time.monotonic_ns()
+        tx.sendto(struct.pack("!IQ", i, t) + pad, rx.getsockname())
+        sent.append((i, t))
+        if gap:
+            time.sleep(gap)
+        elif i % 200 == 199:
+            time.sleep(0.002)  # stay under the 1 Gbit/s NIC limit and the receive buffer
+    th.join(10)
+    rx.close(), tx.close()
+    return sent, got
+
+
+def test_random_loss_udp_within_3_sigma(clean):
+    tb, p = clean, 0.2
+    tb.loss(p, port="w1")
+    sent, got = udp_blast(tb, "w0", "w1", 10000)
+    n = len(sent)
+    assert n == 10000
+    s = tb.stats()["w1"]
+    assert s["loss"]["packets"] + s["pass"]["packets"] == n  # every datagram met the fault once
+    lost = n - len(got)
+    assert lost == s["loss"]["packets"], "every loss is the fabric's"
+    sigma = (n * p * (1 - p)) ** 0.5
+    assert abs(lost - n * p) <= 3 * sigma, (lost, n * p, sigma)
+
+
+def test_burst_window_udp_timestamps(clean):
+    tb = clean
+    start = tb.burst(ratio=1.0, duration=0.1, delay=0.1, port="w1")
+    s_ns, e_ns = int(start * 1e9), int(start * 1e9) + 100_000_000
+    sent, got = udp_blast(tb, "w0", "w1", 600, gap=0.0005)
+    slack = 2_000_000  # send-to-switch transit
+    assert sent[-1][1] > e_ns + 10 * slack, "the blast outlasts the window"
+    inside = [i for i, t in sent if s_ns + slack <= t < e_ns - slack]
+    outside = [i for i, t in sent if t < s_ns - slack or t >= e_ns + slack]
+    assert len(inside) > 20 and not (set(inside) & got), "everything inside the window is dropped"
+    assert set(outside) <= got, "nothing outside the window is dropped"
+    assert tb.stats()["w1"]["burst"]["packets"] == len(sent) - len(got)
+
+
+def test_tcp_suffers_the_same_network(clean):
+    tb = clean
+    srv = sock(tb.ns("w3"), socket.SOCK_STREAM)
+    srv.bind((tb.addr("w3"), 0))
+    srv.listen()
+    cli = sock(tb.ns("w0"), socket.SOCK_STREAM)
+    cli.settimeout(0.5)
+    tb.burst(ratio=1.0, duration=0.8, port="w3")   # SYNs to w3 vanish for 0.8 s
+    with pytest.raises((TimeoutError, socket.timeout)):
+        cli.connect(srv.getsockname())
+    cli.close()
+    assert tb.stats()["w3"]["burst"]["packets"] >= 1
+    # a stream under 5 % random loss still completes, with fabric drops counted
+    tb.clear()
+    tb.loss(0.05, port="w3")
+    cli = sock(tb.ns("w0"), socket.SOCK_STREAM)
+    cli.settimeout(20)
+    cli.connect(srv.getsockname())
+    c, _ = srv.accept()
+    data = os.urandom(1 << 20)
+    th = threading.Thread(target=cli.sendall, args=(data,))
+    th.start()
+    got = bytearray()
+    c.settimeout(20)
+    while len(got) < len(data):
+        got.extend(c.recv(1 << 16))
+    th.join()
+    cli.close(), c.close(), srv.close()
+    assert bytes(got) == data
+    assert tb.stats()["w3"]["loss"]["packets"] > 0
+
+
+def test_priority_queue_real_traffic(clean):
+    """Two senders overload w2's virtual queue with DBLP DATA at prio 0..7."""
+    tb = clean
+    tb.queue("20mbit", buffer=64 * 1024, port="w2")
+    nchunks, tol = 400, 51                         # 20 % tolerance: bound 80 per message
+    bound = nchunks * tol // 255
+    rx = sock(tb.ns("w2"))
+    rx.bind((tb.addr("w2"), wire.DEFAULT_PORT))
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    rx.settimeout(0.3)
+    got: dict[tuple[int, int], int] = {}
+
+    def recv():
+        while True:
+            try:
+                d = rx.recv(2048)
+            except (TimeoutError, OSError):
+                return
+            h = wire.Header.unpack(d)
+            got[(h.src, h.prio)] = got.get((h.src, h.prio), 0) + 1
+
+    th = threading.Thread(target=recv)
+    th.start()
+
+    def send(w: str, src: int):
+        tx = sock(tb.ns(w))
+        for chunk in range(nchunks):
+            for prio in range(8):
+                hdr = wire.Header(job=9, round=1, tensor=prio, src=src, dst=2, prio=prio,
+                                  chunk=chunk, nchunks=nchunks, tol=tol)
+                tx.sendto(wire.encode(hdr, b"\0" * 1000), (tb.addr("w2"), wire.DEFAULT_PORT))
+        tx.close()
+
+    senders = [threading.Thread(target=send, args=(w, i)) for i, w in ((0, 0), (1, 1))]
+    for s in senders:
+        s.start()
+    for s in senders:
+        s.join()
+    th.join(10)
+    rx.close()
+    st = tb.stats()["w2"]
+    early = {p: st.get(f"early{p}", {}).get("packets", 0) for p in range(8)}
+    assert early[0] == 0, "prio 0 is never early-dropped"
+    assert sum(early.values()) > 0, f"the queue was not overloaded: {st}"
+    assert early[7] >= early[1], early
+    lost_low = sum(nchunks - got.get((s, 7), 0) for s in (0, 1))
+    lost_high = sum(nchunks - got.get((s, 1), 0) for s in (0, 1))
+    assert lost_low >= lost_high
+    # kernel counters: no message (job, round, tensor, src, dst) beyond its bound
+    spent = [struct.unpack("=I", v)[0] for _, v in tb.fabric.maps["msgs"].items()]
+    assert spent and max(spent) <= bound
+
+
+# ---- Gloo through the testbed -------------------------------------------------------------
+
+GLOO = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+rank = int(sys.argv[1])
+t0 = time.monotonic()
+dist.init_process_group("gloo", init_method="tcp://198.18.0.1:29511", rank=rank, world_size=4,
+                        timeout=datetime.timedelta(seconds=60))
+x = torch.full((1 << 18,), float(rank + 1))
+dist.all_reduce(x)
+assert torch.all(x == 10.0), x[:4]
+dist.barrier()
+dist.destroy_process_group()
+print(f"ok {rank} {time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+def test_gloo_allreduce_4_workers(clean):
+    tb = clean
+    env = {**ENV, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    procs = [tb.popen(w, [sys.executable, "-c", GLOO, str(i)], env=env, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True) for i, w in enumerate(tb.workers)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("gloo all_reduce through the testbed timed out")
+        outs.append(out)
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"ok {i}" in out, out[-2000:]
+    assert tb.stats()["w0"]["pass"]["packets"] > 0
+
+
+# ---- lifecycle: CLI up/down, SIGKILL, leftovers -------------------------------------------
+
+def dblp(*args, env, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pydblp.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def leftovers(name: str, state_dir: Path, prog_id: int | None) -> list[str]:
+    left = [f"netns {n}" for n in net.netns_list() if n.startswith(name + "-")]
+    if (bpf.PIN_ROOT / "testbed" / name).exists():
+        left.append("pins")
+    if (state_dir / f"{name}.json").exists():
+        left.append("state file")
+    if prog_id:
+        deadline = time.monotonic() + 10  # netns teardown is asynchronous
+        while fb.prog_exists(prog_id) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if fb.prog_exists(prog_id):
+            left.append(f"prog {prog_id}")
+    return left
+
+
+@pytest.fixture
+def private_dir(tmp_path, root):
+    env = {**ENV, "DBLP_TESTBED_DIR": str(tmp_path / "state")}
+    yield env, tmp_path / "state"
+    dblp("testbed", "down", "--all", env=env)
+
+
+def host_links() -> set[str]:
+    return {link["ifname"] for link in net.links()}
+
+
+def test_cli_up_exec_down_leaves_nothing(private_dir, bpf_xdp):
+    env, state_dir = private_dir
+    name = unique_name("c")
+    before, backlog = host_links(), Path("/proc/sys/net/core/netdev_max_backlog").read_text()
+    r = dblp("testbed", "up", "--name", name, "--workers", "2", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    state = json.loads(r.stdout)
+    assert state["status"] == "up" and state["prog_id"]
+    r = dblp("testbed", "status", "--json", env=env)
+    assert [e["name"] for e in json.loads(r.stdout)] == [name]
+    r = dblp("fault", "loss", "0.5", "--port", "w1", env=env)
+    assert r.returncode == 0, r.stderr
+    r = dblp("fault", "stats", "--json", env=env)
+    assert json.loads(r.stdout)["w1"]["config"]["loss"] == 0.5
+    r = dblp("testbed", "exec", "w1", "--", sys.executable, "-c",
+             "import socket; s=socket.socket(); s.bind(('198.18.0.2', 0)); print('bound')", env=env)
+    assert r.returncode == 0 and "bound" in r.stdout, r.stderr
+    r = dblp("fault", "loss", "2", env=env)
+    assert r.returncode == 2 and "within [0, 1]" in r.stderr
+    r = dblp("testbed", "down", "--name", name, env=env)
+    assert r.returncode == 0, r.stderr
+    assert leftovers(name, state_dir, state["prog_id"]) == []
+    assert host_links() == before
+    assert Path("/proc/sys/net/core/netdev_max_backlog").read_text() == backlog
+
+
+KILLED = r"""
+import sys, time
+from pydblp.testbed import Testbed
+tb = Testbed(workers=2, name=sys.argv[1]).up()
+tb.popen("w0", ["sleep", "300"])            # a process inside: down must end it
+print(tb.prog_id, flush=True)
+time.sleep(300)
+"""
+
+
+def test_sigkill_creator_then_down_all(private_dir, bpf_xdp):
+    env, state_dir = private_dir
+    name = unique_name("k")
+    p = subprocess.Popen([sys.executable, "-c", KILLED, name], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        prog_id = int(p.stdout.readline())
+        time.sleep(0.3)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert net.netns_exists(f"{name}-w0"), "SIGKILL leaves the testbed behind"
+    assert fb.prog_exists(prog_id)
+    r = dblp("testbed", "status", env=env)
+    assert name in r.stdout
+    r = dblp("testbed", "down", "--all", env=env)
+    assert r.returncode == 0 and name in r.stdout, r.stderr
+    assert leftovers(name, state_dir, prog_id) == []
+
+
+def test_errors_are_one_line(private_dir):
+    env, _ = private_dir
+    r = dblp("testbed", "down", "--name", "nosuch", env=env)
+    assert r.returncode == 2 and "no testbed 'nosuch'" in r.stderr
+    r = dblp("fault", "stats", env=env)
+    assert r.returncode == 2 and "no testbed is up" in r.stderr
+    r = dblp("testbed", "up", "--name", "bad/name", env=env)
+    assert r.returncode == 2 and "bad testbed name" in r.stderr
+    r = dblp("testbed", "--help", env=env)
+    assert "examples:" in r.stdout and "dblp testbed up" in r.stdout
+    r = dblp("fault", "burst", "--help", env=env)
+    assert "--every" in r.stdout and "examples:" in r.stdout
