@@ -63,7 +63,8 @@ def add_testbed(sub) -> None:
     up.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
     up.add_argument("--rate", default=None, help="TBF limit per worker NIC, e.g. 10gbit; 'none' for "
                                                  "no limit (default 1gbit)")
-    up.add_argument("--mode", choices=["native", "skb"], default="native", help="fabric XDP mode")
+    up.add_argument("--mode", choices=["auto", "native", "skb"], default="auto",
+                    help="fabric XDP mode (auto: native up to mtu 3506, else skb)")
     up.add_argument("--no-fabric", action="store_true", help="no XDP fabric (no faults)")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
     up.set_defaults(func=cmd_up)

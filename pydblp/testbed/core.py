@@ -50,6 +50,7 @@ HOST_SYSCTLS = {"net.core.netdev_max_backlog": 10000}  # raised while any testbe
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 MAX_WORKERS = 250
 TBF_LATENCY_S = 0.05             # TBF queue: 50 ms at the rate
+VETH_NATIVE_XDP_MAX_MTU = 3506   # veth native XDP without multi-buffer (bcc cannot load frags progs)
 
 _live: set["Testbed"] = set()
 
@@ -342,14 +343,15 @@ class Testbed:
     ...     tb.run("w1", ["ping", "-c1", tb.addr("w0")])
 
     ``rate``: each worker NIC's TBF limit ('1gbit' by default, ``0``/'none' for
-    none).  ``fabric=False`` skips the XDP fabric (no faults possible).
+    none).  ``mode``: the fabric's XDP mode; ``auto`` is native up to MTU 3506
+    (veth's limit for single-buffer XDP) and generic (skb) above.  ``fabric=False`` skips the XDP fabric (no faults possible).
     ``prog``: an already compiled ``(bcc.BPF, fn)`` to share (tests).
     """
 
     __test__ = False
 
     def __init__(self, workers: int = 4, name: str | None = None, mtu: int = 1500,
-                 rate: str | int | None = None, *, fabric: bool = True, mode: str = "native",
+                 rate: str | int | None = None, *, fabric: bool = True, mode: str = "auto",
                  rps: bool = True, prog=None):
         if not 1 <= int(workers) <= MAX_WORKERS:
             raise TestbedError(f"workers must be within 1..{MAX_WORKERS}, got {workers}")
@@ -367,6 +369,13 @@ class Testbed:
         if self.rate_bps and self.rate_bps // 8 >= 1 << 32:
             raise TestbedError("rate above ~34 Gbit/s is not supported by the TBF limit; use 0 for none")
         self.use_fabric = fabric
+        if mode == "auto":
+            mode = "native" if self.mtu <= VETH_NATIVE_XDP_MAX_MTU else "skb"
+        if mode not in ("native", "skb"):
+            raise TestbedError(f"bad fabric mode {mode!r}: auto, native or skb")
+        if mode == "native" and fabric and self.mtu > VETH_NATIVE_XDP_MAX_MTU:
+            raise TestbedError(f"native XDP on veth needs mtu <= {VETH_NATIVE_XDP_MAX_MTU} (got {self.mtu}); "
+                               "use mode skb (or auto)")
         self.mode = mode
         self.rps = rps
         self._prog = prog
