@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import errno
 import fcntl
 import json
 import os
@@ -401,6 +400,11 @@ class Testbed:
     def addr(self, worker) -> str:
         """IPv4 address of ``worker`` (198.18.0.0/15)."""
         return worker_addr(_worker_index(worker, self.n))
+
+    @property
+    def addrs(self) -> dict[str, str]:
+        """Worker name -> IPv4 address."""
+        return {w: worker_addr(i) for i, w in enumerate(self.workers)}
 
     def mac(self, worker) -> str:
         return worker_mac(_worker_index(worker, self.n))

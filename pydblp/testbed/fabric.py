@@ -16,7 +16,6 @@ them against the compiled object's types.
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -374,24 +373,12 @@ def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, b
 
 
 def prog_id_of(fd: int) -> int:
-    info = bpf.prog_info(fd) if hasattr(bpf, "prog_info") else {"id": bpf.prog_id(fd)}
-    return info["id"]
+    return bpf.prog_info(fd)["id"]
 
 
 def prog_exists(prog_id: int) -> bool:
     """Whether a BPF program with this id is still loaded anywhere."""
-    if hasattr(bpf, "prog_info_by_id"):
-        return bpf.prog_info_by_id(prog_id) is not None
-    import ctypes as ct
-    import errno as _errno
-    try:
-        fd = bpf._sys_bpf(13, ct.create_string_buffer(struct.pack("=I", prog_id), 128))
-    except bpf.BPFError as e:
-        if e.errno == _errno.ENOENT:
-            return False
-        raise
-    os.close(fd)
-    return True
+    return bpf.prog_info_by_id(prog_id) is not None
 
 
 def _p(fixed: int) -> float:
