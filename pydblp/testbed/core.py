@@ -41,7 +41,6 @@ from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
 
 STATE_DIR = Path(os.environ.get("DBLP_TESTBED_DIR", "/run/dblp/testbed"))
-SYSCTL_FILE = "host-sysctl.json"
 PIN_BASE = bpf.PIN_ROOT / "testbed"
 DEFAULT_RATE = "1gbit"
 SUBNET_PREFIX = 15               # 198.18.0.0/15
@@ -109,7 +108,7 @@ def names() -> list[str]:
     """Names of every testbed with a state file (up, or left by a crashed creator)."""
     if not STATE_DIR.exists():
         return []
-    return sorted(p.stem for p in STATE_DIR.glob("*.json") if p.name != SYSCTL_FILE)
+    return sorted(p.stem for p in STATE_DIR.glob("*.json"))
 
 
 def resolve(name: str | None) -> str:
@@ -141,43 +140,62 @@ def _sysctl_path(key: str) -> Path:
     return Path("/proc/sys") / key.replace(".", "/")
 
 
-def _raise_host_sysctls() -> None:
-    """Under the lock: the first testbed up records and raises the host sysctls."""
-    rec = STATE_DIR / SYSCTL_FILE
-    if rec.exists():
-        return
-    saved = {}
-    for key, want in HOST_SYSCTLS.items():
-        p = _sysctl_path(key)
+# One record for the whole host, whatever DBLP_TESTBED_DIR each testbed uses:
+# the values found before the first testbed, and the state files of the
+# testbeds holding them.  The last holder to go restores the values.
+SYSCTL_RECORD = Path("/run/dblp/host-sysctl.json")
+
+
+@contextlib.contextmanager
+def _sysctl_locked():
+    SYSCTL_RECORD.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(SYSCTL_RECORD.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            cur = p.read_text().strip()
-        except OSError:
-            continue
-        saved[key] = cur
-    rec.write_text(json.dumps(saved))
-    for key, want in HOST_SYSCTLS.items():
-        if key in saved and int(saved[key]) < want:
+            rec = json.loads(SYSCTL_RECORD.read_text())
+        except (OSError, ValueError):
+            rec = {"saved": {}, "holders": []}
+        yield rec
+        if rec["holders"]:
+            SYSCTL_RECORD.write_text(json.dumps(rec))
+        else:
+            SYSCTL_RECORD.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _raise_host_sysctls(holder: Path) -> None:
+    """Record (first holder only) and raise the host sysctls; ``holder`` is a state file."""
+    with _sysctl_locked() as rec:
+        rec["holders"] = [h for h in rec["holders"] if Path(h).exists()]
+        if not rec["holders"]:
+            rec["saved"] = {}
+            for key in HOST_SYSCTLS:
+                try:
+                    rec["saved"][key] = _sysctl_path(key).read_text().strip()
+                except OSError:
+                    pass
+        rec["holders"].append(str(holder.resolve()))
+        for key, want in HOST_SYSCTLS.items():
             try:
-                _sysctl_path(key).write_text(str(want))
-            except OSError:
+                if int(_sysctl_path(key).read_text()) < want:
+                    _sysctl_path(key).write_text(str(want))
+            except (OSError, ValueError):
                 pass
 
 
 def _restore_host_sysctls() -> None:
-    """Under the lock: when no testbed is left, put back what the first one changed."""
-    rec = STATE_DIR / SYSCTL_FILE
-    if names() or not rec.exists():
-        return
-    try:
-        saved = json.loads(rec.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    for key, val in saved.items():
-        try:
-            _sysctl_path(key).write_text(str(val))
-        except OSError:
-            pass
-    rec.unlink(missing_ok=True)
+    """Drop holders whose state file is gone; the last one out restores the saved values."""
+    with _sysctl_locked() as rec:
+        rec["holders"] = [h for h in rec["holders"] if Path(h).exists()]
+        if rec["holders"]:
+            return
+        for key, val in rec.get("saved", {}).items():
+            try:
+                _sysctl_path(key).write_text(str(val))
+            except OSError:
+                pass
 
 
 # ---- namespace helpers ---------------------------------------------------------
@@ -313,8 +331,7 @@ def teardown_all() -> list[str]:
             if d.is_dir() and not _state_path(d.name).exists() and not net.netns_exists(f"{d.name}-sw"):
                 bpf.unpin(d)
                 done.append(d.name)
-    with _locked():
-        _restore_host_sysctls()
+    _restore_host_sysctls()
     return done
 
 
@@ -456,7 +473,7 @@ class Testbed:
                 "ports": {}, "prog_id": None,
             }
             _write_state(self.state)
-            _raise_host_sysctls()
+            _raise_host_sysctls(_state_path(self.name))
         self._owner = True
         self._pid = os.getpid()
         _live.add(self)

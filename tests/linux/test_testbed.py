@@ -418,3 +418,28 @@ def test_errors_are_one_line(private_dir):
     assert "examples:" in r.stdout and "dblp testbed up" in r.stdout
     r = dblp("fault", "burst", "--help", env=env)
     assert "--every" in r.stdout and "examples:" in r.stdout
+
+
+def test_host_sysctl_restored_by_last_holder(tmp_path, monkeypatch, root):
+    """Testbeds in different state dirs share one record; the last one down restores."""
+    path = Path("/proc/sys/net/core/netdev_max_backlog")
+    orig = int(path.read_text())
+    made = []
+    try:
+        for d in ("a", "b"):
+            monkeypatch.setattr(core, "STATE_DIR", tmp_path / d)
+            made.append((tmp_path / d, Testbed(workers=1, name=unique_name("s"), fabric=False).up()))
+            assert int(path.read_text()) >= core.HOST_SYSCTLS["net.core.netdev_max_backlog"]
+        holders = json.loads(core.SYSCTL_RECORD.read_text())["holders"]
+        assert all(str((d / f"{t.name}.json").resolve()) in holders for d, t in made)
+        monkeypatch.setattr(core, "STATE_DIR", made[0][0])
+        made[0][1].down()
+        assert int(path.read_text()) >= core.HOST_SYSCTLS["net.core.netdev_max_backlog"], "b still holds"
+    finally:
+        for d, t in made:
+            monkeypatch.setattr(core, "STATE_DIR", d)
+            t.down()
+    assert int(path.read_text()) == orig
+    if core.SYSCTL_RECORD.exists():
+        holders = json.loads(core.SYSCTL_RECORD.read_text())["holders"]
+        assert not any(t.name in h for _, t in made for h in holders)
