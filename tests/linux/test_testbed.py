@@ -229,9 +229,10 @@ def test_tcp_suffers_the_same_network(clean):
 
 
 def test_priority_queue_real_traffic(clean):
-    """Two senders overload w2's virtual queue with DBLP DATA at prio 0..7."""
+    """Two paced senders overload w2's virtual queue by ~15 % with DBLP DATA at prio 0..7."""
     tb = clean
-    tb.queue("20mbit", buffer=64 * 1024, port="w2")
+    per_sender = 16e6 / 8                          # bytes/s each; 32 Mbit/s offered in all
+    tb.queue("27mbit", buffer=48 * 1024, port="w2")
     nchunks, tol = 400, 51                         # 20 % tolerance: bound 80 per message
     bound = nchunks * tol // 255
     rx = sock(tb.ns("w2"))
@@ -254,7 +255,10 @@ def test_priority_queue_real_traffic(clean):
 
     def send(w: str, src: int):
         tx = sock(tb.ns(w))
+        t0, slot = time.monotonic(), 8 * (1000 + 32 + 42) / per_sender
         for chunk in range(nchunks):
+            if (wait := t0 + chunk * slot - time.monotonic()) > 0:
+                time.sleep(wait)
             for prio in range(8):
                 hdr = wire.Header(job=9, round=1, tensor=prio, src=src, dst=2, prio=prio,
                                   chunk=chunk, nchunks=nchunks, tol=tol)
@@ -272,10 +276,14 @@ def test_priority_queue_real_traffic(clean):
     early = {p: st.get(f"early{p}", {}).get("packets", 0) for p in range(8)}
     assert early[0] == 0, "prio 0 is never early-dropped"
     assert sum(early.values()) > 0, f"the queue was not overloaded: {st}"
-    assert early[7] >= early[1], early
-    lost_low = sum(nchunks - got.get((s, 7), 0) for s in (0, 1))
-    lost_high = sum(nchunks - got.get((s, 1), 0) for s in (0, 1))
-    assert lost_low >= lost_high
+    print("early drops by prio", early, "tail", st.get("tail", {}).get("packets", 0),
+          "bound refused", st.get("bound", {}).get("packets", 0))
+    # prio p sheds whenever prio p-1 would (lower threshold), until its bound is spent
+    assert early[7] >= early[4] >= early[1], early
+    assert early[7] > early[1], "low priority goes first"
+    # what arrived: every loss is a fabric drop, and prio 0 lost only to tail drop
+    received = sum(got.values())
+    assert received + sum(early.values()) + st.get("tail", {}).get("packets", 0) == 2 * 8 * nchunks
     # kernel counters: no message (job, round, tensor, src, dst) beyond its bound
     spent = [struct.unpack("=I", v)[0] for _, v in tb.fabric.maps["msgs"].items()]
     assert spent and max(spent) <= bound
