@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""One rank of ``bench/allreduce.py``; runs inside a testbed worker namespace.
+
+Not meant to be run by hand.  Protocol over stdin/stdout, one JSON object a
+line (pipes, not the network: faults on the fabric never touch them):
+
+    parent -> worker   {"cmd": "block", "size": BYTES, "rounds": R, "warmup": W,
+                        "burst": null | {"ratio": .8, "duration": S, "rounds": [i, ...]}}
+                       {"cmd": "quit"}
+    worker -> parent   {"ready": true}
+                       {"drained": true}       all measured rounds of the block are done
+                                               everywhere (see below); the parent clears the fault
+                       {"block": {...}}        per-round timestamps and records
+                       {"error": "..."}        then exit 1
+
+A block is W warm-up rounds, R measured rounds and one *tail* round, all
+under the parent's fault.  A rank that completes the tail round knows that
+every rank has finished the measured rounds (its tail result needs every
+rank's tail contribution), so on the first ``drained`` the parent clears the
+fault.  pydblp ranks then run one small *flush* round on the clean fabric:
+a rank that finished early answers, from inside it, the PROBEs of a peer
+whose STOP was lost in the tail round (answers to the previous round are
+only given from inside a round), so no rank is left waiting on a peer
+that has stopped calling.
+
+Bursts: rank 0 arms them on the fabric (``Fabric.burst(at=now)``, the maps
+pinned by the testbed) right before it enters each round listed in
+``burst.rounds`` and reports the windows (CLOCK_MONOTONIC, the clock of
+bpf_ktime_get_ns and the same in every namespace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+
+def emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--transport", choices=["xsk", "udp", "gloo"], required=True)
+    p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
+    p.add_argument("--iface", default="eth0")
+    p.add_argument("--job", type=int, default=31)
+    p.add_argument("--tol", type=float, default=0.05)
+    p.add_argument("--mode", default="tar")
+    p.add_argument("--estimator", default="unbiased")
+    p.add_argument("--peer-timeout", type=float, default=30.0)
+    p.add_argument("--store", help="FileStore path (gloo rendezvous)")
+    p.add_argument("--fabric", help="JSON {pin_dir, ports}: rank 0 arms bursts there")
+    return p.parse_args(argv)
+
+
+class Pydblp:
+    def __init__(self, a):
+        from pydblp.collective import Collective, Config
+
+        peers = [tuple(p) for p in json.loads(a.peers)]
+        self.host = None
+        port = peers[a.rank][1]
+        if a.transport == "xsk":
+            from pydblp.host import HostProgram
+            from pydblp.transport.xsk import XskTransport
+
+            self.host = HostProgram(a.iface)
+            self.host.register_job(a.job, a.world, a.rank, "xsk")
+            t = XskTransport(a.iface, port=port, host=self.host)
+        else:
+            from pydblp.transport.udp import UdpTransport
+
+            t = UdpTransport(a.iface, port=port)
+        cfg = Config(job=a.job, mode=a.mode, estimator=a.estimator, phase=f"static:{a.tol}",
+                     peer_timeout=a.peer_timeout)
+        self.col = Collective(t, a.rank, a.world, peers, cfg)
+
+    def prepare(self, x: np.ndarray):
+        return x
+
+    def round(self, buf) -> np.ndarray:
+        return self.col.allreduce(buf)
+
+    def record(self) -> dict:
+        r = self.col.records[-1]
+        return {"retx": r.retransmits, "probes": r.probes, "min_delivered": r.min_delivered,
+                "below": r.below_bound, "tx_bytes": r.bytes_sent}
+
+    def flush(self) -> None:
+        self.col.allreduce(np.zeros(1, np.float32), tensor=1)
+
+    def counters(self) -> dict:
+        return dict(self.col.counters)
+
+    def close(self) -> None:
+        self.col.close()
+        if self.host is not None:
+            self.host.close()
+
+
+class Gloo:
+    def __init__(self, a):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.world = torch, dist, a.world
+        store = dist.FileStore(a.store, a.world)
+        dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world,
+                                timeout=datetime.timedelta(seconds=max(60.0, a.peer_timeout)))
+        self.src = None
+
+    def prepare(self, x: np.ndarray):
+        self.src = self.torch.from_numpy(x)
+        return self.src.clone()
+
+    def round(self, buf) -> np.ndarray:
+        self.dist.all_reduce(buf)
+        buf.div_(self.world)
+        return buf.numpy()
+
+    def reset(self, buf) -> None:  # outside the timed region: all_reduce works in place
+        buf.copy_(self.src)
+
+    def record(self) -> dict:
+        return {}
+
+    def flush(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+_inputs: dict[int, tuple] = {}
+
+
+def inputs(n: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank holds base + (rank + 1): the exact mean is base + (world + 1) / 2."""
+    if n not in _inputs:
+        _inputs.clear()
+        base = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        _inputs[n] = (base + np.float32(rank + 1), base + np.float32((world + 1) / 2))
+    return _inputs[n]
+
+
+def block(a, impl, fab, cmd: dict) -> dict:
+    x, want = inputs(int(cmd["size"]) // 4, a.rank, a.world)
+    buf = impl.prepare(x)
+    burst = cmd.get("burst") or {}
+    burst_at = set(burst.get("rounds", ()))
+    warm, rounds = int(cmd["warmup"]), int(cmd["rounds"])
+    t0s, t1s, recs, windows = [], [], [], []
+    out = None
+    for i in range(-warm, rounds + 1):  # warm-up (< 0), measured, tail (== rounds)
+        if isinstance(impl, Gloo):
+            impl.reset(buf)
+        if fab is not None and i in burst_at:
+            start = fab.burst(ratio=burst["ratio"], duration=burst["duration"], at=time.monotonic())
+            windows.append([start, start + burst["duration"]])
+        t0 = time.monotonic()
+        out = impl.round(buf)
+        t1 = time.monotonic()
+        if 0 <= i < rounds:
+            t0s.append(t0)
+            t1s.append(t1)
+            recs.append(impl.record())
+    emit({"drained": True})
+    impl.flush()
+    err = np.abs(out - want)
+    return {"t0": t0s, "t1": t1s, "recs": recs, "windows": windows,
+            "exact": float(np.mean(err <= 1e-5 * (1 + np.abs(want)))), "max_err": float(err.max()),
+            "counters": impl.counters()}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    impl = fab = None
+    try:
+        impl = Gloo(a) if a.transport == "gloo" else Pydblp(a)
+        if a.fabric and a.rank == 0:
+            from pydblp.testbed.fabric import Fabric
+
+            f = json.loads(a.fabric)
+            fab = Fabric(Path(f["pin_dir"]), f["ports"])
+        emit({"ready": True, "pid": os.getpid()})
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            emit({"block": block(a, impl, fab, cmd)})
+        return 0
+    except BaseException as e:  # reported to the parent, which gives up on this transport
+        emit({"error": f"rank {a.rank} ({a.transport}): {type(e).__name__}: {e}"})
+        traceback.print_exc()
+        return 1
+    finally:
+        if fab is not None:
+            fab.close()
+        if impl is not None:
+            try:
+                impl.close()
+            except Exception:
+                traceback.print_exc()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

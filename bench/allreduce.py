@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Allreduce benchmark: pydblp (AF_XDP, UDP) vs Gloo in a 4-worker testbed, with fabric faults.
+
+One run brings up a 4-worker testbed (pydblp.testbed: netns workers behind
+a bridge, 1 Gbit/s TBF on every worker NIC, the fabric XDP program on the
+switch ports) and, for each transport in turn, starts one set of 4 worker
+processes (``bench/_allreduce_worker.py``, one per worker namespace) that
+stays up for all of that transport's blocks:
+
+  ``xsk``   pydblp Collective over XskTransport (host XDP program on eth0)
+  ``udp``   pydblp Collective over UdpTransport (no XDP on the worker)
+  ``gloo``  ``torch.distributed.all_reduce`` on a gloo process group (TCP over eth0), then /world
+
+A block is one (size, condition): float32 tensors of ``--sizes`` MiB
+(default 1, 8, 32) under
+
+  ``clean``  no injected loss
+  ``loss``   ``--loss`` random loss on every port (default 1 %)
+  ``burst``  microbursts of ``--burst-ratio`` loss (default 80 %) lasting one clean
+             round: the duration is that transport's clean p50 for that size, measured
+             just before in the same run; worker 0 arms a burst on every port right as it
+             enters measured rounds 1, 1+k, 1+2k, ... (``--burst-every`` k, default 3)
+
+Each block runs 1 warm-up round, ``--rounds`` measured rounds back to back
+and one unmeasured tail round, all under the fault; the parent clears the
+fault once the first rank reports the tail done (every rank has then
+finished the measured rounds).  Blocks of a transport run clean, loss,
+burst for each size in turn.
+
+What is measured: a round's latency is from the moment the last rank enters
+``allreduce`` to the moment the last rank returns (CLOCK_MONOTONIC stamps
+of all ranks; rounds run back to back, so these spans tile the timeline).
+p50/p99 are over the measured rounds of a block (numpy's linear
+interpolation: with 20 rounds p99 is close to the maximum).  A *burst
+round* is the round a burst window overlaps most (CLOCK_MONOTONIC is the
+clock of bpf_ktime_get_ns, the fabric's clock); ``burst med`` is the median
+over those rounds.  Ratios are pydblp/Gloo between figures of this run.
+
+pydblp runs ``Config(mode="tar", phase="static:TOL", estimator="unbiased")``
+with ``--tol`` (default 0.05: a round completes once 95 % of every message
+arrived; more loss is repaired by PROBE/BITMAP retransmission) and
+``peer_timeout`` ``--peer-timeout`` (30 s).  Gloo runs its default
+allreduce with ``GLOO_SOCKET_IFNAME=eth0``.  Every worker calls
+``torch.set_num_threads(1)``; workers are not pinned (4 ranks share the
+machine's CPUs).
+
+Caveat on rates: the TBF limit sits in the worker's qdisc, which the UDP
+socket and Gloo's TCP go through but AF_XDP copy-mode transmit does not
+(the kernel hands those frames straight to the driver); the table's
+``Gb/s`` column shows each rank's data rate so the difference is visible.
+
+Bounded: each block has a timeout (``--block-timeout`` or 20 s + 2 s per
+round per 8 MiB); a worker set that fails or overruns is killed by pid,
+the block is reported as failed, and a fresh set continues with the next
+block.  A default run (3 transports x 3 sizes x 3 conditions) takes about
+3-6 minutes on 2 vCPUs; at worst ~27 block timeouts.  Needs root.
+
+    .venv/bin/python bench/allreduce.py [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
+                                        [--transports xsk,udp,gloo] [--conditions clean,loss,burst]
+                                        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from pydblp import net, wire  # noqa: E402
+from pydblp.testbed import Testbed  # noqa: E402
+
+WORLD = 4
+MiB = 1 << 20
+WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
+TRANSPORTS = ("xsk", "udp", "gloo")
+CONDITIONS = ("clean", "loss", "burst")
+
+
+class WorkerFailure(RuntimeError):
+    pass
+
+
+class WorkerSet:
+    """The 4 ranks of one transport, talking JSON lines over pipes."""
+
+    def __init__(self, tb: Testbed, transport: str, args, tmp: Path, generation: int):
+        self.tb, self.transport = tb, transport
+        self.tag = f"{transport}{generation}"
+        peers = [[tb.addr(r), wire.DEFAULT_PORT, tb.mac(r)] for r in range(WORLD)]
+        fabric = json.dumps({"pin_dir": tb.state["pin_dir"], "ports": tb.ports})
+        store = tmp / f"store-{self.tag}"
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.procs, self.errs, self.bufs = [], [], []
+        for r in range(WORLD):
+            argv = [sys.executable, str(WORKER), "--rank", str(r), "--world", str(WORLD),
+                    "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol),
+                    "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
+            if r == 0:
+                argv += ["--fabric", fabric]
+            err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
+            self.errs.append(err)
+            self.procs.append(tb.popen(r, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=err, env=env))
+            self.bufs.append(b"")
+
+    def send(self, obj) -> None:
+        line = (json.dumps(obj) + "\n").encode()
+        for p in self.procs:
+            try:
+                p.stdin.write(line)
+                p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                raise WorkerFailure(f"{self.transport}: a worker has exited ({self.stderr_tail()})") from None
+
+    def messages(self, deadline: float):
+        """Yield (rank, message) until the deadline; raises WorkerFailure past it."""
+        fds = {p.stdout.fileno(): r for r, p in enumerate(self.procs)}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerFailure(f"{self.transport}: timed out")
+            ready, _, _ = select.select(list(fds), [], [], min(left, 1.0))
+            for fd in ready:
+                r = fds[fd]
+                data = os.read(fd, 1 << 20)
+                if not data:
+                    self.procs[r].wait(timeout=5)
+                    raise WorkerFailure(f"{self.transport}: rank {r} exited with status "
+                                        f"{self.procs[r].returncode} ({self.stderr_tail(r)})")
+                self.bufs[r] += data
+                while b"\n" in self.bufs[r]:
+                    line, self.bufs[r] = self.bufs[r].split(b"\n", 1)
+                    msg = json.loads(line)
+                    if "error" in msg:
+                        raise WorkerFailure(f"{self.transport}: {msg['error']} ({self.stderr_tail(r)})")
+                    yield r, msg
+
+    def wait_ready(self, timeout: float) -> None:
+        ready = set()
+        for r, msg in self.messages(time.monotonic() + timeout):
+            if msg.get("ready"):
+                ready.add(r)
+                if len(ready) == WORLD:
+                    return
+
+    def stderr_tail(self, rank: int | None = None, n: int = 600) -> str:
+        out = []
+        for r, f in enumerate(self.errs):
+            if rank is not None and r != rank:
+                continue
+            try:
+                f.flush()
+                f.seek(0)
+                text = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if text:
+                out.append(f"rank {r}: ...{text[-n:]}")
+        return " | ".join(out) or "no stderr"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Ask to quit, then kill by pid whatever is still running."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write(b'{"cmd": "quit"}\n')
+                    p.stdin.flush()
+                    p.stdin.close()
+                except (BrokenPipeError, OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # the worker itself: nsenter execs it
+                p.wait(timeout=5)
+        for f in self.errs:
+            f.close()
+        if self.transport == "xsk":  # a killed rank leaves its host program attached
+            for r in range(WORLD):
+                with contextlib.suppress(Exception):
+                    net.xdp_detach("eth0", netns=self.tb.ns(r))
+
+
+def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, timeout: float) -> list[dict]:
+    tb.clear()
+    if cond == "loss":
+        tb.loss(loss)
+    tb.stats(reset=True)
+    try:
+        ws.send(cmd)
+        out: dict[int, dict] = {}
+        cleared = False
+        for r, msg in ws.messages(time.monotonic() + timeout):
+            if msg.get("drained") and not cleared:
+                tb.clear()  # every rank has finished the measured rounds
+                cleared = True
+            elif "block" in msg:
+                out[r] = msg["block"]
+                if len(out) == WORLD:
+                    return [out[r] for r in range(WORLD)]
+    finally:
+        tb.clear()
+    raise AssertionError("unreachable")
+
+
+def summarize(ranks: list[dict], size: int) -> dict:
+    t0 = np.array([r["t0"] for r in ranks])   # [rank, round]
+    t1 = np.array([r["t1"] for r in ranks])
+    start, end = t0.max(0), t1.max(0)
+    lat = end - start
+    windows = [w for r in ranks for w in r["windows"]]
+    hit, touched = set(), set()
+    for ws, we in windows:
+        ov = np.minimum(end, we) - np.maximum(start, ws)
+        if (ov > 0).any():
+            touched |= set(np.flatnonzero(ov > 0).tolist())
+            hit.add(int(np.argmax(ov)))
+    own = np.array([np.median(r1 - r0) for r0, r1 in zip(t0, t1)])
+    s = {"rounds": len(lat), "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
+         "mean": float(lat.mean()), "min": float(lat.min()), "max": float(lat.max()),
+         "latency": lat.tolist(), "rank_p50": own.tolist(),
+         "gbps": float(np.median(1.5 * size * 8 / lat / 1e9)),
+         "exact": min(r["exact"] for r in ranks), "max_err": max(r["max_err"] for r in ranks),
+         "windows": windows, "burst_rounds": sorted(hit), "touched_rounds": sorted(touched)}
+    if hit:
+        s["burst_med"] = float(np.median(lat[sorted(hit)]))
+        s["touched_med"] = float(np.median(lat[sorted(touched)]))
+        rest = [i for i in range(len(lat)) if i not in touched]
+        s["other_p50"] = float(np.median(lat[rest])) if rest else None
+    recs = [rec for r in ranks for rec in r["recs"]]
+    if recs:
+        s["retx"] = sum(rec["retx"] for rec in recs) / len(lat)
+        s["probes"] = sum(rec["probes"] for rec in recs) / len(lat)
+        s["min_delivered"] = min(rec["min_delivered"] for rec in recs)
+        s["below_bound"] = sum(bool(rec["below"]) for rec in recs)
+        s["tx_bytes_per_rank_round"] = float(np.mean([rec["tx_bytes"] for rec in recs]))
+        s["counters"] = {k: sum(r["counters"].get(k, 0) for r in ranks) for k in ranks[0]["counters"]}
+    return s
+
+
+def fmt_ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,8,32", help="tensor sizes, MiB of float32 (default 1,8,32)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="measured rounds per block (default 20, 10 for sizes above 8 MiB)")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
+    ap.add_argument("--loss", type=float, default=0.01, help="random loss of the loss condition")
+    ap.add_argument("--burst-ratio", type=float, default=0.8)
+    ap.add_argument("--burst-every", type=int, default=3, help="a burst every k measured rounds (from round 1)")
+    ap.add_argument("--peer-timeout", type=float, default=30.0)
+    ap.add_argument("--block-timeout", type=float, default=None, help="seconds per block (default: by size)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    transports = [t for t in args.transports.split(",") if t]
+    conds = [c for c in args.conditions.split(",") if c]
+    if not set(transports) <= set(TRANSPORTS) or not set(conds) <= set(CONDITIONS) or not sizes:
+        ap.error(f"transports within {TRANSPORTS}, conditions within {CONDITIONS}")
+    if "burst" in conds and "clean" not in conds:
+        conds.insert(0, "clean")  # the burst duration is the clean p50
+    conds = [c for c in CONDITIONS if c in conds]
+    if os.geteuid() != 0:
+        print("bench/allreduce.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
+        return 2
+
+    def rounds_for(mib):
+        return args.rounds or (20 if mib <= 8 else 10)
+
+    def timeout_for(mib):
+        return args.block_timeout or 20.0 + (rounds_for(mib) + 3) * 2.0 * max(1.0, mib / 8)
+
+    t_begin = time.monotonic()
+    res: dict = {t: {} for t in transports}
+    failures: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="dblp-allreduce-"))
+    print(f"bench/allreduce.py: {WORLD} workers, sizes {sizes} MiB, conditions {conds}, "
+          f"pydblp tol {args.tol}, {os.cpu_count()} CPUs (workers not pinned)", flush=True)
+    try:
+        with Testbed(workers=WORLD, name=f"ar{os.getpid() % 100000}") as tb:
+            for tr in transports:
+                gen = 0
+                ws = None
+                try:
+                    for mib in sizes:
+                        size = int(mib * MiB) // 4 * 4
+                        key = f"{mib:g}"
+                        res[tr][key] = {}
+                        for cond in conds:
+                            if ws is None:
+                                gen += 1
+                                ws = WorkerSet(tb, tr, args, tmp, gen)
+                                try:
+                                    ws.wait_ready(120)
+                                except WorkerFailure:
+                                    ws.stop(5)
+                                    ws = None
+                                    raise
+                            cmd = {"cmd": "block", "size": size, "rounds": rounds_for(mib), "warmup": 1,
+                                   "burst": None}
+                            if cond == "burst":
+                                clean = res[tr][key].get("clean")
+                                if not clean or "p50" not in clean:
+                                    res[tr][key][cond] = {"error": "no clean p50 to size the burst"}
+                                    continue
+                                cmd["burst"] = {"ratio": args.burst_ratio, "duration": clean["p50"],
+                                                "rounds": list(range(1, rounds_for(mib), args.burst_every))}
+                            t = time.monotonic()
+                            try:
+                                ranks = run_block(ws, tb, cmd, cond, args.loss, timeout_for(mib))
+                            except WorkerFailure as e:
+                                msg = f"{tr} {key} MiB {cond}: {e}"
+                                print(f"  FAILED {msg}", flush=True)
+                                failures.append(msg)
+                                res[tr][key][cond] = {"error": str(e)}
+                                ws.stop(5)
+                                ws = None
+                                continue
+                            s = summarize(ranks, size)
+                            s["wall"] = time.monotonic() - t
+                            res[tr][key][cond] = s
+                            extra = (f" burst med {fmt_ms(s.get('burst_med'))} ms over rounds {s['burst_rounds']}"
+                                     if cond == "burst" else "")
+                            pyd = (f" retx/round {s['retx']:.0f}, min delivered {s['min_delivered']:.3f}"
+                                   if "retx" in s else "")
+                            print(f"  {tr:<4} {key:>3} MiB {cond:<5}: p50 {fmt_ms(s['p50'])} ms, "
+                                  f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, exact {s['exact']:.3f} "
+                                  f"({s['wall']:.1f} s)", flush=True)
+                except WorkerFailure as e:
+                    failures.append(f"{tr}: {e}")
+                    print(f"  FAILED {tr}: {e}", flush=True)
+                finally:
+                    if ws is not None:
+                        ws.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    # ---- table -------------------------------------------------------------
+    print(f"\nround latency, ms (last rank in -> last rank out); {WORLD} workers, 1 Gbit/s TBF per NIC; "
+          f"loss {args.loss:.0%}; bursts {args.burst_ratio:.0%} for one clean p50")
+    hdr = (f"{'transport':<9} {'MiB':>4} {'cond':<6} {'p50':>8} {'p99':>8} {'burst med':>9} "
+           f"{'p50/gloo':>8} {'p99/gloo':>8} {'burst gloo/x':>12} {'Gb/s':>5} {'retx/rd':>7} {'exact':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    ratios: dict = {}
+    for key in [f"{m:g}" for m in sizes]:
+        for cond in conds:
+            g = res.get("gloo", {}).get(key, {}).get(cond, {})
+            for tr in transports:
+                s = res[tr].get(key, {}).get(cond)
+                if s is None:
+                    continue
+                if "error" in s:
+                    print(f"{tr:<9} {key:>4} {cond:<6} FAILED: {s['error'][:80]}")
+                    continue
+                r50 = s["p50"] / g["p50"] if tr != "gloo" and "p50" in g else None
+                r99 = s["p99"] / g["p99"] if tr != "gloo" and "p99" in g else None
+                rb = (g["burst_med"] / s["burst_med"] if tr != "gloo" and "burst_med" in g
+                      and "burst_med" in s else None)
+                if tr != "gloo":
+                    ratios[f"{tr}/{key}/{cond}"] = {"p50_vs_gloo": r50, "p99_vs_gloo": r99,
+                                                    "burst_gloo_over_pydblp": rb}
+                c50 = "-" if r50 is None else f"{r50:.2f}"
+                c99 = "-" if r99 is None else f"{r99:.2f}"
+                cb = "-" if rb is None else f"{rb:.2f}x"
+                cr = "-" if "retx" not in s else f"{s['retx']:.0f}"
+                print(f"{tr:<9} {key:>4} {cond:<6} {fmt_ms(s['p50']):>8} {fmt_ms(s['p99']):>8} "
+                      f"{fmt_ms(s.get('burst_med')):>9} {c50:>8} {c99:>8} {cb:>12} {s['gbps']:5.2f} "
+                      f"{cr:>7} {s['exact']:6.3f}")
+        print()
+
+    targets = {}
+    for tr in [t for t in transports if t != "gloo"]:
+        for key in [f"{m:g}" for m in sizes]:
+            r = ratios.get(f"{tr}/{key}/clean", {}).get("p50_vs_gloo")
+            if r is not None:
+                targets[f"{tr} {key} MiB clean p50 <= 1.5x gloo"] = (r, r <= 1.5)
+            b = ratios.get(f"{tr}/{key}/burst", {}).get("burst_gloo_over_pydblp")
+            if b is not None:
+                targets[f"{tr} {key} MiB burst rounds >= 6x better than gloo"] = (b, b >= 6.0)
+    if targets:
+        print("targets (issue 6):")
+        for k, (v, ok) in targets.items():
+            print(f"  {k:<48} {v:6.2f}  {'met' if ok else 'MISSED'}")
+    print("p50/p99 over the measured rounds of each block; 'burst med': median over the rounds each burst "
+          "overlapped most; 'burst gloo/x': Gloo's burst med / this transport's; Gb/s: a rank's "
+          "allreduce data (1.5 x tensor: 3/4 out, 3/4 back) per round time; 'exact': share of the last "
+          "(tail) round's result equal to the exact mean")
+    wall = time.monotonic() - t_begin
+    print(f"total {wall:.0f} s" + (f"; {len(failures)} failure(s)" if failures else ""))
+    if args.json:
+        out = {"world": WORLD, "sizes_mib": sizes, "conditions": conds, "transports": transports,
+               "options": vars(args), "ncpu": os.cpu_count(), "kernel": os.uname().release,
+               "results": res, "ratios": ratios,
+               "targets": {k: {"value": v, "met": ok} for k, (v, ok) in targets.items()},
+               "failures": failures, "wall_s": wall}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
