@@ -40,6 +40,7 @@ last chunk zero-padded).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ DATA, PROBE, BITMAP, STOP = wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, w
 AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
+STASH_MAX = 65536  # packets of the next round kept before it starts
 
 
 class CollectiveError(RuntimeError):
@@ -167,12 +169,19 @@ class Collective:
         self.round = 0
         self.index = 0
         self.records: list[RoundRecord] = []
-        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "bad_payload"), 0)
+        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
+                                       "tx_short"), 0)
         self._last: dict[int, np.ndarray] = {}   # tensor id -> previous result rows (stale fill)
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
         self._ctrl: list[tuple] = []
+        self._closing = False
+        self._poll_lock = threading.Lock()   # whoever holds it owns the transport
+        self._idle = threading.Event()       # set while no round runs
+        self._idle.set()
+        self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
+        self._idler.start()
 
     # ---- public ----------------------------------------------------------
     def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
@@ -183,13 +192,7 @@ class Collective:
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
-        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        st = self._start(flat, tensor)
-        try:
-            self._run(st)
-        finally:
-            self._finish(st)
-        out = st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+        out = self._round(x, tensor, reduce=True)
         self.controller.observe(self.index - 1, out)
         return out * np.float32(self.world) if op == "sum" else out
 
@@ -201,16 +204,52 @@ class Collective:
         at most what one missed broadcast leaves, never a random walk.
         Same bound, STOP/PROBE and failure semantics as :meth:`allreduce`.
         """
-        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        st = self._start(flat, tensor, reduce=False)
-        try:
-            self._run(st)
-        finally:
-            self._finish(st)
-        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+        return self._round(x, tensor, reduce=False)
 
     def close(self) -> None:
+        """Stop answering peers and close the transport.
+
+        Peers still probing for the last round's STOPs then time out: close
+        only after every rank has finished (the torch layer's barrier does).
+        """
+        self._closing = True
+        self._idle.set()
+        self._idler.join(timeout=5)
         self.t.close()
+
+    def _round(self, x: np.ndarray, tensor: int, reduce: bool) -> np.ndarray:
+        if self._closing:
+            raise CollectiveError("collective is closed")
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        self._idle.clear()
+        with self._poll_lock:  # the idle responder finishes its poll (<= 1 ms) and waits
+            try:
+                st = self._start(flat, tensor, reduce)
+                try:
+                    self._run(st)
+                finally:
+                    self._finish(st)
+            finally:
+                self._idle.set()
+        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+
+    def _idle_loop(self) -> None:
+        """Between rounds: answer probes for the finished round, keep the next round's packets.
+
+        A receiver's STOP can be lost after it has finished; the sender then
+        probes, and someone must answer even if this rank's caller is busy
+        computing (or done).  The lock hands the transport to rounds.
+        """
+        while not self._closing:
+            self._idle.wait()
+            with self._poll_lock:
+                if self._closing or not self._idle.is_set():
+                    continue
+                b = self.t.recv(self._rx, timeout=0.001)
+                if b.n:
+                    self._process(None, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n],
+                                  time.monotonic())
+                self._flush_ctrl()
 
     # ---- round set-up ----------------------------------------------------
     def _start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> _Round:
@@ -356,7 +395,7 @@ class Collective:
     def _send(self, batch: Batch) -> None:
         sent = self.t.send(batch, timeout=1.0)
         if sent < len(batch):  # the ring or socket stayed full: the loss machinery repairs it
-            self.counters["tx_short"] = self.counters.get("tx_short", 0) + len(batch) - sent
+            self.counters["tx_short"] += len(batch) - sent
 
     def _ctrl_packet(self, st_round: int, tensor: int, kind: int, ag: bool, dst: int, n: int,
                      tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
@@ -379,27 +418,47 @@ class Collective:
         self._send(Batch.fill(h, pay, lens, peer=self._pid[[c[4] for c in ctrl]]))
 
     # ---- receiving -------------------------------------------------------
-    def _process(self, st: _Round, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
+    def _process(self, st: _Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray,
+                 now: float) -> None:
+        """Handle received packets; ``st`` None means between rounds (idle responder)."""
         me, W = self.rank, self.world
         mine = (h["job"] == self.cfg.job) & (h["dst"] == me) & (h["src"] < W) & (h["src"] != me)
         self.counters["foreign"] += int(np.count_nonzero(~mine))
+        rnd = h["round"]
+        kind = h["kind"]
+        if st is None:  # the finished round is self.round; the next one is self.round + 1
+            nxt = mine & (rnd == ((self.round + 1) & MASK32))
+            self._keep(h, pay, lens, nxt)
+            done_round = mine & (rnd == self.round)
+            for i in np.flatnonzero(done_round & (kind == PROBE)):
+                self._control(None, h[i], pay[i, : lens[i]], now, current=False)
+            self.counters["late"] += int(np.count_nonzero(done_round & (kind == DATA)))
+            return
         src_all = h["src"].astype(np.int64)
         st.heard[src_all[mine]] = now
-        rnd = h["round"]
         cur = mine & (rnd == st.round)
         nxt = mine & (rnd == ((st.round + 1) & MASK32))
         prev = mine & (rnd == ((st.round - 1) & MASK32))
-        kind = h["kind"]
-        if nxt.any():
-            rows = np.flatnonzero(nxt)
-            self._stash.append((h[rows].copy(), pay[rows].copy(), lens[rows].copy()))
-            self.counters["stashed"] += len(rows)
+        self._keep(h, pay, lens, nxt)
         data = cur & (kind == DATA)
         if data.any():
             self._absorb(st, h, pay, lens, np.flatnonzero(data))
         self.counters["late"] += int(np.count_nonzero(prev & (kind == DATA)))
         for i in np.flatnonzero((cur | prev) & (kind != DATA)):
             self._control(st, h[i], pay[i, : lens[i]], now, current=bool(cur[i]))
+
+    def _keep(self, h, pay, lens, sel) -> None:
+        """Stash packets of the next round (bounded: beyond it the loss machinery repairs)."""
+        if not sel.any():
+            return
+        rows = np.flatnonzero(sel)
+        room = STASH_MAX - sum(len(x[0]) for x in self._stash)
+        if room < len(rows):
+            self.counters["stash_full"] += len(rows) - max(room, 0)
+            rows = rows[: max(room, 0)]
+        if len(rows):
+            self._stash.append((h[rows].copy(), pay[rows].copy(), lens[rows].copy()))
+            self.counters["stashed"] += len(rows)
 
     def _absorb(self, st: _Round, h, pay, lens, rows) -> None:
         width = self.C * 4
@@ -463,13 +522,14 @@ class Collective:
                 self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
                 inn.stop_sent = True
 
-    def _control(self, st: _Round, h, payload: np.ndarray, now: float, current: bool) -> None:
+    def _control(self, st: _Round | None, h, payload: np.ndarray, now: float, current: bool) -> None:
         ag = bool(h["flags"] & AG)
         src = int(h["src"])
         kind = int(h["kind"])
         rnd = int(h["round"])
         if kind == PROBE:
             ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
+            # (st is None between rounds: then current is False and _prev answers)
             inn = ins.get((ag, src)) if ins is not None else None
             if inn is None:
                 return

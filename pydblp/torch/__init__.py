@@ -91,7 +91,12 @@ class State:
         for r in range(world):
             p = json.loads(store.get(f"pydblp/{cfg.job}/{r}"))
             peers.append((p["addr"], p["port"], p["mac"]))
-        return cls(Collective(t, rank, world, peers, cfg), owned=[t, *owned])
+        try:
+            col = Collective(t, rank, world, peers, cfg)
+        except BaseException:
+            t.close()
+            raise
+        return cls(col, owned=[col, *owned])
 
     def submit(self, fn, *args) -> torch.futures.Future:
         """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""

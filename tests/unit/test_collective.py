@@ -48,8 +48,8 @@ class Ranks:
         return res, errs
 
     def close(self):
-        for t in self.ts:
-            t.close()
+        for c in self.cols:
+            c.close()
 
 
 @pytest.fixture
