@@ -18,8 +18,10 @@ A block is one (size, condition): float32 tensors of ``--sizes`` MiB
   ``loss``   ``--loss`` random loss on every port (default 1 %)
   ``burst``  microbursts of ``--burst-ratio`` loss (default 80 %) lasting one clean
              round: the duration is that transport's clean p50 for that size, measured
-             just before in the same run; worker 0 arms a burst on every port right as it
-             enters measured rounds 1, 1+k, 1+2k, ... (``--burst-every`` k, default 3)
+             just before in the same run; a burst on every port starts as measured rounds
+             1, 1+k, 1+2k, ... start (``--burst-every`` k, default 3, or 2 for blocks of
+             fewer than 9 rounds): the last rank to
+             enter such a round arms it (the worker's docstring says how)
 
 Each block runs 1 warm-up round, ``--rounds`` measured rounds back to back
 and one unmeasured tail round, all under the fault; the parent clears the
@@ -49,7 +51,7 @@ socket and Gloo's TCP go through but AF_XDP copy-mode transmit does not
 (the kernel hands those frames straight to the driver); the table's
 ``Gb/s`` column shows each rank's data rate so the difference is visible.
 
-Bounded: each block has a timeout (``--block-timeout`` or 20 s + 2 s per
+Bounded: each block has a timeout (``--block-timeout`` or 30 s + 3 s per
 round per 8 MiB); a worker set that fails or overruns is killed by pid,
 the block is reported as failed, and a fresh set continues with the next
 block.  A default run (3 transports x 3 sizes x 3 conditions) takes about
@@ -102,14 +104,17 @@ class WorkerSet:
         peers = [[tb.addr(r), wire.DEFAULT_PORT, tb.mac(r)] for r in range(WORLD)]
         fabric = json.dumps({"pin_dir": tb.state["pin_dir"], "ports": tb.ports})
         store = tmp / f"store-{self.tag}"
+        sync = tmp / f"sync-{self.tag}"
+        sync.mkdir()
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.procs, self.errs, self.bufs = [], [], []
         for r in range(WORLD):
             argv = [sys.executable, str(WORKER), "--rank", str(r), "--world", str(WORLD),
                     "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol),
                     "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
-            if r == 0:
-                argv += ["--fabric", fabric]
+            if args.send_burst:
+                argv += ["--send-burst", str(args.send_burst)]
+            argv += ["--fabric", fabric, "--sync", str(sync)]
             err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
             self.errs.append(err)
             self.procs.append(tb.popen(r, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -197,6 +202,31 @@ class WorkerSet:
                     net.xdp_detach("eth0", netns=self.tb.ns(r))
 
 
+def kernel_counters(tb: Testbed) -> dict:
+    """Drops nobody injected: veth/device drops (both ends), TBF drops, UDP receive-buffer
+    overflows, and TCP retransmitted segments, summed over the testbed's namespaces."""
+    c = dict.fromkeys(("dev_drops", "qdisc_drops", "udp_rcvbuf_errors", "tcp_retrans"), 0)
+    for ns in [tb.switch_ns] + [tb.ns(r) for r in range(WORLD)]:
+        with net.in_netns(ns):  # /proc/thread-self/net follows this thread's netns
+            dev = Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]
+            snmp = Path("/proc/thread-self/net/snmp").read_text().splitlines()
+        for line in dev:
+            f = line.split(":", 1)[1].split()
+            c["dev_drops"] += int(f[3]) + int(f[11])
+        for names, vals in zip(snmp[::2], snmp[1::2]):
+            row = dict(zip(names.split()[1:], vals.split()[1:]))
+            if names.startswith("Udp:"):
+                c["udp_rcvbuf_errors"] += int(row.get("RcvbufErrors", 0))
+            elif names.startswith("Tcp:"):
+                c["tcp_retrans"] += int(row.get("RetransSegs", 0))
+        with net.ipr(ns) as ip:
+            for q in ip.get_qdiscs():
+                st = q.get_attr("TCA_STATS")
+                if st:
+                    c["qdisc_drops"] += int(st.get("drop", 0))
+    return c
+
+
 def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, timeout: float) -> list[dict]:
     tb.clear()
     if cond == "loss":
@@ -236,21 +266,22 @@ def summarize(ranks: list[dict], size: int) -> dict:
          "mean": float(lat.mean()), "min": float(lat.min()), "max": float(lat.max()),
          "latency": lat.tolist(), "rank_p50": own.tolist(),
          "gbps": float(np.median(1.5 * size * 8 / lat / 1e9)),
-         "exact": min(r["exact"] for r in ranks), "max_err": max(r["max_err"] for r in ranks),
+         "exact": min(r["exact"] for r in ranks), "stale": max(r["stale"] for r in ranks),
+         "stale_max_age": max(r["stale_max_age"] for r in ranks),
          "windows": windows, "burst_rounds": sorted(hit), "touched_rounds": sorted(touched)}
     if hit:
         s["burst_med"] = float(np.median(lat[sorted(hit)]))
         s["touched_med"] = float(np.median(lat[sorted(touched)]))
         rest = [i for i in range(len(lat)) if i not in touched]
         s["other_p50"] = float(np.median(lat[rest])) if rest else None
-    recs = [rec for r in ranks for rec in r["recs"]]
+    recs = [rec for r in ranks for rec in r["recs"] if rec]
     if recs:
         s["retx"] = sum(rec["retx"] for rec in recs) / len(lat)
         s["probes"] = sum(rec["probes"] for rec in recs) / len(lat)
         s["min_delivered"] = min(rec["min_delivered"] for rec in recs)
         s["below_bound"] = sum(bool(rec["below"]) for rec in recs)
         s["tx_bytes_per_rank_round"] = float(np.mean([rec["tx_bytes"] for rec in recs]))
-        s["counters"] = {k: sum(r["counters"].get(k, 0) for r in ranks) for k in ranks[0]["counters"]}
+        s["counters"] = [r["counters"] for r in ranks]  # per rank, at the block's end
     return s
 
 
@@ -262,14 +293,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,8,32", help="tensor sizes, MiB of float32 (default 1,8,32)")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="measured rounds per block (default 20, 10 for sizes above 8 MiB)")
+                    help="measured rounds per block (default 20 up to 1 MiB, 12 up to 8 MiB, 6 above)")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
     ap.add_argument("--loss", type=float, default=0.01, help="random loss of the loss condition")
     ap.add_argument("--burst-ratio", type=float, default=0.8)
-    ap.add_argument("--burst-every", type=int, default=3, help="a burst every k measured rounds (from round 1)")
+    ap.add_argument("--burst-every", type=int, default=None,
+                    help="a burst every k measured rounds from round 1 (default 3; 2 for blocks under 9 rounds)")
     ap.add_argument("--peer-timeout", type=float, default=30.0)
+    ap.add_argument("--send-burst", type=int, default=None,
+                    help="pydblp Config.burst: data packets sent per loop turn (default: Config's)")
     ap.add_argument("--block-timeout", type=float, default=None, help="seconds per block (default: by size)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
@@ -286,14 +320,15 @@ def main(argv=None) -> int:
         return 2
 
     def rounds_for(mib):
-        return args.rounds or (20 if mib <= 8 else 10)
+        return args.rounds or (20 if mib <= 1 else 12 if mib <= 8 else 6)
 
     def timeout_for(mib):
-        return args.block_timeout or 20.0 + (rounds_for(mib) + 3) * 2.0 * max(1.0, mib / 8)
+        return args.block_timeout or 30.0 + (rounds_for(mib) + 3) * 3.0 * max(1.0, mib / 8)
 
     t_begin = time.monotonic()
     res: dict = {t: {} for t in transports}
     failures: list[str] = []
+    seq = 0
     tmp = Path(tempfile.mkdtemp(prefix="dblp-allreduce-"))
     print(f"bench/allreduce.py: {WORLD} workers, sizes {sizes} MiB, conditions {conds}, "
           f"pydblp tol {args.tol}, {os.cpu_count()} CPUs (workers not pinned)", flush=True)
@@ -317,16 +352,19 @@ def main(argv=None) -> int:
                                     ws.stop(5)
                                     ws = None
                                     raise
-                            cmd = {"cmd": "block", "size": size, "rounds": rounds_for(mib), "warmup": 1,
+                            seq += 1
+                            cmd = {"cmd": "block", "seq": seq, "size": size, "rounds": rounds_for(mib), "warmup": 1,
                                    "burst": None}
                             if cond == "burst":
                                 clean = res[tr][key].get("clean")
                                 if not clean or "p50" not in clean:
                                     res[tr][key][cond] = {"error": "no clean p50 to size the burst"}
                                     continue
+                                every = args.burst_every or (3 if rounds_for(mib) >= 9 else 2)
                                 cmd["burst"] = {"ratio": args.burst_ratio, "duration": clean["p50"],
-                                                "rounds": list(range(1, rounds_for(mib), args.burst_every))}
+                                                "rounds": list(range(1, rounds_for(mib), every))}
                             t = time.monotonic()
+                            k0 = kernel_counters(tb)
                             try:
                                 ranks = run_block(ws, tb, cmd, cond, args.loss, timeout_for(mib))
                             except WorkerFailure as e:
@@ -339,14 +377,17 @@ def main(argv=None) -> int:
                                 continue
                             s = summarize(ranks, size)
                             s["wall"] = time.monotonic() - t
+                            k1 = kernel_counters(tb)
+                            s["kernel"] = {k: k1[k] - k0[k] for k in k0}
                             res[tr][key][cond] = s
                             extra = (f" burst med {fmt_ms(s.get('burst_med'))} ms over rounds {s['burst_rounds']}"
                                      if cond == "burst" else "")
                             pyd = (f" retx/round {s['retx']:.0f}, min delivered {s['min_delivered']:.3f}"
                                    if "retx" in s else "")
                             print(f"  {tr:<4} {key:>3} MiB {cond:<5}: p50 {fmt_ms(s['p50'])} ms, "
-                                  f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, exact {s['exact']:.3f} "
-                                  f"({s['wall']:.1f} s)", flush=True)
+                                  f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, exact {s['exact']:.3f}, stale {s['stale']:.3f} "
+                                  f"(max age {s['stale_max_age']}), "
+                                  f"uninjected drops {s['kernel']} ({s['wall']:.1f} s)", flush=True)
                 except WorkerFailure as e:
                     failures.append(f"{tr}: {e}")
                     print(f"  FAILED {tr}: {e}", flush=True)
