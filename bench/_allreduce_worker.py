@@ -17,11 +17,10 @@ A block is W warm-up rounds, R measured rounds and one *tail* round, all
 under the parent's fault.  A rank that completes the tail round knows that
 every rank has finished the measured rounds (its tail result needs every
 rank's tail contribution), so on the first ``drained`` the parent clears the
-fault.  pydblp ranks then run one small *flush* round on the clean fabric:
-a rank that finished early answers, from inside it, the PROBEs of a peer
-whose STOP was lost in the tail round (answers to the previous round are
-only given from inside a round), so no rank is left waiting on a peer
-that has stopped calling.
+fault.  pydblp ranks then run one small *flush* round on the clean fabric,
+so each block ends with an exchange no fault touched (the collective's idle
+responder also answers late PROBEs between rounds, so a STOP lost in the
+tail round cannot strand a peer either way).
 
 Bursts start when a listed round starts: before entering a round listed in
 ``burst.rounds`` each rank leaves a marker under ``--sync`` (a directory on
