@@ -11,7 +11,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
-	.venv/bin/dblp demo
+	.venv/bin/dblp experiment
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -9,10 +9,12 @@ as one line, exit code 2; no tracebacks for user mistakes.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 EPILOG = """\
 examples:
+  dblp experiment                         the main job: Gloo vs static vs DBLP under bursts
   dblp load eth0                          attach the host XDP program (native mode)
   dblp status                             where pydblp is loaded, jobs, counters
   dblp stats eth0 1 5                     per-verdict rates, five one-second samples
@@ -336,6 +338,63 @@ def _cmd_dump(args) -> int:
 
 
 
+# ---- experiment: the main job ----------------------------------------------------
+
+EXPERIMENT_EPILOG = """\
+examples:
+  dblp experiment                                 defaults: 4 workers, digits CNN, 30 bursts
+  dblp experiment --model text --steps 200        char transformer on stdlib sources
+  dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
+  dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
+"""
+
+
+def _add_experiment(sub):
+    p = sub.add_parser("experiment", help="the main job: Gloo vs static vs DBLP under microbursts",
+                       formatter_class=_formatter, epilog=EXPERIMENT_EPILOG,
+                       description="Bring up a testbed, train the same model with the same seed over Gloo, "
+                                   "static bounded loss (MLT-style) and DBLP phase-aware bounded loss under "
+                                   "seeded microbursts (60-90 %% loss for about one round); print a comparison "
+                                   "table; write report.json and PNG plots.")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--model", choices=["digits", "text"], default="digits")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--transports", default=",".join(("gloo", "static", "dblp")),
+                   help="comma-separated subset of gloo,static,dblp (in this order of runs)")
+    p.add_argument("--net", choices=["xsk", "udp"], default="xsk", help="pydblp data plane (default AF_XDP)")
+    p.add_argument("--bursts", type=int, default=30, help="microbursts over the run (0: none)")
+    p.add_argument("--burst-ms", type=float, help="burst length (default: one median Gloo round)")
+    p.add_argument("--loss", type=float, default=0.0, help="background random loss on every port")
+    p.add_argument("--tol", type=float, default=0.016, help="static tolerance, DBLP's P_low (default 0.016)")
+    p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
+    p.add_argument("--target", type=float, help="accuracy (digits, default 0.9) or perplexity (text, 8.0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="dblp-experiment", help="output directory (default ./dblp-experiment)")
+    p.set_defaults(func=_cmd_experiment)
+
+
+def _cmd_experiment(args) -> int:
+    from pydblp.experiment import report, runner
+
+    transports = tuple(t for t in args.transports.split(",") if t)
+    bad = [t for t in transports if t not in runner.TRANSPORTS]
+    if bad or not transports:
+        raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
+    if args.workers < 2 or args.steps < 10 or not 0 <= args.loss < 1:
+        raise UsageError("need --workers >= 2, --steps >= 10 and 0 <= --loss < 1")
+    opt = runner.Options(workers=args.workers, model=args.model, steps=args.steps, transports=transports,
+                         net=args.net, seed=args.seed, bursts=args.bursts, burst_ms=args.burst_ms,
+                         loss=args.loss, tol=args.tol, estimator=args.estimator, target=args.target,
+                         out_dir=args.out)
+    try:
+        rep = runner.run(opt)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    print(report.table(rep))
+    print(f"report: {args.out}/report.json; plots: {args.out}/loss_accuracy.png, latency_cdf.png, tolerance.png")
+    return 0
+
+
 # ---- testbed and fault (implemented in pydblp/testbed/cli.py) ----------------
 
 
@@ -379,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     from pydblp.bpf import BPFError
     from pydblp.net import NetError
 
+    # SIGTERM unwinds like Ctrl-C, so owners (testbeds, XDP attachments) clean up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return args.func(args) or 0
     except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError) as e:

@@ -74,10 +74,14 @@ def in_netns(name: str | None):
 
 
 def ipr(netns: str | None = None) -> IPRoute:
-    """An IPRoute socket in ``netns`` (close it, or use it as a context manager)."""
-    if netns is not None and not netns_exists(netns):
-        raise NetError(f"network namespace {netns!r} does not exist (see `ip netns list`)")
-    return IPRoute(netns=netns) if netns else IPRoute()
+    """An IPRoute socket in ``netns`` (close it, or use it as a context manager).
+
+    The socket is created in this thread after setns(2), not through
+    pyroute2's ``netns=`` (which forks a helper per socket: slow, unsafe in
+    a threaded process, and seen to hang under load).
+    """
+    with in_netns(netns):
+        return IPRoute()
 
 
 def netns_exists(name: str) -> bool:

@@ -47,6 +47,13 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def tcp_retransmits() -> int:
+    """TCP segments retransmitted in this network namespace (RetransSegs)."""
+    lines = open("/proc/self/net/snmp").read().splitlines()
+    head, vals = [l.split() for l in lines if l.startswith("Tcp:")][:2]
+    return int(vals[head.index("RetransSegs")])
+
+
 def emit(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -81,7 +88,8 @@ def main(argv=None) -> int:
         opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if a.model == "digits"
                else torch.optim.Adam(ddp.parameters(), lr=lr))
         gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank)
-        t_start = time.time()
+        retrans0 = tcp_retransmits()
+        t_start = time.monotonic()
         for step in range(a.steps):
             if a.model == "digits":
                 idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
@@ -91,9 +99,9 @@ def main(argv=None) -> int:
                 x, y = models.text_batch(tr, a.batch, model.context, gen)
                 loss = torch.nn.functional.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
             opt.zero_grad()
-            t0 = time.time()
+            t0 = time.monotonic()  # CLOCK_MONOTONIC: the fabric's burst clock too
             loss.backward()
-            t1 = time.time()
+            t1 = time.monotonic()
             opt.step()
             emit({"step": step, "t": t1 - t_start, "t0": t0, "loss": loss.item(), "sync": t1 - t0})
             if a.rank == 0 and (step % a.eval_every == a.eval_every - 1 or step == a.steps - 1):
@@ -102,8 +110,8 @@ def main(argv=None) -> int:
                           else models.perplexity(model, te, model.context))
                 ddp.train()
                 emit({"eval": metric, "metric": "accuracy" if a.model == "digits" else "perplexity",
-                      "step": step, "t": time.time() - t_start})
-        final = {"final": True, "wall": time.time() - t_start}
+                      "step": step, "t": time.monotonic() - t_start})
+        final = {"final": True, "wall": time.monotonic() - t_start, "tcp_retransmits": tcp_retransmits() - retrans0}
         if state is not None:
             recs = state.collective.records
             final["rounds"] = [{"tol": r.tol, "phase": r.phase, "latency": r.latency,
