@@ -105,7 +105,8 @@ class _Out:
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
         self.sent = 0
-        self.retx = np.zeros(self.n, bool)
+        self.retx = np.zeros(self.n, bool)   # chunks queued for retransmission
+        self.nretx = 0
         self.acked = np.zeros(self.n, bool)
         self.done = self.n == 0
         self.t_sent_all = None
@@ -349,48 +350,60 @@ class Collective:
 
     # ---- sending ---------------------------------------------------------
     def _send_some(self, st: _Round, now: float) -> bool:
-        """Send up to ``burst`` data packets, retransmissions first; True if more wait."""
-        budget = self.cfg.burst
-        more = False
-        for o in st.outs.values():
-            if o.done or budget <= 0:
-                more |= not o.done and (o.sent < o.n or o.retx.any())
-                continue
-            if o.retx.any():
+        """Send up to ``burst`` data packets in one batch, retransmissions first.
+
+        Returns True if more wait.  The budget is shared fairly across the
+        messages still sending, so no destination waits behind another.
+        """
+        active = [o for o in st.outs.values() if not o.done and (o.sent < o.n or o.nretx)]
+        if not active:
+            return False
+        share = max(1, self.cfg.burst // len(active))
+        parts = []
+        for o in active:
+            budget = share
+            if o.nretx:
                 idx = np.flatnonzero(o.retx)[:budget]
                 o.retx[idx] = False
+                o.nretx -= len(idx)
                 o.retransmits += len(idx)
-                self._send_data(st, o, idx, RETX)
+                parts.append((o, idx, RETX))
                 budget -= len(idx)
-                o.t_last = now
             if o.sent < o.n and budget > 0:
                 idx = np.arange(o.sent, min(o.n, o.sent + budget))
-                self._send_data(st, o, idx, 0)
                 o.sent += len(idx)
-                budget -= len(idx)
-                o.t_last = now
+                parts.append((o, idx, 0))
                 if o.sent == o.n:
                     o.t_sent_all = now
-            more |= o.sent < o.n or bool(o.retx.any())
-        return more
+            o.t_last = now
+        self._send_data(st, parts)
+        return any(o.sent < o.n or o.nretx for o in active)
 
-    def _send_data(self, st: _Round, o: _Out, idx: np.ndarray, flags: int) -> None:
-        k = len(idx)
+    def _send_data(self, st: _Round, parts: list) -> None:
+        """One batch of DATA packets: ``parts`` are (message, chunk indices, flags)."""
+        k = sum(len(idx) for _, idx, _ in parts)
         h = wire.empty_batch(k)
         h["kind"] = DATA
         h["job"] = self.cfg.job
         h["round"] = st.round
         h["tensor"] = st.tensor
         h["src"] = self.rank
-        h["dst"] = o.dst
-        h["prio"] = o.prio[idx]
         h["dtype"] = wire.Dtype.F32
-        h["chunk"] = idx
-        h["nchunks"] = o.n
-        h["tol"] = o.tol8
-        h["flags"] = flags | (AG if o.ag else 0)
-        payload = o.rows[idx].view(np.uint8)
-        self._send(Batch.fill(h, payload, peer=self._pid[o.dst]))
+        payload = np.empty((k, self.C * 4), np.uint8)
+        peer = np.empty(k, np.int32)
+        i = 0
+        for o, idx, flags in parts:
+            j = i + len(idx)
+            h["dst"][i:j] = o.dst
+            h["prio"][i:j] = o.prio[idx]
+            h["chunk"][i:j] = idx
+            h["nchunks"][i:j] = o.n
+            h["tol"][i:j] = o.tol8
+            h["flags"][i:j] = flags | (AG if o.ag else 0)
+            payload[i:j] = o.rows[idx].view(np.uint8)
+            peer[i:j] = self._pid[o.dst]
+            i = j
+        self._send(Batch.fill(h, payload, peer=peer))
 
     def _send(self, batch: Batch) -> None:
         sent = self.t.send(batch, timeout=1.0)
@@ -562,6 +575,7 @@ class Collective:
             else:
                 seg = slice(first, first + len(bits))
                 o.retx[seg] |= ~o.acked[seg]
+                o.nretx = int(np.count_nonzero(o.retx))
                 o.t_last = now
 
     def _out_done(self, o: _Out, now: float) -> None:
@@ -573,7 +587,7 @@ class Collective:
 
     def _timers(self, st: _Round, now: float) -> None:
         for o in st.outs.values():
-            if o.done or o.sent < o.n or o.retx.any():
+            if o.done or o.sent < o.n or o.nretx:
                 continue
             wait = self._probe_timeout * (2 ** min(o.probes, 4))
             if now - o.t_last >= wait:
