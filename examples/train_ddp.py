@@ -1,0 +1,171 @@
+"""Train the digits CNN with DDP, gradients averaged by pydblp's bounded-loss collective.
+
+A plain ``torchrun`` script for your own cluster (one process per host)::
+
+    torchrun --nnodes 4 --nproc-per-node 1 --node-rank K \\
+        --master-addr HOST0 --master-port 29500 \\
+        examples/train_ddp.py --iface eth0 [--transport udp|xsk] [--phase dblp|static:0.02]
+
+or on one host, for a try (in-host ranks need distinct data-plane ports:
+``--port 0`` picks free ones)::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --port 0
+
+What it does: ``init_process_group("gloo")`` (the control plane: rendezvous,
+and this script's once-per-epoch metrics; on ``--iface`` unless
+``GLOO_SOCKET_IFNAME`` names another NIC), opens the data plane on
+``--iface`` and registers :func:`pydblp.torch.hook` on a DDP model, so every
+gradient bucket goes through the collective.  With ``--broadcast-every K``
+a :class:`pydblp.torch.ParameterBroadcaster` re-broadcasts parameters every
+K steps (bounded drift under loss).  Rank 0 prints, per epoch: mean train
+loss and accuracy over all ranks, test accuracy, the spread of parameters
+across ranks (max |p_i - p_j|; non-zero only when loss made ranks disagree)
+and its collective's round stats (latency p50/p99/max, tolerance, delivered
+fraction, retransmits, rounds ended below their bound).
+
+Failure semantics: loss never raises (within a round's tolerance it is
+absorbed, above it repaired); a peer silent for ``--peer-timeout`` seconds
+makes ``backward()`` raise ``CollectiveError`` and the script exits 1.
+The state is closed in ``finally`` either way.
+
+``--transport xsk`` (AF_XDP) needs root (CAP_NET_ADMIN, CAP_BPF) and
+attaches the host XDP program to ``--iface`` unless ``dblp load`` did;
+``udp`` works as any user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pydblp.torch as ptorch
+from pydblp.collective import CollectiveError, Config
+from pydblp.experiment import data, models
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iface", help="data-plane NIC (default: none, loopback 127.0.0.1; fine for one host)")
+    p.add_argument("--addr", help="address published to peers (default: the first IPv4 address of --iface)")
+    p.add_argument("--transport", choices=["udp", "xsk"], default="udp", help="xsk = AF_XDP (root)")
+    p.add_argument("--port", type=int, default=47800, help="data-plane UDP port; 0 = any free one "
+                                                           "(needed for several ranks on one host)")
+    p.add_argument("--queue", type=int, default=0, help="NIC queue (xsk)")
+    p.add_argument("--phase", default="dblp", help="dblp, dblp:P_LOW or static:TOL (default dblp)")
+    p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
+    p.add_argument("--job", type=int, default=1, help="job id, the same on every rank")
+    p.add_argument("--peer-timeout", type=float, default=30.0, help="seconds of silence that fail a round")
+    p.add_argument("--broadcast-every", type=int, default=0, metavar="K",
+                   help="re-broadcast parameters every K steps (0: never)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps in all (0: no limit)")
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def log(*a) -> None:
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def param_spread(module: torch.nn.Module) -> float:
+    """max |p_i - p_j| over ranks and parameters (two small Gloo allreduces)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())
+
+
+def round_stats(recs) -> str:
+    if not recs:
+        return "no rounds"
+    lat = np.array([r.latency for r in recs]) * 1e3
+    return (f"{len(recs)} rounds, latency p50 {np.median(lat):.1f} p99 {np.percentile(lat, 99):.1f} "
+            f"max {lat.max():.1f} ms, tol {np.mean([r.tol for r in recs]) * 100:.1f} % mean, "
+            f"delivered min {min(r.min_delivered for r in recs):.3f}, "
+            f"retransmits {sum(r.retransmits for r in recs)}, below bound {sum(r.below_bound for r in recs)}")
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    torch.manual_seed(a.seed)  # same initial model on every rank (DDP also broadcasts it)
+    if a.iface:  # Gloo binds what the hostname resolves to (loopback in the testbed) unless told
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", a.iface)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(60.0, 2 * a.peer_timeout)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = None
+    try:
+        cfg = Config(job=a.job, phase=a.phase, estimator=a.estimator, peer_timeout=a.peer_timeout)
+        state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
+                                                addr=a.addr, config=cfg)
+        col = state.collective
+        log(f"world {world}, {a.transport} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
+            f"phase {a.phase}, estimator {a.estimator}, broadcast every {a.broadcast_every or 'never'}")
+
+        model = models.DigitsCNN()
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, ptorch.hook)
+        bc = ptorch.ParameterBroadcaster(state, model, a.broadcast_every) if a.broadcast_every else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=a.lr, momentum=0.9)
+
+        xtr, ytr, xte, yte = data.digits(seed=a.seed)
+        mine = data.shard(len(xtr), rank, world, a.seed)
+        per_epoch = max(1, (len(xtr) // world) // a.batch)  # equal on every rank: DDP needs lockstep
+        gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
+        step, t_start = 0, time.monotonic()
+        for epoch in range(a.epochs):
+            n_rec, t0 = len(col.records), time.monotonic()
+            order = mine[torch.randperm(len(mine), generator=gen)]
+            tot = torch.zeros(3)  # loss sum, correct, samples
+            for i in range(per_epoch):
+                if a.steps and step >= a.steps:
+                    break
+                idx = order[(i * a.batch) % len(order):][: a.batch]
+                out = ddp(xtr[idx])
+                loss = torch.nn.functional.cross_entropy(out, ytr[idx])
+                opt.zero_grad()
+                loss.backward()  # gradients averaged through pydblp here
+                opt.step()
+                if bc is not None:
+                    bc.step()
+                step += 1
+                tot += torch.tensor([loss.item() * len(idx), (out.argmax(1) == ytr[idx]).sum().item(), len(idx)])
+            dist.all_reduce(tot)  # metrics only, over the Gloo control plane
+            model.eval()
+            acc = models.accuracy(model, xte, yte)
+            model.train()
+            spread = param_spread(model)
+            log(f"epoch {epoch + 1}/{a.epochs}  steps {step}  loss {tot[0] / max(tot[2], 1):.4f}  "
+                f"train acc {tot[1] / max(tot[2], 1):.3f}  test acc {acc:.3f}  param spread {spread:.2e}  "
+                f"{time.monotonic() - t0:.1f} s")
+            log(f"  rank 0 collective: {round_stats(col.records[n_rec:])}")
+            if a.steps and step >= a.steps:
+                break
+        log(f"done: {step} steps in {time.monotonic() - t_start:.1f} s; "
+            f"all rounds: {round_stats(col.records)}; counters {col.counters}")
+        dist.barrier()  # nobody stops answering late probes before every rank has finished
+        return 0
+    except (CollectiveError, RuntimeError) as e:  # DDP may re-raise the hook's error as RuntimeError
+        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if state is not None:
+            state.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # tiny model: threads only contend with the transport
+    sys.exit(main())
