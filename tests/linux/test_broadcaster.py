@@ -38,9 +38,10 @@ Q4/Q2 ~1.3; the max over N x 6 walks fluctuates by a few per cent):
 * Every round met its bound (none ended below it), the loss was real
   (some round delivered < 95 %), no round took over 5 s.
 
-Measured (2 shared cores, load ~4): ~55 s for 1,100 rounds per rank
-(p50 ~37 ms), ~61 s with the testbed; A: Q4/Q1 ~2.2, final D ~2.6;
-B: max D ~0.48, Q4/Q1 ~1.0.
+Measured over two runs (2 shared cores, load 2-4): 54-55 s for 1,101
+rounds per rank (p50 ~36 ms, p99 ~155 ms), 60-61 s with the testbed.
+A: Q4/Q1 2.2-2.4, D at step 1,000 2.5-2.6.  B: max D 0.48-0.52 (bound
+~0.8), Q4/Q1 0.96-1.01.
 """
 
 from __future__ import annotations
