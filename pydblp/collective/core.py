@@ -75,8 +75,8 @@ class Config:
     deadline: float | None = None    # seconds; a round may end below the bound only if set
                                      # (owners stop waiting for contributions at half of it)
     peer_timeout: float = 10.0       # a needed peer silent this long fails the round
-    probe_min: float = 0.002
-    probe_max: float = 0.2
+    probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
+    probe_max: float = 0.05
     burst: int = 256                 # packets sent per loop turn before draining receive
 
 
@@ -589,7 +589,9 @@ class Collective:
         for o in st.outs.values():
             if o.done or o.sent < o.n or o.nretx:
                 continue
-            wait = self._probe_timeout * (2 ** min(o.probes, 4))
+            # back off on repeated probes, but never past probe_max: a probe is one packet,
+            # a lost probe or reply must not cost seconds
+            wait = min(self.cfg.probe_max, self._probe_timeout * (2 ** min(o.probes, 4)))
             if now - o.t_last >= wait:
                 self._ctrl_packet(st.round, st.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
                 o.probes += 1

@@ -52,13 +52,15 @@ class State:
     @classmethod
     def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
                            port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
-                           config: Config | None = None, store=None) -> "State":
+                           config: Config | None = None, store=None, spin: float = 0.0) -> "State":
         """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
 
         ``transport``: ``udp`` (any user) or ``xsk`` (AF_XDP: root; attaches
         the host XDP program to ``iface`` unless ``dblp load`` already did).
         ``addr`` overrides the address published to peers (default: the
-        first IPv4 address of ``iface``).
+        first IPv4 address of ``iface``).  ``spin``: seconds the receiver
+        busy-polls before sleeping; 0 (default) suits ranks that share cores,
+        a few hundred microseconds suits a dedicated core.
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
@@ -79,10 +81,10 @@ class State:
                 maps = host.HostProgram(iface, netns=netns)
             owned.append(maps)
             maps.register_job(cfg.job, world, rank, "xsk")
-            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps)
+            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin)
         elif transport == "udp":
             from pydblp.transport.udp import UdpTransport
-            t = UdpTransport(iface, netns=netns, queue=queue, port=port)
+            t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)
         else:
             raise ValueError(f"transport {transport!r}: use udp or xsk")
         me["port"] = t.port
