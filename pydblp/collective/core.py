@@ -211,7 +211,8 @@ class Collective:
         """Stop answering peers and close the transport.
 
         Peers still probing for the last round's STOPs then time out: close
-        only after every rank has finished (the torch layer's barrier does).
+        only after every rank has finished (``pydblp.torch.State.close``
+        barriers first).
         """
         self._closing = True
         self._idle.set()

@@ -121,10 +121,24 @@ class State:
                 self._failed = e
                 fut.set_exception(e)
 
-    def close(self) -> None:
-        """Stop the thread, close the transport and detach what this state attached."""
+    def close(self, barrier: bool = True) -> None:
+        """Stop the thread, close the transport and detach what this state attached.
+
+        With ``barrier`` (default) first wait, over the Gloo control plane, until
+        every rank is closing: until then this rank keeps answering probes for
+        the last round (its STOP may have been lost), so no peer is stranded.
+        A dead peer makes the barrier fail after ``Config.peer_timeout``; the
+        state is closed anyway.
+        """
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        if barrier and dist.is_initialized() and self._failed is None:
+            import datetime
+
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.collective.cfg.peer_timeout))
+            except RuntimeError:
+                pass  # a peer is gone: nobody is left to strand
         for o in self._owned:
             o.close()
         self._owned = []
