@@ -58,7 +58,7 @@ def in_netns(name: str | None):
         target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NetError(f"network namespace {name!r} does not exist (see `ip netns list`)") from None
-    own = os.open(f"/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         if _libc.setns(target, CLONE_NEWNET) != 0:
             e = ctypes.get_errno()

@@ -39,7 +39,6 @@ last chunk zero-padded).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -135,7 +134,7 @@ class _In:
 
 
 class _Round:
-    pass
+    """State of one round; its attributes are set by ``Collective._start``."""
 
 
 class Collective:

@@ -32,8 +32,8 @@ SCALARS = ("MAGIC", "VERSION", "HEADER_LEN", "TAG_LEN", "DEFAULT_PORT", "MAX_NCH
 def python_constants() -> dict[str, int]:
     """Every constant the Python side defines, under its C macro name."""
     out = {f"DBLP_{n}": int(getattr(wire, n)) for n in SCALARS}
-    for prefix, enum in ENUMS.items():
-        for m in enum:
+    for prefix, members in ENUMS.items():
+        for m in members:
             out[f"DBLP_{prefix}{m.name}"] = int(m)
     return out
 
