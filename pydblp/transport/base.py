@@ -130,6 +130,12 @@ class Transport(abc.ABC):
     queue: int
     port: int
 
+    @classmethod
+    def open(cls, netns: str | None = None, ifname: str | None = None, queue: int = 0,
+             port: int = wire.DEFAULT_PORT, **kw) -> "Transport":
+        """Open on (``netns``, ``ifname``, ``queue``, ``port``); ``kw`` as the subclass's constructor."""
+        return cls(ifname, netns=netns, queue=queue, port=port, **kw)
+
     @abc.abstractmethod
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac: str | bytes | None = None) -> int:
         """Register a destination; returns its peer id (the value for ``Batch.peer``)."""

@@ -139,11 +139,6 @@ class UdpTransport(Transport):
             self.close()
             raise
 
-    @classmethod
-    def open(cls, netns: str | None = None, ifname: str | None = None, queue: int = 0,
-             port: int = wire.DEFAULT_PORT, **kw) -> "UdpTransport":
-        return cls(ifname, netns=netns, queue=queue, port=port, **kw)
-
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
         ip = parse_ip(addr)
         row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]

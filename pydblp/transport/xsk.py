@@ -213,10 +213,6 @@ class XskTransport(Transport):
             self.close()
             raise
 
-    @classmethod
-    def open(cls, netns: str | None, ifname: str, queue: int = 0, port: int = wire.DEFAULT_PORT, **kw) -> "XskTransport":
-        return cls(ifname, netns=netns, queue=queue, port=port, **kw)
-
     # ---- setup ---------------------------------------------------------
 
     def _bind(self, flags: int, timeout: float) -> None:
