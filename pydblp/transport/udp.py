@@ -182,11 +182,13 @@ class UdpTransport(Transport):
             e = ctypes.get_errno()
             if e not in (errno.EAGAIN, errno.EINTR):
                 raise TransportError(e, f"recvmmsg: {os.strerror(e)}")
-            if timeout != 0 and self.spin > 0:  # as XskTransport: spin briefly before sleeping
-                end = time.perf_counter() + (self.spin if timeout is None else min(self.spin, timeout))
-                while k < 0 and time.perf_counter() < end:
-                    k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
-            if k < 0 and timeout != 0:
+
+            def ready():
+                nonlocal k
+                k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+                return k >= 0
+
+            if not self._spin(ready, timeout) and timeout != 0:
                 self._poll.poll(None if timeout is None else int(timeout * 1000))
                 k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
             if k < 0:

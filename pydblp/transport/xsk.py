@@ -340,12 +340,12 @@ class XskTransport(Transport):
         cons = int(rx.cons[0])
         avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
         if avail == 0:
-            if timeout != 0 and self.spin > 0:
-                # spin briefly before sleeping: a sleeping reader costs the kernel a
-                # wakeup per NAPI flush, charged to whoever runs the receive softirq
-                end = time.perf_counter() + (self.spin if timeout is None else min(self.spin, timeout))
-                while avail == 0 and time.perf_counter() < end:
-                    avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+            def ready():
+                nonlocal avail
+                avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+                return avail > 0
+
+            self._spin(ready, timeout)
             if avail == 0 and (self.need_wakeup and int(self._fill.flags[0]) & XDP_RING_NEED_WAKEUP or timeout != 0):
                 self._c["rx_polls"] += 1
                 self._poll.poll(None if timeout is None else int(timeout * 1000))

@@ -13,31 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from pydblp import net
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
-from tests.linux.test_transport_xsk import ADDR, JOB_UDP, MAXLEN, N, make_pair, packets, transfer
+# `pair`: two namespaces, a native-mode host program on each with a udp job (shared fixture)
+from tests.linux.test_transport_xsk import ADDR, JOB_UDP, MAXLEN, N, packets, pair, transfer  # noqa: F401
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
-
-
-@pytest.fixture(scope="module")
-def upair(root, bpf_xdp):
-    from pydblp.host import HostProgram
-
-    a, b = make_pair()
-    hosts = []
-    try:
-        for ns, dev, rank in ((a, "va", 0), (b, "vb", 1)):
-            h = HostProgram(dev, netns=ns, mode="native")
-            hosts.append(h)
-            h.register_job(JOB_UDP, world_size=2, rank=rank, transport="udp")
-        yield {"ns": (a, b), "dev": ("va", "vb"), "host": tuple(hosts)}
-    finally:
-        for h in hosts:
-            h.close()
-        net.netns_del(a)
-        net.netns_del(b)
 
 
 def udp(p, side: int, **kw) -> UdpTransport:
@@ -45,9 +26,9 @@ def udp(p, side: int, **kw) -> UdpTransport:
 
 
 @pytest.mark.parametrize("family", [4, 6])
-def test_udp_bit_exact_both_directions(upair, family):
-    ha, hb = upair["host"]
-    with udp(upair, 0) as ua, udp(upair, 1) as ub:
+def test_udp_bit_exact_both_directions(pair, family):
+    ha, hb = pair["host"]
+    with udp(pair, 0) as ua, udp(pair, 1) as ub:
         pb, pa = ua.add_peer(ADDR[family][1]), ub.add_peer(ADDR[family][0])
         c0 = (ha.counters(), hb.counters())
         into = Batch.empty(4096, MAXLEN)
@@ -65,8 +46,8 @@ def test_udp_bit_exact_both_directions(upair, family):
             assert sum(after["drop"].values()) == sum(before["drop"].values())
 
 
-def test_udp_receiver_falls_behind_counts_drops(upair):
-    with udp(upair, 0) as ua, udp(upair, 1, rcvbuf=256 << 10) as ub:
+def test_udp_receiver_falls_behind_counts_drops(pair):
+    with udp(pair, 0) as ua, udp(pair, 1, rcvbuf=256 << 10) as ub:
         pb = ua.add_peer(ADDR[4][1])
         sent = sum(ua.send(packets(s, 1000, 0, 1, job=JOB_UDP, peer=pb)) for s in range(0, 10_000, 1000))
         assert sent == 10_000
@@ -84,11 +65,11 @@ def test_udp_receiver_falls_behind_counts_drops(upair):
         assert s["rx_dropped"] == sent - got, s
 
 
-def test_udp_open_close_20x_leaks_nothing(upair):
-    udp(upair, 1).close()
+def test_udp_open_close_20x_leaks_nothing(pair):
+    udp(pair, 1).close()
     fds = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
-        t = udp(upair, 1)
+        t = udp(pair, 1)
         t.close()
         assert t.closed
     assert len(os.listdir("/proc/self/fd")) == fds
