@@ -66,6 +66,7 @@ def parse(argv=None):
     p.add_argument("--estimator", default="unbiased")
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--send-burst", type=int, default=None, help="Config.burst")
+    p.add_argument("--chunk-bytes", type=int, default=None, help="Config.chunk_bytes")
     p.add_argument("--store", help="FileStore path (gloo rendezvous)")
     p.add_argument("--fabric", help="JSON {pin_dir, ports}: the fabric bursts are armed on")
     p.add_argument("--sync", help="directory for the burst-arming markers")
@@ -85,7 +86,8 @@ class Pydblp:
 
             self.host = HostProgram(a.iface)
             self.host.register_job(a.job, a.world, a.rank, "xsk")
-            t = XskTransport(a.iface, port=port, host=self.host)
+            big = (a.chunk_bytes or 0) + 128 > 2048  # headers + payload past a 2 KiB frame
+            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048)
         else:
             from pydblp.transport.udp import UdpTransport
 
@@ -94,6 +96,8 @@ class Pydblp:
                      peer_timeout=a.peer_timeout)
         if a.send_burst:
             cfg.burst = a.send_burst
+        if a.chunk_bytes:
+            cfg.chunk_bytes = a.chunk_bytes
         self.col = Collective(t, a.rank, a.world, peers, cfg)
 
     def prepare(self, x: np.ndarray):
@@ -185,6 +189,8 @@ def block(a, impl, fab, cmd: dict) -> dict:
         if fab is not None and i in burst_at and last_to_enter(a, f"{cmd['seq']}-{i}"):
             start = fab.burst(ratio=burst["ratio"], duration=burst["duration"], at=time.monotonic())
             windows.append([start, start + burst["duration"]])
+        if i == 0:
+            c0 = os.times()
         t0 = time.monotonic()
         out = impl.round(buf)
         t1 = time.monotonic()
@@ -192,6 +198,8 @@ def block(a, impl, fab, cmd: dict) -> dict:
             t0s.append(t0)
             t1s.append(t1)
             recs.append(impl.record())
+        if i == rounds - 1:
+            c1 = os.times()
     emit({"drained": True})
     impl.flush()
     # the tail round's result: exact, stale (an earlier round's exact value), or estimated
@@ -203,6 +211,7 @@ def block(a, impl, fab, cmd: dict) -> dict:
     return {"t0": t0s, "t1": t1s, "recs": recs, "windows": windows,
             "exact": float(exact.mean()), "stale": float(stale.mean()),
             "stale_max_age": int(k[stale].max()) if stale.any() else 0,
+            "cpu": (c1.user + c1.system - c0.user - c0.system) / max(rounds, 1), "cpu_sys": (c1.system - c0.system) / max(rounds, 1),
             "counters": impl.counters()}
 
 
@@ -244,7 +253,7 @@ if __name__ == "__main__":
     if os.environ.get("DBLP_BENCH_PROFILE"):  # a directory: each rank dumps cProfile stats there
         import cProfile
 
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: ranks share cores
         rc = prof.runcall(main)
         rank = sys.argv[sys.argv.index("--rank") + 1]
         prof.dump_stats(os.path.join(os.environ["DBLP_BENCH_PROFILE"], f"rank{rank}.prof"))

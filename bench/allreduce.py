@@ -114,6 +114,8 @@ class WorkerSet:
                     "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
             if args.send_burst:
                 argv += ["--send-burst", str(args.send_burst)]
+            if args.chunk_bytes:
+                argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--fabric", fabric, "--sync", str(sync)]
             err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
             self.errs.append(err)
@@ -266,6 +268,7 @@ def summarize(ranks: list[dict], size: int) -> dict:
          "mean": float(lat.mean()), "min": float(lat.min()), "max": float(lat.max()),
          "latency": lat.tolist(), "rank_p50": own.tolist(),
          "gbps": float(np.median(1.5 * size * 8 / lat / 1e9)),
+         "cpu": float(np.mean([r["cpu"] for r in ranks])), "cpu_sys": float(np.mean([r["cpu_sys"] for r in ranks])),
          "exact": min(r["exact"] for r in ranks), "stale": max(r["stale"] for r in ranks),
          "stale_max_age": max(r["stale_max_age"] for r in ranks),
          "windows": windows, "burst_rounds": sorted(hit), "touched_rounds": sorted(touched)}
@@ -302,6 +305,9 @@ def main(argv=None) -> int:
     ap.add_argument("--burst-every", type=int, default=None,
                     help="a burst every k measured rounds from round 1 (default 3; 2 for blocks under 9 rounds)")
     ap.add_argument("--peer-timeout", type=float, default=30.0)
+    ap.add_argument("--mtu", type=int, default=1500, help="MTU of every testbed link (default 1500)")
+    ap.add_argument("--chunk-bytes", type=int, default=None,
+                    help="pydblp payload per packet (default: Config's 1408; up to MTU - 88)")
     ap.add_argument("--send-burst", type=int, default=None,
                     help="pydblp Config.burst: data packets sent per loop turn (default: Config's)")
     ap.add_argument("--block-timeout", type=float, default=None, help="seconds per block (default: by size)")
@@ -333,7 +339,7 @@ def main(argv=None) -> int:
     print(f"bench/allreduce.py: {WORLD} workers, sizes {sizes} MiB, conditions {conds}, "
           f"pydblp tol {args.tol}, {os.cpu_count()} CPUs (workers not pinned)", flush=True)
     try:
-        with Testbed(workers=WORLD, name=f"ar{os.getpid() % 100000}") as tb:
+        with Testbed(workers=WORLD, name=f"ar{os.getpid() % 100000}", mtu=args.mtu) as tb:
             for tr in transports:
                 gen = 0
                 ws = None
@@ -385,7 +391,7 @@ def main(argv=None) -> int:
                             pyd = (f" retx/round {s['retx']:.0f}, min delivered {s['min_delivered']:.3f}"
                                    if "retx" in s else "")
                             print(f"  {tr:<4} {key:>3} MiB {cond:<5}: p50 {fmt_ms(s['p50'])} ms, "
-                                  f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, exact {s['exact']:.3f}, stale {s['stale']:.3f} "
+                                  f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, CPU/rank/round {fmt_ms(s['cpu'])} ms (sys {fmt_ms(s['cpu_sys'])}), exact {s['exact']:.3f}, stale {s['stale']:.3f} "
                                   f"(max age {s['stale_max_age']}), "
                                   f"uninjected drops {s['kernel']} ({s['wall']:.1f} s)", flush=True)
                 except WorkerFailure as e:

@@ -266,6 +266,11 @@ def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
     if rank is not None:
         checks.append((Reason.DST, h["dst"] != rank))
     out = np.zeros(len(h), np.uint8)
+    anybad = checks[0][1].copy()
+    for _, bad in checks[1:]:
+        anybad |= bad
+    if not anybad.any():  # the usual case: nothing to label
+        return out
     for reason, bad in reversed(checks):
         out[bad] = reason
     return out

@@ -147,8 +147,7 @@ class XskTransport(Transport):
         rx_ring = _pow2(rx_ring or rx_frames, "rx_ring")
         tx_ring = _pow2(tx_ring or tx_frames, "tx_ring")
         fill_ring, comp_ring = 2 * rx_frames, 2 * tx_frames
-        self._peers_ip: list = []
-        self._peers_port: list[int] = []
+        self._sources = frames.Sources()
         self._tmpl = frames.Templates()
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
                                  "rx_truncated", "tx_busy_drops", "tx_kicks", "rx_polls"), 0)
@@ -305,8 +304,7 @@ class XskTransport(Transport):
         dmac = frames.mac_bytes(mac) if mac is not None else self._resolve(dst)
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
-        self._peers_ip.append(dst)
-        self._peers_port.append(port)
+        self._sources.add(dst)
         return pid
 
     # ---- receive -------------------------------------------------------
@@ -413,10 +411,7 @@ class XskTransport(Transport):
                         rows = np.flatnonzero(start == s)
                         ww = min(w, fs - int(s))
                         into.payload[rows, :ww] = self._umem2d[fsel[rows], int(s): int(s) + ww]
-            if self._peers_ip:
-                into.peer[:k] = frames.source_match(block if allok else block[sel], fam[sel], self._peers_ip)
-            else:
-                into.peer[:k] = -1
+            into.peer[:k] = self._sources.match(block if allok else block[sel], fam[sel])
             self._c["rx_packets"] += k
             self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
         self._fill_push((frame * fs).astype(np.uint64))

@@ -117,8 +117,12 @@ def test_source_match():
     peer = np.where(np.arange(50) % 2 == 0, r4, r6)
     for rows, st, flen in frames.build(rtp, peer, b.headers, b.payload, b.lengths):
         fam = np.where(st[:, 12] == 8, 4, 6)
-        got = frames.source_match(st, fam, ["2001:2::2", None, "198.18.0.2"])
+        src = frames.Sources()
+        for a in ["2001:2::2", None, "198.18.0.2", "198.18.0.2"]:  # a repeated address: its first id
+            src.add(a)
+        got = src.match(st, fam)
         assert np.array_equal(got, np.where(fam == 4, 2, 0))
+        assert (frames.Sources().match(st, fam) == -1).all()
 
 
 def test_build_rejects_unknown_peer_and_overlong():
@@ -131,3 +135,28 @@ def test_build_rejects_unknown_peer_and_overlong():
     b.lengths[0] = 5000
     with pytest.raises(ValueError):
         frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
+
+
+@pytest.mark.parametrize("peer_idx", [0, 1])
+def test_parse_uniform_path_agrees_with_general(peer_idx):
+    """The one-layout shortcut gives the general parser's answer, and hands odd batches to it."""
+    tp, peers = _tp()
+    b = _batch(40, [peers[peer_idx]])
+    [(_, st, flen)] = frames.build(tp, b.peer, b.headers, b.payload, b.lengths)
+    blk = np.zeros((40, frames.PARSE_WIDTH), np.uint8)
+    blk[:, : min(st.shape[1], frames.PARSE_WIDTH)] = st[:, : frames.PARSE_WIDTH]
+    flen = np.asarray(flen, np.int64)
+    variants = {"uniform": blk.copy()}
+    v = blk.copy(); v[7, 23 if peer_idx == 0 else 20] = 6; variants["tcp row"] = v          # not UDP
+    v = blk.copy(); v[0, 12:14] = [8, 6]; variants["arp first"] = v                         # first row odd
+    if peer_idx == 0:
+        v = blk.copy(); v[5, 20] |= 0x20; variants["fragment"] = v
+        v = blk.copy(); v[9, 14] = 0x46; variants["options"] = v
+    for port in (None, 47801, 47802):
+        for name, blk_v in variants.items():
+            fast = frames.parse(blk_v, flen, port)
+            slow = frames._parse_general(blk_v, flen, port)
+            for f, s in zip(fast, slow):
+                assert np.array_equal(f, s), (name, port)
+    assert frames._parse_uniform(variants["uniform"], flen, None) is not None
+    assert frames._parse_uniform(variants["tcp row"], flen, None) is None
