@@ -56,6 +56,25 @@ MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
 
 
+def _first_of_each(key: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each value of ``key`` (duplicates in one batch)."""
+    if len(key) < 2:
+        return np.ones(len(key), bool)
+    _, first = np.unique(key, return_index=True)
+    out = np.zeros(len(key), bool)
+    out[first] = True
+    return out
+
+
+def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
+    """Payload rows as float32 chunks: a view when ``rows`` are consecutive, else one gather."""
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
+        block = pay[int(rows[0]): int(rows[-1]) + 1, :width]
+    else:
+        block = pay[rows, :width]
+    return np.ascontiguousarray(block).view(np.float32)
+
+
 class CollectiveError(RuntimeError):
     """A round cannot complete: a peer is dead or unreachable, or the inputs disagree."""
 
@@ -166,12 +185,14 @@ class Collective:
                 addr, port, *mac = p
                 self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
         self._rx = Batch.empty(1024, max(c.chunk_bytes, 64))
+        self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
         self.round = 0
         self.index = 0
         self.records: list[RoundRecord] = []
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short"), 0)
         self._last: dict[int, np.ndarray] = {}   # tensor id -> previous result rows (stale fill)
+        self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
@@ -262,14 +283,15 @@ class Collective:
         st.tol8 = min(254, int(st.tol * 255))
         st.phase = self.controller.phase()
         T = max(1, -(-flat.size // self.C))
-        st.x = np.zeros((T, self.C), np.float32)
+        st.x = self._scratch("x", tensor, (T, self.C))
         st.x.reshape(-1)[: flat.size] = flat
+        st.x.reshape(-1)[flat.size:] = 0  # the last chunk's padding
         nsh = self.world if self.cfg.mode == "tar" else 1
         st.bounds = [(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)]
         st.owner = {k: k for k in range(nsh)} if nsh > 1 else {0: 0}
         me = self.rank
         st.my_shard = me if me < nsh else None
-        st.y = np.zeros_like(st.x)
+        st.y = np.empty_like(st.x)  # every row is written: own shard, all-gather, or _finish's fill
         st.have = np.zeros(T, bool)
         st.ins: dict[tuple[bool, int], _In] = {}
         st.outs: dict[tuple[bool, int], _Out] = {}
@@ -280,7 +302,7 @@ class Collective:
             self._start_allgather(st)
         elif st.my_shard is not None:
             a, b = st.bounds[st.my_shard]
-            st.rbuf = np.zeros((self.world, b - a, self.C), np.float32)
+            st.rbuf = self._scratch("rbuf", tensor, (self.world, b - a, self.C))  # masked by rmask
             st.rmask = np.zeros((self.world, b - a), bool)
             st.rbuf[me] = st.x[a:b]
             st.rmask[me] = True
@@ -305,6 +327,14 @@ class Collective:
         for hdr, pay, lens in stash:
             self._process(st, hdr, pay, lens, st.t0)
         return st
+
+    def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
+        """A float32 buffer kept across rounds (no allocation or page faults per round); contents stale."""
+        key = (name, tensor)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != shape:
+            buf = self._bufs[key] = np.empty(shape, np.float32)
+        return buf
 
     def _prio(self, rows: np.ndarray, first: int, total: int) -> np.ndarray:
         return estimators.chunk_priority(rows, self.cfg.priority, first, total)
@@ -336,7 +366,7 @@ class Collective:
     def _reduce(self, st: _Round) -> None:
         """Owner: estimate the shard's mean and start the all-gather."""
         a, b = st.bounds[st.my_shard]
-        st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator)
+        st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
         self._start_allgather(st)
 
     def _start_allgather(self, st: _Round) -> None:
@@ -382,6 +412,10 @@ class Collective:
     def _send_data(self, st: _Round, parts: list) -> None:
         """One batch of DATA packets: ``parts`` are (message, chunk indices, flags)."""
         k = sum(len(idx) for _, idx, _ in parts)
+        width = self.C * 4
+        if self._txbuf.shape[0] < k:
+            self._txbuf = np.empty((k, width), np.uint8)
+        payload = self._txbuf[:k]  # the transport copies it out before send() returns
         h = wire.empty_batch(k)
         h["kind"] = DATA
         h["job"] = self.cfg.job
@@ -389,7 +423,7 @@ class Collective:
         h["tensor"] = st.tensor
         h["src"] = self.rank
         h["dtype"] = wire.Dtype.F32
-        payload = np.empty((k, self.C * 4), np.uint8)
+        h["len"] = width
         peer = np.empty(k, np.int32)
         i = 0
         for o, idx, flags in parts:
@@ -400,10 +434,12 @@ class Collective:
             h["nchunks"][i:j] = o.n
             h["tol"][i:j] = o.tol8
             h["flags"][i:j] = flags | (AG if o.ag else 0)
-            payload[i:j] = o.rows[idx].view(np.uint8)
+            lo = int(idx[0])
+            rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
+            payload[i:j] = rows.view(np.uint8)
             peer[i:j] = self._pid[o.dst]
             i = j
-        self._send(Batch.fill(h, payload, peer=peer))
+        self._send(Batch(h, payload, np.full(k, width, np.int32), peer, k))
 
     def _send(self, batch: Batch) -> None:
         sent = self.t.send(batch, timeout=1.0)
@@ -474,61 +510,58 @@ class Collective:
             self.counters["stashed"] += len(rows)
 
     def _absorb(self, st: _Round, h, pay, lens, rows) -> None:
+        """Take DATA packets ``rows`` of a received batch into the round.
+
+        Header fields decide which packets are new; payload bytes are read
+        once, straight into the reduce buffer or the result.
+        """
         width = self.C * 4
         good = lens[rows] == width
-        self.counters["bad_payload"] += int(np.count_nonzero(~good))
-        rows = rows[good]
+        if not good.all():
+            self.counters["bad_payload"] += int(np.count_nonzero(~good))
+            rows = rows[good]
         hh = h[rows]
         src = hh["src"].astype(np.int64)
         chunk = hh["chunk"].astype(np.int64)
         ag = (hh["flags"] & AG) != 0
-        vals = np.ascontiguousarray(pay[rows, :width]).view(np.float32)
         touched = set()
         # reduce-scatter contributions to my shard
-        sel = ~ag
-        if sel.any() and st.my_shard is not None and not st.reduced:
+        if st.my_shard is not None and not st.reduced and not ag.all():
             n = st.rmask.shape[1]
-            s, c, v, tl = src[sel], chunk[sel], vals[sel], hh["tol"][sel]
-            ok = (c < n) & (hh["nchunks"][sel] == n)
-            s, c, v, tl = s[ok], c[ok], v[ok], tl[ok]
-            new = ~st.rmask[s, c]
-            key = s * n + c
-            _, first = np.unique(key, return_index=True)
-            uniq = np.zeros(len(key), bool)
-            uniq[first] = True
-            new &= uniq
+            sel = np.flatnonzero(~ag & (chunk < n) & (hh["nchunks"] == n))
+            s, c = src[sel], chunk[sel]
+            new = _first_of_each(s * n + c) & ~st.rmask[s, c]
             self.counters["duplicate"] += int(len(s) - np.count_nonzero(new))
-            st.rbuf[s[new], c[new]] = v[new]
-            st.rmask[s[new], c[new]] = True
-            counts = np.bincount(s[new], minlength=self.world)
+            sn, cn = s[new], c[new]
+            st.rbuf[sn, cn] = _payload_rows(pay, rows[sel[new]], width)
+            st.rmask[sn, cn] = True
+            counts = np.bincount(sn, minlength=self.world)
             for r in np.flatnonzero(counts | np.bincount(s, minlength=self.world)):
                 inn = st.ins[(False, int(r))]
                 inn.count += int(counts[r])
                 inn.mask = st.rmask[r]
                 if inn.tol8 is None:
-                    inn.tol8 = int(tl[s == r][0])
+                    inn.tol8 = int(hh["tol"][sel[s == r][0]])
                 touched.add(inn)
         # all-gather results from shard owners
         if ag.any():
-            s, c, v, tl = src[ag], chunk[ag], vals[ag], hh["tol"][ag]
-            for k in np.unique(s):
+            for k in np.unique(src[ag]):
                 k = int(k)
                 inn = st.ins.get((True, k))
                 if inn is None:
                     continue
                 a, _ = st.bounds[k]
-                m = (s == k) & (c < inn.n)
-                ck = c[m]
-                ck, first = np.unique(ck, return_index=True)
-                vk = v[m][first]
-                new = ~inn.mask[ck]
-                self.counters["duplicate"] += int(np.count_nonzero(m) - np.count_nonzero(new))
-                inn.mask[ck[new]] = True
-                st.y[a + ck[new]] = vk[new]
-                st.have[a + ck[new]] = True
-                inn.count += int(np.count_nonzero(new))
-                if inn.tol8 is None and m.any():
-                    inn.tol8 = int(tl[m][0])
+                sel = np.flatnonzero(ag & (src == k) & (chunk < inn.n))
+                c = chunk[sel]
+                new = _first_of_each(c) & ~inn.mask[c]
+                self.counters["duplicate"] += int(len(sel) - np.count_nonzero(new))
+                cn = c[new]
+                inn.mask[cn] = True
+                st.y[a + cn] = _payload_rows(pay, rows[sel[new]], width)
+                st.have[a + cn] = True
+                inn.count += len(cn)
+                if inn.tol8 is None and len(sel):
+                    inn.tol8 = int(hh["tol"][sel[0]])
                 touched.add(inn)
         for inn in touched:
             if inn.done and not inn.stop_sent:
@@ -614,7 +647,10 @@ class Collective:
             else:
                 st.y[missing] = st.x[missing]
         if st.reduce:
-            self._last[st.tensor] = st.y.copy()
+            last = self._last.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
+            if last is None or last.shape != st.y.shape:
+                last = self._last[st.tensor] = np.empty_like(st.y)
+            np.copyto(last, st.y)
         self._prev = (st.round, st.ins)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,

@@ -26,16 +26,27 @@ FILLS = ("stale", "local")
 PRIORITIES = ("magnitude", "position", "none")
 
 
-def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str) -> np.ndarray:
-    """Estimate the mean over W contributions: buf (W, n, C), mask (W, n) -> (n, C)."""
-    m = mask[:, :, None]
-    total = np.where(m, buf, 0).sum(axis=0, dtype=np.float32)
+def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool = False) -> np.ndarray:
+    """Estimate the mean over W contributions: buf (W, n, C), mask (W, n) -> (n, C).
+
+    Entries of ``buf`` where ``mask`` is False are ignored whatever they
+    hold.  ``scratch=True`` lets this zero them in place instead of
+    working on a copy.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
+    missing = ~mask
+    if missing.any():
+        if not scratch:
+            buf = buf.copy()
+        buf[missing] = 0
+    total = buf.sum(axis=0, dtype=np.float32)
     if estimator == "zero":
-        return total / np.float32(buf.shape[0])
-    if estimator == "unbiased":
+        total /= np.float32(buf.shape[0])
+    else:
         arrived = mask.sum(axis=0).astype(np.float32)
-        return total / np.maximum(arrived, 1)[:, None]
-    raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
+        total /= np.maximum(arrived, 1)[:, None]
+    return total
 
 
 def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None) -> np.ndarray:
@@ -50,7 +61,7 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: i
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
     if how == "magnitude":
-        norms = np.linalg.norm(rows, axis=1)
+        norms = np.einsum("ij,ij->i", rows, rows)  # squared: same order, no temporary
         order = np.argsort(-norms, kind="stable")
         rank = np.empty(n, np.int64)
         rank[order] = np.arange(n)

@@ -132,6 +132,10 @@ def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
     xs = inputs(3, 30_000, rounds=2, seed=3)
     first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
+    kept = {r: f.copy() for r, f in first.items()}
+    for f in first.values():  # the caller owns a result: changing it must not change the stale fill
+        f[:] = np.nan
+    first = kept
     # round 2 without rank 2: ranks 0 and 1 hit the deadline
     res, errs = rk.run(lambda r, c: c.allreduce(xs[1][r]), ranks=[0, 1])
     assert not errs
@@ -189,6 +193,23 @@ def test_unbiased_estimator_is_unbiased_and_zero_shrinks():
     shrink = (1 + p * (W - 1)) / W  # own always + each other with probability p
     np.testing.assert_allclose(est_z / rounds, shrink * g, atol=tol)
     assert shrink < 0.8
+
+
+def test_reduce_mean_ignores_whatever_masked_entries_hold():
+    rng = np.random.default_rng(5)
+    buf = rng.standard_normal((4, 30, 8)).astype(np.float32)
+    mask = rng.random((4, 30)) < 0.7
+    clean = np.where(mask[:, :, None], buf, 0)
+    garbage = buf.copy()
+    garbage[~mask] = np.nan
+    for est in ("zero", "unbiased"):
+        want = estimators.reduce_mean(clean, mask, est)
+        kept = garbage.copy()
+        np.testing.assert_allclose(estimators.reduce_mean(garbage, mask, est), want, rtol=1e-6)
+        np.testing.assert_array_equal(garbage, kept)  # not scratch: the input is left alone
+        np.testing.assert_allclose(estimators.reduce_mean(kept, mask, est, scratch=True), want, rtol=1e-6)
+    with pytest.raises(ValueError):
+        estimators.reduce_mean(buf, mask, "median")
 
 
 def test_priorities_magnitude_and_position():
