@@ -115,7 +115,7 @@ class Pydblp:
         self.col.allreduce(np.zeros(1, np.float32), tensor=1)
 
     def counters(self) -> dict:
-        return {**self.col.counters, "probe_timeout_ms": self.col._probe_timeout * 1e3}
+        return {**self.col.counters, "probe_timeout_ms": self.col.probe_timeout * 1e3}
 
     def close(self) -> None:
         self.col.close()

@@ -13,11 +13,19 @@ Parameter server (``mode="ps"``): one shard, owned by rank 0.
 Completion (DBLP): a message of n chunks with tolerance ``tol`` (1/255
 units in the header) is done once ``n - floor(n * tol / 255)`` chunks have
 arrived; the receiver then sends STOP.  A sender that has sent everything
-and heard no STOP within the probe timeout sends PROBE; the receiver answers
+and heard no STOP within the probe timeout sends PROBE (then backs off:
+2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
-what is missing.  Loss within the bound is tolerated, loss above it is
-always repaired.  Control packets travel at prio 0 over the same transport
-with a probe timeout that adapts to measured STOP delays (milliseconds).
+what is missing.  All-gather data from an owner also ends the sender's
+reduce-scatter message to it (the owner has reduced, so it needs nothing
+more).  Loss within the bound is tolerated, loss above it is always
+repaired.  Control packets travel at prio 0 over the same transport.
+
+The probe timeout is agreed across ranks (OptiReduce-style): each rank
+estimates it from the STOP delays it measures (3 x delay + 1 ms, smoothed,
+within ``probe_min``..``probe_max``), every STOP carries the sender's
+estimate (2-byte payload, units of 100 us), and each rank uses the median
+of the latest estimates of all ranks (:attr:`Collective.probe_timeout`).
 
 Failure semantics:
 
@@ -129,7 +137,8 @@ class _Out:
         self.done = self.n == 0
         self.t_sent_all = None
         self.t_last = 0.0
-        self.probes = 0
+        self.probes = 0        # all probes sent
+        self.timeouts = 0      # probes sent because the timeout passed
         self.retransmits = 0
 
 
@@ -196,6 +205,7 @@ class Collective:
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
+        self._timeouts = np.full(world, np.nan)   # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
@@ -380,7 +390,7 @@ class Collective:
 
     # ---- sending ---------------------------------------------------------
     def _send_some(self, st: _Round, now: float) -> bool:
-        """Send up to ``burst`` data packets in one batch, retransmissions first.
+        """Send up to ``burst`` data packets in one batch, retransmissions first, with waiting control packets.
 
         Returns True if more wait.  The budget is shared fairly across the
         messages still sending, so no destination waits behind another.
@@ -406,40 +416,57 @@ class Collective:
                 if o.sent == o.n:
                     o.t_sent_all = now
             o.t_last = now
-        self._send_data(st, parts)
+        self._send_batch(st, parts)
         return any(o.sent < o.n or o.nretx for o in active)
 
-    def _send_data(self, st: _Round, parts: list) -> None:
-        """One batch of DATA packets: ``parts`` are (message, chunk indices, flags)."""
-        k = sum(len(idx) for _, idx, _ in parts)
+    def _send_batch(self, st: _Round | None, parts: list) -> None:
+        """One batch: the control packets waiting, then DATA ``parts`` ((message, chunk indices, flags)).
+
+        One transport call (one kick) per loop turn, control first: a STOP
+        never waits behind data.
+        """
+        ctrl, self._ctrl = self._ctrl, []
+        nc = len(ctrl)
+        k = nc + sum(len(idx) for _, idx, _ in parts)
+        if k == 0:
+            return
         width = self.C * 4
         if self._txbuf.shape[0] < k:
             self._txbuf = np.empty((k, width), np.uint8)
         payload = self._txbuf[:k]  # the transport copies it out before send() returns
         h = wire.empty_batch(k)
-        h["kind"] = DATA
-        h["job"] = self.cfg.job
-        h["round"] = st.round
-        h["tensor"] = st.tensor
-        h["src"] = self.rank
-        h["dtype"] = wire.Dtype.F32
-        h["len"] = width
+        lens = np.full(k, width, np.int32)
         peer = np.empty(k, np.int32)
-        i = 0
-        for o, idx, flags in parts:
-            j = i + len(idx)
-            h["dst"][i:j] = o.dst
-            h["prio"][i:j] = o.prio[idx]
-            h["chunk"][i:j] = idx
-            h["nchunks"][i:j] = o.n
-            h["tol"][i:j] = o.tol8
-            h["flags"][i:j] = flags | (AG if o.ag else 0)
-            lo = int(idx[0])
-            rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
-            payload[i:j] = rows.view(np.uint8)
-            peer[i:j] = self._pid[o.dst]
-            i = j
-        self._send(Batch(h, payload, np.full(k, width, np.int32), peer, k))
+        for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
+            h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
+                    wire.Dtype.RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)
+            payload[i, : len(pl)] = np.frombuffer(pl, np.uint8)
+            lens[i] = len(pl)
+            peer[i] = self._pid[dst]
+        if parts:
+            d = h[nc:]
+            d["kind"] = DATA
+            d["job"] = self.cfg.job
+            d["round"] = st.round
+            d["tensor"] = st.tensor
+            d["src"] = self.rank
+            d["dtype"] = wire.Dtype.F32
+            d["len"] = width
+            i = nc
+            for o, idx, flags in parts:
+                j = i + len(idx)
+                h["dst"][i:j] = o.dst
+                h["prio"][i:j] = o.prio[idx]
+                h["chunk"][i:j] = idx
+                h["nchunks"][i:j] = o.n
+                h["tol"][i:j] = o.tol8
+                h["flags"][i:j] = flags | (AG if o.ag else 0)
+                lo = int(idx[0])
+                rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
+                payload[i:j] = rows.view(np.uint8)
+                peer[i:j] = self._pid[o.dst]
+                i = j
+        self._send(Batch(h, payload, lens, peer, k))
 
     def _send(self, batch: Batch) -> None:
         sent = self.t.send(batch, timeout=1.0)
@@ -448,23 +475,14 @@ class Collective:
 
     def _ctrl_packet(self, st_round: int, tensor: int, kind: int, ag: bool, dst: int, n: int,
                      tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
+        if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units
+            payload = min(0xFFFF, round(self._probe_timeout * 1e4)).to_bytes(2, "big")
         self._ctrl.append((st_round, tensor, kind, ag, dst, n, tol8, chunk, payload))
 
     def _flush_ctrl(self) -> None:
-        if not self._ctrl:
-            return
-        ctrl, self._ctrl = self._ctrl, []
-        k = len(ctrl)
-        h = wire.empty_batch(k)
-        width = max(4, max(len(c[8]) for c in ctrl))
-        pay = np.zeros((k, width), np.uint8)
-        lens = np.zeros(k, np.int32)
-        for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, payload) in enumerate(ctrl):
-            h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
-                    wire.Dtype.RAW, chunk, max(n, 1), len(payload), tol8, AG if ag else 0)
-            pay[i, : len(payload)] = np.frombuffer(payload, np.uint8)
-            lens[i] = len(payload)
-        self._send(Batch.fill(h, pay, lens, peer=self._pid[[c[4] for c in ctrl]]))
+        """Send the control packets waiting (a loop turn with no data to send)."""
+        if self._ctrl:
+            self._send_batch(None, [])
 
     # ---- receiving -------------------------------------------------------
     def _process(self, st: _Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray,
@@ -550,6 +568,9 @@ class Collective:
                 inn = st.ins.get((True, k))
                 if inn is None:
                     continue
+                rs_out = st.outs.get((False, k))
+                if rs_out is not None and not rs_out.done:
+                    rs_out.done = True  # owner k is all-gathering: it is done with our contribution
                 a, _ = st.bounds[k]
                 sel = np.flatnonzero(ag & (src == k) & (chunk < inn.n))
                 c = chunk[sel]
@@ -591,6 +612,8 @@ class Collective:
                     self._ctrl_packet(rnd, int(h["tensor"]), BITMAP, ag, src, inn.n, inn.tol8,
                                       chunk=off * 8, payload=bits[off: off + step])
             return
+        if kind == STOP and len(payload) >= 2:
+            self._timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
         if not current:
             return
         o = st.outs.get((ag, src))
@@ -613,10 +636,22 @@ class Collective:
 
     def _out_done(self, o: _Out, now: float) -> None:
         o.done = True
-        if o.t_sent_all is not None and o.probes == 0:
+        if o.t_sent_all is not None and o.timeouts == 0:
             delay = now - o.t_sent_all
             self._probe_timeout = min(self.cfg.probe_max, max(self.cfg.probe_min,
                                       0.8 * self._probe_timeout + 0.2 * (3 * delay + 0.001)))
+
+    @property
+    def probe_timeout(self) -> float:
+        """The probe timeout in use (s): the median of every rank's latest own estimate.
+
+        Each rank adapts its estimate to the STOP delays it measures and
+        carries it in every STOP it sends, so all ranks converge on one
+        value (OptiReduce-style agreement) instead of each acting alone.
+        """
+        self._timeouts[self.rank] = self._probe_timeout
+        known = self._timeouts[~np.isnan(self._timeouts)]
+        return float(np.median(known))
 
     def _timers(self, st: _Round, now: float) -> None:
         for o in st.outs.values():
@@ -624,10 +659,11 @@ class Collective:
                 continue
             # back off on repeated probes, but never past probe_max: a probe is one packet,
             # a lost probe or reply must not cost seconds
-            wait = min(self.cfg.probe_max, self._probe_timeout * (2 ** min(o.probes, 4)))
+            wait = min(self.cfg.probe_max, self.probe_timeout * (2 ** min(o.timeouts, 4)))
             if now - o.t_last >= wait:
                 self._ctrl_packet(st.round, st.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
                 o.probes += 1
+                o.timeouts += 1
                 o.t_last = now
         needed = {o.dst for o in st.outs.values() if not o.done}
         needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}

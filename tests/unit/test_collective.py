@@ -243,3 +243,18 @@ def test_dblp_tolerance_reaches_the_wire(ranks):
     _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(4)])
     assert not errs
     assert [round(r.tol, 3) for r in rk.cols[1].records] == [0.0, round(int(0.4 * 255) / 255, 3)] * 2
+
+
+@pytest.mark.parametrize("slow_ranks,want", [((0,), 0.002), ((0, 1), 0.03)])
+def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want):
+    """Each STOP carries the sender's estimate; every rank uses the median of all ranks' estimates."""
+    rk = ranks(3)
+    for r, c in enumerate(rk.cols):
+        t = 0.03 if r in slow_ranks else 0.002
+        c.cfg.probe_min = c.cfg.probe_max = c._probe_timeout = t
+    xs = inputs(3, 20_000, rounds=3)
+    _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
+    assert not errs
+    for r, c in enumerate(rk.cols):
+        np.testing.assert_allclose(c._timeouts, [0.03 if q in slow_ranks else 0.002 for q in range(3)])
+        assert c.probe_timeout == pytest.approx(want)
