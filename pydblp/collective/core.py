@@ -62,6 +62,7 @@ AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
+IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 
 
 def _first_of_each(key: np.ndarray) -> np.ndarray:
@@ -205,12 +206,13 @@ class Collective:
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
-        self._timeouts = np.full(world, np.nan)   # each rank's latest estimate (s), from its STOPs
+        self._timeouts: list = [None] * world     # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._idle = threading.Event()       # set while no round runs
         self._idle.set()
+        self._busy = threading.Event()       # set while a round runs
         self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
         self._idler.start()
 
@@ -254,6 +256,7 @@ class Collective:
             raise CollectiveError("collective is closed")
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         self._idle.clear()
+        self._busy.set()
         with self._poll_lock:  # the idle responder finishes its poll (<= 1 ms) and waits
             try:
                 st = self._start(flat, tensor, reduce)
@@ -262,6 +265,7 @@ class Collective:
                 finally:
                     self._finish(st)
             finally:
+                self._busy.clear()
                 self._idle.set()
         return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
 
@@ -274,6 +278,10 @@ class Collective:
         """
         while not self._closing:
             self._idle.wait()
+            # a caller that starts its next round at once (back-to-back rounds) keeps the
+            # transport: no hand-over, no stashing; packets wait in the ring meanwhile
+            if self._busy.wait(IDLE_GRACE):
+                continue
             with self._poll_lock:
                 if self._closing or not self._idle.is_set():
                     continue
@@ -650,16 +658,20 @@ class Collective:
         value (OptiReduce-style agreement) instead of each acting alone.
         """
         self._timeouts[self.rank] = self._probe_timeout
-        known = self._timeouts[~np.isnan(self._timeouts)]
-        return float(np.median(known))
+        known = sorted(t for t in self._timeouts if t is not None)
+        mid = len(known) // 2
+        return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
     def _timers(self, st: _Round, now: float) -> None:
+        pt = None
         for o in st.outs.values():
             if o.done or o.sent < o.n or o.nretx:
                 continue
+            if pt is None:
+                pt = self.probe_timeout
             # back off on repeated probes, but never past probe_max: a probe is one packet,
             # a lost probe or reply must not cost seconds
-            wait = min(self.cfg.probe_max, self.probe_timeout * (2 ** min(o.timeouts, 4)))
+            wait = min(self.cfg.probe_max, pt * (2 ** min(o.timeouts, 4)))
             if now - o.t_last >= wait:
                 self._ctrl_packet(st.round, st.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
                 o.probes += 1
