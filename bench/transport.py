@@ -211,8 +211,11 @@ def main(argv=None) -> int:
     ap.add_argument("--napi", choices=("inline", "threaded"), default="inline",
                     help="receiver veth NAPI: in the sender's softirq (veth default, so the receive side's "
                          "kernel work is charged to the sender's CPU) or a kthread pinned to the receiver CPU")
+    ap.add_argument("--spin", type=float, default=200e-6,
+                    help="receivers' busy-poll seconds before sleeping in poll(2) (default 200e-6, the transports' own)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
+    spin = args.spin
     if os.geteuid() != 0:
         print("bench/transport.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
         return 2
@@ -247,11 +250,11 @@ def main(argv=None) -> int:
             results["xdp_drop"].append((counter(drop_map) - c0, sent, el))
             # (b) AF_XDP receive into numpy
             net.xdp_attach(VB, host.prog_fd, net.Mode.NATIVE, ns_b)
-            with XskTransport(VB, netns=ns_b, host=host) as t:
+            with XskTransport(VB, netns=ns_b, host=host, spin=spin) as t:
                 sent, el, got = run_one("xsk", ns_a, JOB_X, args, lambda fin: drain_loop(t, into, fin))
                 results["xsk_rx"].append((got, sent, el))
             # (c) UDP transport (host program passes the 'udp' job up)
-            with UdpTransport(VB, netns=ns_b) as t:
+            with UdpTransport(VB, netns=ns_b, spin=spin) as t:
                 sent, el, got = run_one("xsk", ns_a, JOB_U, args, lambda fin: drain_loop(t, into, fin))
                 results["udp_rx"].append((got, sent, el))
             # transmit: each transport into an XDP_DROP receiver
@@ -277,9 +280,10 @@ def main(argv=None) -> int:
         vals = [(got if what == "rx" else sent) / el for got, sent, el in rows]
         return statistics.median(vals), min(vals), max(vals)
 
-    out = {"napi": args.napi, "payload": args.payload, "duration_s": args.duration, "repeats": args.repeats, "batch": args.batch,
+    out = {"napi": args.napi, "spin_s": spin, "payload": args.payload, "duration_s": args.duration, "repeats": args.repeats, "batch": args.batch,
            "cpus": args.cpus, "ncpu": os.cpu_count(), "kernel": os.uname().release, "figures": {}}
     print(f"\n{args.payload}-byte payloads, {args.duration:.1f} s x {args.repeats} repeats, NAPI {args.napi}, "
+          f"receiver spin {spin * 1e6:.0f} us, "
           f"sender CPU {args.cpus[0]}, receiver CPU {args.cpus[1]}; medians (min-max):")
     print(f"{'config':<10} {'Mpps':>8} {'Gbit/s':>8}  {'range Mpps':>15}  {'delivered':>9}  {'offered Mpps':>12}")
     for key in results:
