@@ -216,8 +216,6 @@ def block(a, impl, fab, cmd: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    if os.environ.get("TIMERS"):
-        sys.path.insert(0, "/tmp"); import timers; timers.install()
     a = parse(argv)
     import torch
 
