@@ -44,10 +44,10 @@ def mac_bytes(mac: str | bytes) -> bytes:
     return b
 
 
-def fold(s: np.ndarray) -> np.ndarray:
-    """Fold 64-bit one's-complement sums to 16 bits (not inverted)."""
+def fold(s: np.ndarray, rounds: int = 4) -> np.ndarray:
+    """Fold 64-bit one's-complement sums to 16 bits (not inverted); sums below 2^32 need 2 rounds."""
     s = np.asarray(s, np.uint64)
-    for _ in range(4):
+    for _ in range(rounds):
         s = (s & np.uint64(0xFFFF)) + (s >> np.uint64(16))
     return s
 
@@ -117,15 +117,17 @@ def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndar
     hl_all = tp.hlen[peer]
     hl0 = hl_all[0]
     if np.all(hl_all == hl0):
-        return [(None, *_build_one(tp, int(hl0), peer, headers, payload, lengths, out))]
+        return [(None, *build_one(tp, int(hl0), peer, headers, payload, lengths, out))]
     out_list = []
     for hl in np.unique(hl_all):
         rows = np.flatnonzero(hl_all == hl)
-        out_list.append((rows, *_build_one(tp, int(hl), peer[rows], headers[rows], payload[rows], lengths[rows])))
+        out_list.append((rows, *build_one(tp, int(hl), peer[rows], headers[rows], payload[rows], lengths[rows])))
     return out_list
 
 
-def _build_one(tp, hl, peer, headers, payload, lengths, out=None):
+def build_one(tp: Templates, hl: int, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
+              lengths: np.ndarray, out: np.ndarray | None = None) -> tuple:
+    """``build`` for peers that all have header length ``hl`` (unchecked): ``(frames, frame_lens)``."""
     m = len(peer)
     w = int(lengths.max()) if m else 0
     if w > payload.shape[1]:
@@ -147,7 +149,7 @@ def _build_one(tp, hl, peer, headers, payload, lengths, out=None):
         tot = IPV4_LEN + udp_len
         st[:, 16] = tot >> 8
         st[:, 17] = tot & 0xFF
-        c = ~fold(tp.partial[peer] + tot.astype(np.uint64)) & np.uint64(0xFFFF)
+        c = ~fold(tp.partial[peer] + tot.astype(np.uint64), 2) & np.uint64(0xFFFF)  # < 2^22: two folds
         st[:, 24] = (c >> np.uint64(8)).astype(np.uint8)
         st[:, 25] = (c & np.uint64(0xFF)).astype(np.uint8)
         # UDP checksum stays 0 (from the template)

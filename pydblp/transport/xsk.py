@@ -477,11 +477,15 @@ class XskTransport(Transport):
         cons = int(c.cons[0])
         n = (int(c.prod[0]) - cons) & 0xFFFFFFFF
         if n:
-            addrs = c.desc[(cons + np.arange(n)) & c.mask]
-            c.cons[0] = (cons + n) & 0xFFFFFFFF
-            fs = np.uint64(self.frame_size)
+            i0 = cons & c.mask
+            addrs = c.desc[i0: i0 + n] if i0 + n <= c.n else c.desc[(cons + np.arange(n)) & c.mask]
             T = self.tx_frames
-            self._tx_free[(self._tx_head + self._tx_nfree + np.arange(n)) % T] = (addrs // fs) * fs
+            tail = (self._tx_head + self._tx_nfree) % T
+            if tail + n <= T:  # completions return the frame addresses we queued
+                self._tx_free[tail: tail + n] = addrs
+            else:
+                self._tx_free[(tail + np.arange(n)) % T] = addrs
+            c.cons[0] = (cons + n) & 0xFFFFFFFF
             self._tx_nfree += n
             self._tx_outstanding -= n
         return n
@@ -517,7 +521,10 @@ class XskTransport(Transport):
         peer = batch.peer[:n]
         if peer.min() < 0 or peer.max() >= len(self._tmpl):
             raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
-        longest = int(batch.lengths[:n].max()) + wire.HEADER_LEN + int(self._tmpl.hlen[peer].max())
+        hl = self._tmpl.hlen[peer]
+        hl_max = int(hl.max())
+        one_hl = hl_max == int(hl.min())  # one header length: frames built in one pass
+        longest = int(batch.lengths[:n].max()) + wire.HEADER_LEN + hl_max
         if longest + (longest & 1) > self.frame_size:
             raise ValueError(f"a {longest}-byte frame does not fit a {self.frame_size}-byte UMEM frame")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -537,18 +544,23 @@ class XskTransport(Transport):
                 continue
             fs = self.frame_size
             T = self.tx_frames
-            addrs = self._tx_free[(self._tx_head + np.arange(m)) % T]
+            i0 = prod & tx.mask
+            m = min(m, T - self._tx_head, tx.n - i0)  # no wrap of the free list or the ring this pass
+            addrs = self._tx_free[self._tx_head: self._tx_head + m]
             fr = (addrs // np.uint64(fs)).astype(np.int64)
-            brk = np.flatnonzero(np.diff(fr) != 1)
-            if len(brk):  # take the consecutive run only; the rest goes next round
-                m = int(brk[0]) + 1
+            if int(fr[-1]) - int(fr[0]) != m - 1 or not (np.diff(fr) == 1).all():
+                m = int(np.flatnonzero(np.diff(fr) != 1)[0]) + 1  # the consecutive run; the rest next pass
                 addrs, fr = addrs[:m], fr[:m]
             self._tx_head = (self._tx_head + m) % T
             self._tx_nfree -= m
             part = batch.view(sent, sent + m)
             f0 = int(fr[0])
-            built = frames.build(self._tmpl, part.peer, part.headers, part.payload, part.lengths,
-                                 out=self._umem2d[f0: f0 + m])
+            if one_hl:
+                built = [(None, *frames.build_one(self._tmpl, hl_max, part.peer, part.headers, part.payload,
+                                                  part.lengths, out=self._umem2d[f0: f0 + m]))]
+            else:
+                built = frames.build(self._tmpl, part.peer, part.headers, part.payload, part.lengths,
+                                     out=self._umem2d[f0: f0 + m])
             lens = np.empty(m, np.uint32)
             for rows, st, flen in built:
                 L = st.shape[1]
@@ -559,10 +571,10 @@ class XskTransport(Transport):
                 else:
                     self._umem2d[fr[rows], :L] = st
                     lens[rows] = flen
-            idx = (prod + np.arange(m)) & tx.mask
-            tx.desc["addr"][idx] = addrs
-            tx.desc["len"][idx] = lens
-            tx.desc["options"][idx] = 0
+            dd = tx.desc[i0: i0 + m]
+            dd["addr"] = addrs
+            dd["len"] = lens
+            dd["options"] = 0
             tx.prod[0] = (prod + m) & 0xFFFFFFFF
             self._tx_outstanding += m
             self._c["tx_packets"] += m
