@@ -105,6 +105,8 @@ class Config:
     probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
     probe_max: float = 0.05
     burst: int = 256                 # packets sent per loop turn before draining receive
+    first_burst: int = 1024          # ... in the first turn of a phase (receive rings hold it: 4096
+                                     # frames / 3 peers); later turns keep to ``burst``, there is no pacing
 
 
 @dataclass
@@ -406,7 +408,8 @@ class Collective:
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.n or o.nretx)]
         if not active:
             return False
-        share = max(1, self.cfg.burst // len(active))
+        first = all(o.sent == 0 for o in active)  # a phase opens: small messages go out in one turn
+        share = max(1, (self.cfg.first_burst if first else self.cfg.burst) // len(active))
         parts = []
         for o in active:
             budget = share
