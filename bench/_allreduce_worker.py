@@ -67,6 +67,7 @@ def parse(argv=None):
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--send-burst", type=int, default=None, help="Config.burst")
     p.add_argument("--chunk-bytes", type=int, default=None, help="Config.chunk_bytes")
+    p.add_argument("--spin", type=float, default=0.0, help="transport busy-poll seconds")
     p.add_argument("--store", help="FileStore path (gloo rendezvous)")
     p.add_argument("--fabric", help="JSON {pin_dir, ports}: the fabric bursts are armed on")
     p.add_argument("--sync", help="directory for the burst-arming markers")
@@ -87,11 +88,11 @@ class Pydblp:
             self.host = HostProgram(a.iface)
             self.host.register_job(a.job, a.world, a.rank, "xsk")
             big = (a.chunk_bytes or 0) + 128 > 2048  # headers + payload past a 2 KiB frame
-            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048)
+            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048, spin=a.spin)
         else:
             from pydblp.transport.udp import UdpTransport
 
-            t = UdpTransport(a.iface, port=port)
+            t = UdpTransport(a.iface, port=port, spin=a.spin)
         cfg = Config(job=a.job, mode=a.mode, estimator=a.estimator, phase=f"static:{a.tol}",
                      peer_timeout=a.peer_timeout)
         if a.send_burst:

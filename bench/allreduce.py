@@ -41,7 +41,8 @@ over those rounds.  Ratios are pydblp/Gloo between figures of this run.
 pydblp runs ``Config(mode="tar", phase="static:TOL", estimator="unbiased")``
 with ``--tol`` (default 0.05: a round completes once 95 % of every message
 arrived; more loss is repaired by PROBE/BITMAP retransmission) and
-``peer_timeout`` ``--peer-timeout`` (30 s).  Gloo runs its default
+``peer_timeout`` ``--peer-timeout`` (30 s), transports with ``spin=--spin``
+(default 0: no busy-polling, the ranks share the CPUs).  Gloo runs its default
 allreduce with ``GLOO_SOCKET_IFNAME=eth0``.  Every worker calls
 ``torch.set_num_threads(1)``; workers are not pinned (4 ranks share the
 machine's CPUs).
@@ -116,6 +117,7 @@ class WorkerSet:
                 argv += ["--send-burst", str(args.send_burst)]
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
+            argv += ["--spin", str(args.spin)]
             argv += ["--fabric", fabric, "--sync", str(sync)]
             err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
             self.errs.append(err)
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
                     help="a burst every k measured rounds from round 1 (default 3; 2 for blocks under 9 rounds)")
     ap.add_argument("--peer-timeout", type=float, default=30.0)
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of every testbed link (default 1500)")
+    ap.add_argument("--spin", type=float, default=0.0,
+                    help="pydblp transports' busy-poll seconds (default 0: 4 ranks share the CPUs, "
+                         "as pydblp.torch assumes)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="pydblp payload per packet (default: Config's 1408; up to MTU - 88)")
     ap.add_argument("--send-burst", type=int, default=None,
