@@ -174,6 +174,34 @@ def test_xsk_bit_exact_both_directions(pair, family):
             assert sum(after["shed"]) == sum(before["shed"])
 
 
+def test_xsk_mixed_families_in_one_batch(pair):
+    """IPv4 and IPv6 frames interleaved in every batch: receive's general path (not the one-layout one)."""
+    total = 20_000
+    with xsk(pair, 0) as ta, xsk(pair, 1) as tb:
+        p4, p6 = ta.add_peer(ADDR[4][1]), ta.add_peer(ADDR[6][1])
+        a4, a6 = tb.add_peer(ADDR[4][0]), tb.add_peer(ADDR[6][0])
+        chk = Checker(total, 0, 1)
+        into = Batch.empty(4096, MAXLEN)
+        got = 0
+        short = []  # what the one-layout path made of each batch (None: handed to the general path)
+        run = tb._recv_run
+        tb._recv_run = lambda *a: short.append(run(*a)) or short[-1]
+        for start in range(0, total, 200):
+            b = packets(start, 200, 0, 1, JOB, p4)
+            b.peer[1::2] = p6
+            assert ta.send(b, timeout=5) == 200
+            deadline = time.monotonic() + 5
+            while got < start + 200 and time.monotonic() < deadline:
+                r = tb.recv(into, timeout=0.2)
+                fam6 = r.headers["chunk"] % 2 == 1
+                assert (r.peer == np.where(fam6, a6, a4)).all()  # sender told apart by family
+                got += chk.add(r)
+            assert got == start + 200
+        assert (chk.seen == 1).all()
+        assert tb.stats()["rx_invalid"] == 0
+        assert short.count(None) >= len(short) // 2 > 0
+
+
 @pytest.mark.parametrize("family", [4, 6])
 def test_xsk_and_udp_interoperate(pair, family):
     """AF_XDP frames into a kernel UDP socket (which verifies the IPv6 UDP checksum) and back."""
