@@ -320,3 +320,49 @@ def test_add_peer_resolves_the_mac_on_demand(pair):
     finally:
         with net.ipr(b) as ip:
             ip.addr("del", index=ip.link_lookup(ifname="vb")[0], address=extra, prefixlen=24)
+
+
+FOREIGN_PROG = r"""
+BPF_XSKMAP(xsks, 4);
+int xdp_to_xsk(struct xdp_md *ctx) {
+    return xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
+}
+"""
+
+
+def test_foreign_xskmap_receive_validates_headers():
+    """Behind a program that is not pydblp's (no kernel checks), receive validates and counts."""
+    from bcc import BPF
+
+    from pydblp.bpf import Map
+
+    a, b = make_pair()
+    prog = None
+    try:
+        prog = BPF(text=FOREIGN_PROG)
+        fd = prog.load_func("xdp_to_xsk", BPF.XDP).fd
+        net.xdp_attach("vb", fd, net.Mode.NATIVE, b)
+        xskmap = Map(prog["xsks"].map_fd, owned=False)
+        with XskTransport("va", netns=a) as ta, XskTransport("vb", netns=b, xskmap=xskmap) as tb:
+            pb = ta.add_peer(ADDR[4][1])
+            good = packets(0, 300, 0, 1, JOB, pb)
+            bad = packets(300, 300, 0, 1, JOB, pb)
+            bad.headers["magic"][0::3] = 0x1234       # wrong magic
+            bad.headers["version"][1::3] = 9          # unknown version
+            bad.headers["nchunks"][2::3] = 0          # no chunks
+            chk = Checker(600, 0, 1)
+            got = 0
+            into = Batch.empty(4096, MAXLEN)
+            for batch in (good, bad):
+                assert ta.send(batch, timeout=5) == 300
+                deadline = time.monotonic() + 3
+                while time.monotonic() < deadline and tb.stats()["rx_packets"] + tb.stats()["rx_invalid"] < got + 300:
+                    got += chk.add(tb.recv(into, timeout=0.2))
+            got += chk.add(tb.recv(into, timeout=0.2))
+            assert got == 300 and (chk.seen[:300] == 1).all() and not chk.seen[300:].any()
+            assert tb.stats()["rx_invalid"] >= 300  # plus any IPv6 housekeeping frames the program redirected
+    finally:
+        net.netns_del(a)
+        net.netns_del(b)
+        if prog is not None:
+            prog.cleanup()
