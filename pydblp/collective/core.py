@@ -105,8 +105,8 @@ class Config:
     probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
     probe_max: float = 0.05
     burst: int = 256                 # packets sent per loop turn before draining receive
-    first_burst: int = 1024          # ... in the first turn of a phase (receive rings hold it: 4096
-                                     # frames / 3 peers); later turns keep to ``burst``, there is no pacing
+    first_burst: int = 1024          # ... in the first turn of a phase (3 senders x 1024 fit a 4096-frame
+                                     # receive ring); later turns keep to ``burst``: there is no pacing
 
 
 @dataclass
