@@ -682,7 +682,9 @@ class Collective:
                 o.t_last = now
         needed = {o.dst for o in st.outs.values() if not o.done}
         needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}
-        for r in needed:
+        if needed:
+            # name the peer silent longest: one that stalled because of it went quiet later
+            r = min(needed, key=lambda q: (st.heard[q], q))
             if now - st.heard[r] > self.cfg.peer_timeout:
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
