@@ -183,10 +183,10 @@ def parse(block: np.ndarray, frame_lens: np.ndarray, port: int | None = None):
     n = len(block)
     flen = np.asarray(frame_lens, np.int64)
     if n:
-        fast = _parse_uniform(block, flen, port)
+        fast = parse_uniform(block, flen, port)
         if fast is not None:
             return fast
-    return _parse_general(block, flen, port)
+    return parse_general(block, flen, port)
 
 
 # bytes that fix a frame's layout: EtherType, IP version/IHL, fragment bits (v4), protocol
@@ -194,7 +194,7 @@ _LAYOUT4 = np.array([12, 13, 14, 20, 21, 23])
 _LAYOUT6 = np.array([12, 13, 14, 20])
 
 
-def _parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
+def parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
     """``parse`` for a batch laid out like its first frame (IPv4 without options or IPv6), else None."""
     r0 = b[0]
     if r0[12] == 0x08 and r0[13] == 0x00 and r0[14] == 0x45 and r0[23] == IPPROTO_UDP \
@@ -223,7 +223,8 @@ def _parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
     return ok, np.full(n, off, np.int64), plen, np.full(n, fam, np.int64)
 
 
-def _parse_general(b: np.ndarray, frame_lens: np.ndarray, port: int | None):
+def parse_general(b: np.ndarray, frame_lens: np.ndarray, port: int | None):
+    """``parse`` for any mix of layouts (IPv4 with options, IPv6, non-UDP frames)."""
     n = len(b)
     ar = np.arange(n)
     et = (b[:, 12].astype(np.int64) << 8) | b[:, 13]

@@ -446,7 +446,7 @@ class XskTransport(Transport):
         if o0 + pw > fs or n > into.cap:
             return None
         block = self._umem2d[f0: f0 + n, o0: o0 + pw]
-        parsed = frames._parse_uniform(block, flen, self.port)
+        parsed = frames.parse_uniform(block, flen, self.port)
         if parsed is None:
             return None
         ok, off, plen, fam = parsed

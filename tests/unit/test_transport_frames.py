@@ -138,7 +138,7 @@ def test_build_rejects_unknown_peer_and_overlong():
 
 
 @pytest.mark.parametrize("peer_idx", [0, 1])
-def test_parse_uniform_path_agrees_with_general(peer_idx):
+def testparse_uniform_path_agrees_with_general(peer_idx):
     """The one-layout shortcut gives the general parser's answer, and hands odd batches to it."""
     tp, peers = _tp()
     b = _batch(40, [peers[peer_idx]])
@@ -155,8 +155,8 @@ def test_parse_uniform_path_agrees_with_general(peer_idx):
     for port in (None, 47801, 47802):
         for name, blk_v in variants.items():
             fast = frames.parse(blk_v, flen, port)
-            slow = frames._parse_general(blk_v, flen, port)
+            slow = frames.parse_general(blk_v, flen, port)
             for f, s in zip(fast, slow):
                 assert np.array_equal(f, s), (name, port)
-    assert frames._parse_uniform(variants["uniform"], flen, None) is not None
-    assert frames._parse_uniform(variants["tcp row"], flen, None) is None
+    assert frames.parse_uniform(variants["uniform"], flen, None) is not None
+    assert frames.parse_uniform(variants["tcp row"], flen, None) is None
