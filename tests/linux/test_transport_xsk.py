@@ -339,10 +339,10 @@ def test_foreign_xskmap_receive_validates_headers():
     a, b = make_pair()
     prog = None
     try:
-        prog = BPF(text=FOREIGN_PROG)
-        fd = prog.load_func("xdp_to_xsk", BPF.XDP).fd
+        prog = BPF(text=FOREIGN_PROG.encode())
+        fd = prog.load_func(b"xdp_to_xsk", BPF.XDP).fd
         net.xdp_attach("vb", fd, net.Mode.NATIVE, b)
-        xskmap = Map(prog["xsks"].map_fd, owned=False)
+        xskmap = Map(prog[b"xsks"].map_fd, owned=False)
         with XskTransport("va", netns=a) as ta, XskTransport("vb", netns=b, xskmap=xskmap) as tb:
             pb = ta.add_peer(ADDR[4][1])
             good = packets(0, 300, 0, 1, JOB, pb)
