@@ -85,3 +85,12 @@ def no_leftovers():
     for n in left:
         net.netns_del(n)
     assert not left, f"test namespaces left behind: {left}"
+
+
+@pytest.fixture
+def clean(tb):
+    """The requesting module's testbed ``tb`` with no faults and zeroed counters, cleared again after."""
+    tb.clear()
+    tb.stats(reset=True)
+    yield tb
+    tb.clear()

@@ -45,6 +45,7 @@ loss beyond the bound (PROBE/BITMAP).
 from __future__ import annotations
 
 import abc
+import errno
 import ipaddress
 import time
 from dataclasses import dataclass
@@ -193,6 +194,10 @@ class Transport(abc.ABC):
     @property
     def closed(self) -> bool:
         return self.fileno() < 0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransportError(errno.EBADF, "transport is closed")
 
     def __enter__(self):
         return self

@@ -161,8 +161,7 @@ class UdpTransport(Transport):
         self._rx_bound = key
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
-        if self._fd < 0:
-            raise TransportError(errno.EBADF, "transport is closed")
+        self._check_open()
         if into is None:
             into = Batch.empty(1024)
         if not _rows_ok(into):  # the kernel can only scatter into plain rows
@@ -235,8 +234,7 @@ class UdpTransport(Transport):
     # ---- transmit ------------------------------------------------------
 
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
-        if self._fd < 0:
-            raise TransportError(errno.EBADF, "transport is closed")
+        self._check_open()
         n = len(batch)
         if n == 0:
             return 0

@@ -339,8 +339,7 @@ class XskTransport(Transport):
             self._pressure = level
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
-        if self._fd < 0:
-            raise TransportError(errno.EBADF, "transport is closed")
+        self._check_open()
         if into is None:
             into = Batch.empty(1024)
         cap = into.cap if max is None else min(max, into.cap)
@@ -513,8 +512,7 @@ class XskTransport(Transport):
         return int(tx.cons[0]) == int(tx.prod[0])
 
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
-        if self._fd < 0:
-            raise TransportError(errno.EBADF, "transport is closed")
+        self._check_open()
         n = len(batch)
         if n == 0:
             return 0

@@ -46,14 +46,6 @@ def hosts(tb):
             h.close()
 
 
-@pytest.fixture
-def clean(tb):
-    tb.clear()
-    tb.stats(reset=True)
-    yield tb
-    tb.clear()
-
-
 def transports(tb, kind, hosts=None):
     if kind == "xsk":
         return [XskTransport("eth0", netns=tb.ns(r), host=hosts[r]) for r in range(WORLD)]

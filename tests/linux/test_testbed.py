@@ -45,14 +45,6 @@ def tb(prog):
         yield t
 
 
-@pytest.fixture
-def clean(tb):
-    tb.clear()
-    tb.stats(reset=True)
-    yield tb
-    tb.clear()
-
-
 def sock(ns: str, kind=socket.SOCK_DGRAM) -> socket.socket:
     with net.in_netns(ns):
         return socket.socket(socket.AF_INET, kind)
@@ -131,25 +123,31 @@ def test_tcp_and_udp(clean):
 
 # ---- faults with real traffic --------------------------------------------------------
 
+def collect(rx: socket.socket, on_datagram) -> threading.Thread:
+    """Hand each datagram arriving on ``rx`` to ``on_datagram`` in a thread; it ends after 0.3 s of quiet."""
+    rx.settimeout(0.3)
+
+    def run():
+        while True:
+            try:
+                d = rx.recv(2048)
+            except (TimeoutError, OSError):
+                return
+            on_datagram(d)
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th
+
+
 def udp_blast(tb, src: str, dst: str, n: int, gap: float = 0.0, seconds: float = 5.0,
               payload: int = 200) -> tuple[list[tuple[int, int]], set[int]]:
     """Send ``n`` numbered datagrams (seq, send time); return (sent, received seqs)."""
     rx, tx = sock(tb.ns(dst)), sock(tb.ns(src))
     rx.bind((tb.addr(dst), 0))
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    rx.settimeout(0.3)
     got: set[int] = set()
-
-    def recv():
-        while True:
-            try:
-                d = rx.recv(2048)
-            except (TimeoutError, OSError):
-                return
-            got.add(struct.unpack_from("!I", d)[0])
-
-    th = threading.Thread(target=recv)
-    th.start()
+    th = collect(rx, lambda d: got.add(struct.unpack_from("!I", d)[0]))
     sent = []
     pad = b"\0" * (payload - 12)
     end = time.monotonic() + seconds
@@ -238,20 +236,13 @@ def test_priority_queue_real_traffic(clean):
     rx = sock(tb.ns("w2"))
     rx.bind((tb.addr("w2"), wire.DEFAULT_PORT))
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    rx.settimeout(0.3)
     got: dict[tuple[int, int], int] = {}
 
-    def recv():
-        while True:
-            try:
-                d = rx.recv(2048)
-            except (TimeoutError, OSError):
-                return
-            h = wire.Header.unpack(d)
-            got[(h.src, h.prio)] = got.get((h.src, h.prio), 0) + 1
+    def count(d: bytes) -> None:
+        h = wire.Header.unpack(d)
+        got[(h.src, h.prio)] = got.get((h.src, h.prio), 0) + 1
 
-    th = threading.Thread(target=recv)
-    th.start()
+    th = collect(rx, count)
 
     def send(w: str, src: int):
         tx = sock(tb.ns(w))
