@@ -109,7 +109,7 @@ class Pydblp:
 
     def record(self) -> dict:
         r = self.col.records[-1]
-        return {"retx": r.retransmits, "probes": r.probes, "min_delivered": r.min_delivered,
+        return {"retx": r.retransmits, "probes": r.probes, "nacks": r.nacks, "min_delivered": r.min_delivered,
                 "below": r.below_bound, "tx_bytes": r.bytes_sent}
 
     def flush(self) -> None:

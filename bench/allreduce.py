@@ -283,6 +283,7 @@ def summarize(ranks: list[dict], size: int) -> dict:
     if recs:
         s["retx"] = sum(rec["retx"] for rec in recs) / len(lat)
         s["probes"] = sum(rec["probes"] for rec in recs) / len(lat)
+        s["nacks"] = sum(rec.get("nacks", 0) for rec in recs) / len(lat)
         s["min_delivered"] = min(rec["min_delivered"] for rec in recs)
         s["below_bound"] = sum(bool(rec["below"]) for rec in recs)
         s["tx_bytes_per_rank_round"] = float(np.mean([rec["tx_bytes"] for rec in recs]))

@@ -16,7 +16,12 @@ arrived; the receiver then sends STOP.  A sender that has sent everything
 and heard no STOP within the probe timeout sends PROBE (then backs off:
 2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
-what is missing.  All-gather data from an owner also ends the sender's
+what is missing.  Receivers do not wait for the probe when they already know
+the bound is out of reach (more chunks below the highest one seen are missing
+than the tolerance allows): after ``NACK_QUIET`` (2 ms) without a new chunk
+they send the BITMAP unasked, repeated at 4 and then 8 ms while nothing new
+arrives; a sender never retransmits a chunk it has not sent yet.  Loss within
+the bound never triggers one.  All-gather data from an owner also ends the sender's
 reduce-scatter message to it (the owner has reduced, so it needs nothing
 more).  Loss within the bound is tolerated, loss above it is always
 repaired.  Control packets travel at prio 0 over the same transport.
@@ -62,6 +67,7 @@ AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
+NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 
 
@@ -121,6 +127,7 @@ class RoundRecord:
     min_delivered: float = 1.0
     retransmits: int = 0
     probes: int = 0
+    nacks: int = 0          # unsolicited BITMAPs this rank sent as a receiver
     bytes_sent: int = 0
     bytes_received: int = 0
     below_bound: bool = False
@@ -152,6 +159,10 @@ class _In:
         self.ag, self.src, self.n = ag, src, n
         self.mask = np.zeros(n, bool)
         self.count = 0
+        self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
+        self.t_data = 0.0      # when a new chunk last arrived
+        self.t_nack = 0.0      # when the last unsolicited BITMAP went out
+        self.nacks = 0         # unsolicited BITMAPs since the last new chunk
         self.tol8 = None
         self.stop_sent = False
 
@@ -341,6 +352,7 @@ class Collective:
             if inn.n == 0:
                 del st.ins[key]
         st.t0 = time.monotonic()
+        st.nacks = 0
         st.heard = np.full(self.world, st.t0)
         st.stats0 = self.t.stats()
         stash, self._stash = self._stash, []
@@ -520,7 +532,7 @@ class Collective:
         self._keep(h, pay, lens, nxt)
         data = cur & (kind == DATA)
         if data.any():
-            self._absorb(st, h, pay, lens, np.flatnonzero(data))
+            self._absorb(st, h, pay, lens, np.flatnonzero(data), now)
         self.counters["late"] += int(np.count_nonzero(prev & (kind == DATA)))
         for i in np.flatnonzero((cur | prev) & (kind != DATA)):
             self._control(st, h[i], pay[i, : lens[i]], now, current=bool(cur[i]))
@@ -538,7 +550,7 @@ class Collective:
             self._stash.append((h[rows].copy(), pay[rows].copy(), lens[rows].copy()))
             self.counters["stashed"] += len(rows)
 
-    def _absorb(self, st: _Round, h, pay, lens, rows) -> None:
+    def _absorb(self, st: _Round, h, pay, lens, rows, now: float) -> None:
         """Take DATA packets ``rows`` of a received batch into the round.
 
         Header fields decide which packets are new; payload bytes are read
@@ -567,7 +579,10 @@ class Collective:
             counts = np.bincount(sn, minlength=self.world)
             for r in np.flatnonzero(counts | np.bincount(s, minlength=self.world)):
                 inn = st.ins[(False, int(r))]
-                inn.count += int(counts[r])
+                if counts[r]:
+                    inn.count += int(counts[r])
+                    inn.hi = max(inn.hi, int(c[s == r].max()) + 1)
+                    inn.t_data, inn.nacks = now, 0
                 inn.mask = st.rmask[r]
                 if inn.tol8 is None:
                     inn.tol8 = int(hh["tol"][sel[s == r][0]])
@@ -592,6 +607,9 @@ class Collective:
                 st.y[a + cn] = _payload_rows(pay, rows[sel[new]], width)
                 st.have[a + cn] = True
                 inn.count += len(cn)
+                if len(cn):
+                    inn.hi = max(inn.hi, int(cn.max()) + 1)
+                    inn.t_data, inn.nacks = now, 0
                 if inn.tol8 is None and len(sel):
                     inn.tol8 = int(hh["tol"][sel[0]])
                 touched.add(inn)
@@ -617,11 +635,7 @@ class Collective:
                 self._ctrl_packet(rnd, int(h["tensor"]), STOP, ag, src, inn.n, inn.tol8)
                 inn.stop_sent = True
             else:
-                bits = np.packbits(inn.mask, bitorder="little").tobytes()
-                step = self.cfg.chunk_bytes
-                for off in range(0, len(bits), step):
-                    self._ctrl_packet(rnd, int(h["tensor"]), BITMAP, ag, src, inn.n, inn.tol8,
-                                      chunk=off * 8, payload=bits[off: off + step])
+                self._bitmap(rnd, int(h["tensor"]), inn, inn.n)
             return
         if kind == STOP and len(payload) >= 2:
             self._timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
@@ -635,7 +649,7 @@ class Collective:
         elif kind == BITMAP:
             first = int(h["chunk"])
             bits = np.unpackbits(payload, bitorder="little").astype(bool)
-            bits = bits[: max(0, o.n - first)]
+            bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
             o.acked[first: first + len(bits)] |= bits
             if np.count_nonzero(o.acked) >= o.need:
                 self._out_done(o, now)
@@ -644,6 +658,40 @@ class Collective:
                 o.retx[seg] |= ~o.acked[seg]
                 o.nretx = int(np.count_nonzero(o.retx))
                 o.t_last = now
+                o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
+
+    def _bitmap(self, rnd: int, tensor: int, inn: _In, upto: int) -> None:
+        """Queue BITMAP packets with ``inn``'s arrival bits for chunks ``[0, upto)`` (``upto`` a multiple
+        of 8 or ``inn.n``: a sender reads every bit it gets, padding included)."""
+        bits = np.packbits(inn.mask[:upto], bitorder="little").tobytes()
+        step = self.cfg.chunk_bytes
+        for off in range(0, len(bits), step):
+            self._ctrl_packet(rnd, tensor, BITMAP, inn.ag, inn.src, inn.n, inn.tol8,
+                              chunk=off * 8, payload=bits[off: off + step])
+
+    def _nacks(self, st: _Round, now: float) -> None:
+        """Receiver-driven repair: NACK a message that can no longer reach its bound.
+
+        Once ``count + (n - hi) < need`` the bound is out of reach even if
+        every chunk not yet seen arrives, so chunks below ``hi`` are missing
+        for good (senders send in chunk order): after ``NACK_QUIET`` without a
+        new chunk (2x, then 4x while NACKs go unanswered) the receiver sends
+        an unsolicited BITMAP of chunks ``[0, hi)`` (rounded down to whole
+        bytes), and the sender retransmits the gaps at once instead of
+        waiting for its probe timeout.  Loss within the bound never NACKs.
+        """
+        for inn in st.ins.values():
+            if inn.done or inn.count == 0 or inn.count + inn.n - inn.hi >= inn.need:
+                continue
+            if not inn.ag and st.reduced:
+                continue
+            quiet = NACK_QUIET * (1 << min(inn.nacks, 2))
+            if now - max(inn.t_data, inn.t_nack) < quiet:
+                continue
+            self._bitmap(st.round, st.tensor, inn, inn.n)
+            inn.t_nack = now
+            inn.nacks += 1
+            st.nacks += 1
 
     def _out_done(self, o: _Out, now: float) -> None:
         o.done = True
@@ -666,6 +714,7 @@ class Collective:
         return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
     def _timers(self, st: _Round, now: float) -> None:
+        self._nacks(st, now)
         pt = None
         for o in st.outs.values():
             if o.done or o.sent < o.n or o.nretx:
@@ -714,6 +763,7 @@ class Collective:
         rec.min_delivered = min(rec.delivered.values(), default=1.0)
         rec.retransmits = sum(o.retransmits for o in st.outs.values())
         rec.probes = sum(o.probes for o in st.outs.values())
+        rec.nacks = st.nacks
         rec.below_bound |= not all(o.done for o in st.outs.values())
         rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
         rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)

@@ -117,7 +117,8 @@ def test_loss_above_bound_is_repaired_to_the_bound(clean, hosts, kind):
     res, cols = run_ranks(clean, transports(clean, kind, hosts),
                           lambda r, c: [c.allreduce(x[r]) for _ in range(3)], phase="static:0.05")
     recs = [rec for c in cols for rec in c.records]
-    assert sum(rec.retransmits for rec in recs) > 0 and sum(rec.probes for rec in recs) > 0
+    assert sum(rec.retransmits for rec in recs) > 0
+    assert sum(rec.nacks for rec in recs) > 0  # receivers asked for repair without waiting for probes
     for rec in recs:
         assert rec.min_delivered >= 1 - rec.tol and not rec.below_bound
     # whatever arrived is exact; the few chunks within the bound are estimated

@@ -258,3 +258,86 @@ def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want):
     for r, c in enumerate(rk.cols):
         assert c._timeouts == pytest.approx([0.03 if q in slow_ranks else 0.002 for q in range(3)])
         assert c.probe_timeout == pytest.approx(want)
+
+
+class Rank0:
+    """Rank 0 of a 2-rank collective whose protocol state the test drives by hand (no peer runs)."""
+
+    def __init__(self, tol=0.05):
+        self.t = UdpTransport(port=0)
+        self.col = Collective(self.t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 1)], Config(phase=f"static:{tol}"))
+        self.col._poll_lock.acquire()  # the idle responder stays away from the transport
+        self.st = self.col._start(np.zeros(200 * self.col.C, np.float32), 0, True)
+
+    def data(self, chunks, now):
+        """DATA of rank 1's reduce-scatter message to rank 0 (chunks of shard 0, 100 rows)."""
+        st, n, width = self.st, 100, self.col.C * 4
+        h = wire.empty_batch(len(chunks))
+        h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.DATA, 1, st.round, 1, 0
+        h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = chunks, n, st.tol8, width, wire.Dtype.F32
+        self.col._process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
+
+    def sent(self):
+        """Control packets queued since the last call, as (kind, dst, first chunk, bits)."""
+        out = [(k, dst, chunk, np.unpackbits(np.frombuffer(pl, np.uint8), bitorder="little"))
+               for _, _, k, _, dst, _, _, chunk, pl in self.col._ctrl]
+        self.col._ctrl.clear()
+        return out
+
+    def close(self):
+        self.col._poll_lock.release()
+        self.col.close()
+
+
+@pytest.fixture
+def rank0():
+    r = Rank0()
+    yield r
+    r.close()
+
+
+def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
+    """Chunks 0..99 of 100, 40 lost in the middle: after 2 ms of silence the receiver sends an
+    unsolicited BITMAP of what arrived; it backs off (4 ms) while nothing new comes."""
+    lost = set(range(30, 70))
+    t = 100.0
+    rank0.data([c for c in range(100) if c not in lost], t)
+    inn = rank0.st.ins[(False, 1)]
+    assert (inn.count, inn.hi, inn.need) == (60, 100, 96)
+    rank0.col._nacks(rank0.st, t + 0.001)
+    assert rank0.sent() == []  # not quiet long enough
+    rank0.col._nacks(rank0.st, t + 0.0025)
+    (kind, dst, first, bits), = rank0.sent()
+    assert (kind, dst, first) == (wire.Kind.BITMAP, 1, 0)
+    np.testing.assert_array_equal(bits[:100].astype(bool), [c not in lost for c in range(100)])
+    rank0.col._nacks(rank0.st, t + 0.005)
+    assert rank0.sent() == []  # 4 ms after the first NACK, not 2
+    rank0.col._nacks(rank0.st, t + 0.007)
+    assert len(rank0.sent()) == 1 and rank0.st.nacks == 2
+
+
+def test_receiver_never_nacks_loss_within_the_bound(rank0):
+    """A sender half-way through its message (chunks 0..49 seen, 2 of them lost, 50..99 still
+    coming) leaves the bound within reach: no NACK however long it stays silent."""
+    t = 100.0
+    rank0.data([c for c in range(50) if c not in (3, 4)], t)
+    rank0.col._nacks(rank0.st, t + 1.0)
+    assert rank0.sent() == []
+    rank0.data([c for c in range(50, 100) if c not in (70, 71)], t + 2.0)  # 4 lost: the bound allows 4
+    rank0.col._nacks(rank0.st, t + 3.0)
+    assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] and rank0.st.nacks == 0
+
+
+def test_sender_retransmits_only_what_has_gone_out(rank0):
+    """A BITMAP can arrive while the sender is still sending (an unsolicited one): chunks not yet
+    sent are never queued for retransmission; an answer resets the probe backoff."""
+    o = rank0.st.outs[(False, 1)]
+    assert o.n == 100
+    o.sent, o.timeouts = 30, 3
+    h = wire.empty_batch(1)[0]
+    h["kind"], h["job"], h["round"], h["src"], h["dst"], h["chunk"] = wire.Kind.BITMAP, 1, rank0.st.round, 1, 0, 0
+    bits = np.zeros(104, bool)
+    bits[:10] = True  # chunks 0..9 arrived, 10..99 did not
+    rank0.col._control(rank0.st, h, np.packbits(bits, bitorder="little"), 100.0, current=True)
+    assert np.flatnonzero(o.retx).tolist() == list(range(10, 30))
+    assert o.nretx == 20 and o.timeouts == 0 and not o.done
