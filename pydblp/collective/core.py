@@ -67,6 +67,7 @@ AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
+RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 
@@ -110,9 +111,9 @@ class Config:
     peer_timeout: float = 10.0       # a needed peer silent this long fails the round
     probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
     probe_max: float = 0.05
-    burst: int = 256                 # packets sent per loop turn before draining receive
-    first_burst: int = 1024          # ... in the first turn of a phase (3 senders x 1024 fit a 4096-frame
-                                     # receive ring); later turns keep to ``burst``: there is no pacing
+    burst: int = 1024                # packets sent per loop turn before draining receive; what every
+                                     # sender has in flight must fit the receivers' rings (there is no
+                                     # pacing): AF_XDP's 16384 receive frames by default
 
 
 @dataclass
@@ -207,7 +208,7 @@ class Collective:
             if r != rank:
                 addr, port, *mac = p
                 self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
-        self._rx = Batch.empty(1024, max(c.chunk_bytes, 64))
+        self._rx = Batch.empty(RECV_BATCH, max(c.chunk_bytes, 64))
         self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
         self.round = 0
         self.index = 0
@@ -420,8 +421,7 @@ class Collective:
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.n or o.nretx)]
         if not active:
             return False
-        first = all(o.sent == 0 for o in active)  # a phase opens: small messages go out in one turn
-        share = max(1, (self.cfg.first_burst if first else self.cfg.burst) // len(active))
+        share = max(1, self.cfg.burst // len(active))
         parts = []
         for o in active:
             budget = share

@@ -6,7 +6,9 @@ ctypes (Python's ``socket.bind`` rejects family 44).  DESIGN.md section 5
 lists the facts and traps this follows.
 
 UMEM layout: ``rx_frames`` receive frames, then ``tx_frames`` transmit
-frames, ``frame_size`` bytes each (aligned mode).  Receive frames circulate
+frames, ``frame_size`` bytes each (aligned mode); by default 16384 + 4096
+frames of 2 KiB, 40 MiB per socket, populated at open: enough for the
+collective's senders to have ~1000 packets each in flight without pacing.  Receive frames circulate
 fill ring → kernel → rx ring → :meth:`XskTransport.recv` → fill ring;
 transmit frames circulate free list → tx ring → kernel → completion ring →
 free list.  The fill ring is twice the number of receive frames, so a frame
@@ -128,7 +130,7 @@ class XskTransport(Transport):
 
     def __init__(self, ifname: str, netns: str | None = None, queue: int = 0, port: int = wire.DEFAULT_PORT,
                  *, host=None, xskmap=None, pressure=None, mode: str = "auto", frame_size: int = 2048,
-                 rx_frames: int = 4096, tx_frames: int = 4096, rx_ring: int | None = None,
+                 rx_frames: int = 16384, tx_frames: int = 4096, rx_ring: int | None = None,
                  tx_ring: int | None = None, need_wakeup: bool = True, bind_timeout: float = 3.0,
                  spin: float = 200e-6):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
