@@ -547,7 +547,7 @@ class Collective:
             self.counters["stash_full"] += len(rows) - max(room, 0)
             rows = rows[: max(room, 0)]
         if len(rows):
-            self._stash.append((h[rows].copy(), pay[rows].copy(), lens[rows].copy()))
+            self._stash.append((wire.take(h, rows), pay[rows].copy(), lens[rows].copy()))
             self.counters["stashed"] += len(rows)
 
     def _absorb(self, st: _Round, h, pay, lens, rows, now: float) -> None:
@@ -561,7 +561,7 @@ class Collective:
         if not good.all():
             self.counters["bad_payload"] += int(np.count_nonzero(~good))
             rows = rows[good]
-        hh = h[rows]
+        hh = wire.take(h, rows)
         src = hh["src"].astype(np.int64)
         chunk = hh["chunk"].astype(np.int64)
         ag = (hh["flags"] & AG) != 0

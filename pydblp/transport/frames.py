@@ -121,7 +121,7 @@ def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndar
     out_list = []
     for hl in np.unique(hl_all):
         rows = np.flatnonzero(hl_all == hl)
-        out_list.append((rows, *build_one(tp, int(hl), peer[rows], headers[rows], payload[rows], lengths[rows])))
+        out_list.append((rows, *build_one(tp, int(hl), peer[rows], wire.take(headers, rows), payload[rows], lengths[rows])))
     return out_list
 
 

@@ -167,8 +167,8 @@ class UdpTransport(Transport):
         if not _rows_ok(into):  # the kernel can only scatter into plain rows
             tmp = self.recv(Batch.empty(into.cap, into.maxlen), timeout, max)
             k = len(tmp)
-            into.headers[:k], into.payload[:k], into.lengths[:k], into.peer[:k] = \
-                tmp.headers, tmp.payload, tmp.lengths, tmp.peer
+            wire.put(into.headers[:k], tmp.headers)
+            into.payload[:k], into.lengths[:k], into.peer[:k] = tmp.payload, tmp.lengths, tmp.peer
             into.n = k
             return into.view(0, k)
         cap = min(into.cap, self.max_batch, max or into.cap)
@@ -206,7 +206,7 @@ class UdpTransport(Transport):
         if not ok.all():  # rare: compact the valid rows to the front
             sel = np.flatnonzero(ok)
             self._c["rx_invalid"] += k - len(sel)
-            into.headers[: len(sel)] = hdrs[sel]
+            wire.put(into.headers[: len(sel)], wire.take(hdrs, sel))
             into.payload[: len(sel)] = into.payload[sel]
             lens, peer = lens[sel], peer[sel]
             k = len(sel)

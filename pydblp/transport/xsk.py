@@ -402,7 +402,7 @@ class XskTransport(Transport):
         k = len(sel)
         self._c["rx_invalid"] += n - k
         if k:
-            into.headers[:k] = hdrs if allok else hdrs[sel]
+            wire.put(into.headers[:k], hdrs if allok else wire.take(hdrs, sel))
             lens = plen[sel] - wire.HEADER_LEN
             maxlen = into.maxlen
             trunc = lens > maxlen
@@ -437,14 +437,14 @@ class XskTransport(Transport):
     def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int) -> int | None:
         """``recv`` for the usual case, in few numpy calls: consecutive frames, one layout, all valid.
 
-        Returns the packet count, or None (nothing consumed from ``into``,
-        frames not refilled) to let the general path handle the batch.
+        Returns the packet count, or None (frames not refilled; ``into`` may
+        hold scratch the general path overwrites) to let that path handle the batch.
         """
         fs = self.frame_size
         a0 = int(addr[0])
         f0, o0 = a0 // fs, a0 % fs
         pw = frames.PARSE_WIDTH
-        if o0 + pw > fs or n > into.cap:
+        if o0 + pw > fs or n > into.cap or not into.headers.flags.c_contiguous:
             return None
         block = self._umem2d[f0: f0 + n, o0: o0 + pw]
         parsed = frames.parse_uniform(block, flen, self.port)
@@ -452,7 +452,8 @@ class XskTransport(Transport):
             return None
         ok, off, plen, fam = parsed
         hoff = int(off[0])
-        hdrs = np.ascontiguousarray(block[:, hoff: hoff + wire.HEADER_LEN]).view(wire.HEADER_DTYPE).reshape(n)
+        hdrs = into.headers[:n]  # header bytes straight into the caller's records
+        hdrs.view(np.uint8).reshape(n, wire.HEADER_LEN)[:] = block[:, hoff: hoff + wire.HEADER_LEN]
         if not self._validated:
             ok &= wire.validate_batch(hdrs, plen) == 0
         if not ok.all():
@@ -462,7 +463,6 @@ class XskTransport(Transport):
         s0 = o0 + hoff + wire.HEADER_LEN
         if w > into.maxlen or s0 + w > fs:
             return None
-        into.headers[:n] = hdrs
         into.lengths[:n] = lens
         into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
         into.peer[:n] = self._sources.match(block, fam)

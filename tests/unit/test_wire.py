@@ -304,3 +304,20 @@ def test_property_validate_total_and_batch_agrees(pkts, world, rank):
     frames, lens = batch_of(pkts)
     batch = wire.validate_batch(wire.decode_batch(frames), lens, world_size=world, rank=rank)
     assert batch.tolist() == [int(r) for r in single]
+
+
+def test_take_and_put_copy_records_exactly():
+    h = wire.empty_batch(300)
+    rng = np.random.default_rng(3)
+    for name in wire.HEADER_DTYPE.names:
+        h[name] = rng.integers(0, 200, 300)
+    rows = rng.permutation(300)[:123]
+    got = wire.take(h, rows)
+    assert got.dtype == wire.HEADER_DTYPE and np.array_equal(got, h[rows])
+    before = h.copy()
+    got["chunk"] = 7777  # a copy, not a view
+    assert np.array_equal(h, before)
+    dst = wire.empty_batch(500)
+    wire.put(dst[10:133], h[rows])
+    assert np.array_equal(dst[10:133], h[rows]) and np.all(dst["magic"][:10] == wire.MAGIC)
+    assert np.all(dst["chunk"][133:] == 0)
