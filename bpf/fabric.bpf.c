@@ -17,6 +17,9 @@
  * src, dst).  The queue decides drops only; it never delays a frame.
  * TCP, UDP and everything else unicast are treated alike; broadcast and
  * multicast frames pass untouched (counted as FLOOD on the ingress port).
+ * A frame that survives is forwarded: XDP_REDIRECT to its egress port (a
+ * switch in XDP: no skb, bridge or netfilter work per frame); what the fdb
+ * does not know goes up to the Linux bridge with XDP_PASS.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -157,7 +160,7 @@ int fabric(struct xdp_md *ctx)
 	}
 	if (!(cfg->flags & FABRIC_F_QUEUE)) {
 		count(out_if, FABRIC_C_PASS, len);
-		return XDP_PASS;
+		return bpf_redirect(out_if, 0);
 	}
 
 	/* Virtual queue.  Early-drop candidates: DBLP DATA with prio > 0 and a
@@ -224,5 +227,5 @@ int fabric(struct xdp_md *ctx)
 	if (verdict == 3)
 		count(out_if, FABRIC_C_BOUND, len);
 	count(out_if, FABRIC_C_PASS, len);
-	return XDP_PASS;
+	return bpf_redirect(out_if, 0);
 }

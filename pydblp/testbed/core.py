@@ -5,7 +5,9 @@ Topology of a testbed ``NAME`` with N workers::
     netns NAME-w0          netns NAME-sw                      netns NAME-wK
     eth0 198.18.0.1/15 ─── w0 ┐                          ┌ wK ─── eth0 198.18.0.K+1/15
                               ├─ br0 (Linux bridge) ─────┤
-                         fabric.bpf.c: native XDP on every switch port w0..wN-1
+                         fabric.bpf.c: native XDP on every switch port w0..wN-1;
+                         known unicast leaves by XDP_REDIRECT to its egress port,
+                         the bridge carries broadcast and unknown destinations
 
 Everything is built with pyroute2 netlink.  Addresses come from 198.18.0.0/15
 (RFC 2544 benchmarking) and exist only inside the testbed's namespaces; there
@@ -31,6 +33,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -209,6 +213,29 @@ def _ns_sysctl(ns: str, key: str, value) -> None:
     """Write a per-netns sysctl (``/proc/sys/net`` follows the thread's netns)."""
     with net.in_netns(ns):
         _sysctl_path(key).write_text(str(value))
+
+
+SIOCETHTOOL, ETHTOOL_STXCSUM, ETHTOOL_SGRO = 0x8946, 0x17, 0x2C
+
+
+def _ethtool_set(ns: str, ifname: str, cmd: int, value: int) -> None:
+    val = ctypes.create_string_buffer(struct.pack("=II", cmd, value), 8)
+    ifr = struct.pack("16sP", ifname.encode(), ctypes.addressof(val))
+    with net.in_netns(ns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
+
+
+def _worker_nic_features(ns: str, ifname: str) -> None:
+    """Make a worker NIC a target the fabric can forward to with XDP_REDIRECT.
+
+    GRO on: a veth then runs NAPI without an XDP program of its own, which
+    ndo_xdp_xmit needs.  Transmit checksum offload off: a redirected frame
+    leaves the skb behind, and with it the 'checksum still to be filled in'
+    mark a veth would otherwise carry to the receiver, so the sender's stack
+    computes TCP/UDP checksums itself (as with a NIC without offload).
+    """
+    _ethtool_set(ns, ifname, ETHTOOL_STXCSUM, 0)
+    _ethtool_set(ns, ifname, ETHTOOL_SGRO, 1)
 
 
 def _set_rps(ns: str, ifnames: list[str], mask: str) -> None:
@@ -525,6 +552,7 @@ class Testbed:
                     ip.tc("add", "tbf", eth, 0x10000, rate=rate, burst=burst,
                           latency=int(TBF_LATENCY_S * 1e6))
                 ip.link("set", index=eth, state="up")
+            _worker_nic_features(self.ns(i), "eth0")
         if self.rps:
             mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
             ok = _set_rps(sw, list(ports), mask)

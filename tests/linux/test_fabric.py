@@ -23,7 +23,8 @@ PORT_A, PORT_B = 1001, 1002
 MAC_A = bytes.fromhex("02db00000063")
 MAC_B = bytes.fromhex("02db00000064")
 SRC_MAC = bytes.fromhex("02db00000001")
-XDP_DROP, XDP_PASS = 1, 2
+XDP_DROP, XDP_PASS, XDP_REDIRECT = 1, 2, 4
+FORWARD = XDP_REDIRECT  # known unicast goes straight to its egress port
 
 
 def ip4_frame(proto: int, l4: bytes, dst_mac: bytes = MAC_A) -> bytes:
@@ -130,8 +131,8 @@ def test_constants_match_header():
 
 # ---- loss ------------------------------------------------------------------------
 
-def test_no_fault_passes_everything(fab):
-    assert set(verdicts(fab, udp_frame(), 50)) == {XDP_PASS}
+def test_no_fault_forwards_everything(fab):
+    assert set(verdicts(fab, udp_frame(), 50)) == {FORWARD}
     assert counts(fab)["pass"] == 50
 
 
@@ -144,7 +145,7 @@ def test_bernoulli_loss_within_3_sigma(fab):
     sigma = math.sqrt(n * p * (1 - p))
     assert abs(c["loss"] - n * p) <= 3 * sigma, c
     # other port untouched
-    assert set(verdicts(fab, udp_frame(dst_mac=MAC_B), 200)) == {XDP_PASS}
+    assert set(verdicts(fab, udp_frame(dst_mac=MAC_B), 200)) == {FORWARD}
 
 
 def test_tcp_and_udp_alike_broadcast_untouched(fab):
@@ -157,7 +158,7 @@ def test_tcp_and_udp_alike_broadcast_untouched(fab):
     unknown = bytes.fromhex("02db000000ee") + udp_frame()[6:]
     assert bpf.test_run(fab.prog_fd, unknown)[0] == XDP_PASS
     fab.clear()
-    assert bpf.test_run(fab.prog_fd, tcp_frame())[0] == XDP_PASS
+    assert bpf.test_run(fab.prog_fd, tcp_frame())[0] == FORWARD
 
 
 def test_gilbert_elliott_mean_burst_length(fab):
@@ -199,7 +200,7 @@ def test_burst_window_drops_only_inside(fab):
     outside = [v for t0, t1, v in rec if t1 < s_ns or t0 >= e_ns]
     assert inside and outside
     assert set(inside) == {XDP_DROP}
-    assert set(outside) == {XDP_PASS}
+    assert set(outside) == {FORWARD}
     for t0, t1, v in rec:
         if v == XDP_DROP:
             assert t1 >= s_ns and t0 < e_ns, "drop outside the window"
@@ -223,7 +224,7 @@ def test_periodic_bursts_with_count_and_ratio(fab):
     assert inside > 10
     # the third window (k = 2) does not come
     assert any(t0 >= s_ns + 2 * P for t0, _, _ in rec)
-    assert all(v == XDP_PASS for t0, _, v in rec if t0 >= s_ns + P + D)
+    assert all(v == FORWARD for t0, _, v in rec if t0 >= s_ns + P + D)
     # partial ratio: about half inside a long window
     fab.burst(ratio=0.5, duration=5.0, port="b")
     v = verdicts(fab, udp_frame(dst_mac=MAC_B), 4000)
@@ -264,7 +265,7 @@ def test_priority_queue_early_drop_order_and_bound(fab):
     assert bound == 3
     want, spent = model(frames, buffer, thresh, {(p,): bound for p in range(8)})
     got = [bpf.test_run(fab.prog_fd, f)[0] for f in sent]
-    assert [XDP_DROP if w != "pass" else XDP_PASS for w in want] == got
+    assert [XDP_DROP if w != "pass" else FORWARD for w in want] == got
     c = counts(fab)
     assert c.get("early0", 0) == 0
     assert sum(c.get(f"early{p}", 0) for p in range(8)) == want.count("early")
@@ -290,16 +291,16 @@ def test_queue_drains_at_line_rate(fab):
     fab.queue("800kbit", buffer=20_000, port="a")
     frame = udp_frame(b"z" * (1000 - 42))
     got = verdicts(fab, frame, 40)
-    assert got.count(XDP_PASS) == 20 and got[20:] == [XDP_DROP] * 20
+    assert got.count(FORWARD) == 20 and got[20:] == [XDP_DROP] * 20
     time.sleep(0.2)
-    assert verdicts(fab, frame, 15) == [XDP_PASS] * 15
+    assert verdicts(fab, frame, 15) == [FORWARD] * 15
     assert counts(fab)["tail"] == 20
 
 
 def test_tol_zero_is_never_early_dropped(fab):
     fab.queue(8, buffer=10_000, port="a")
     v = [bpf.test_run(fab.prog_fd, dblp_frame(7, nchunks=100, tol=0, chunk=i))[0] for i in range(12)]
-    assert v == [XDP_PASS] * 10 + [XDP_DROP] * 2      # only tail drops
+    assert v == [FORWARD] * 10 + [XDP_DROP] * 2      # only tail drops
     c = counts(fab)
     assert c.get("early7", 0) == 0 and c["bound"] > 0 and c["tail"] == 2
 
