@@ -354,7 +354,7 @@ def _add_experiment(sub):
                        formatter_class=_formatter, epilog=EXPERIMENT_EPILOG,
                        description="Bring up a testbed, train the same model with the same seed over Gloo, "
                                    "static bounded loss (MLT-style) and DBLP phase-aware bounded loss under "
-                                   "seeded microbursts (60-90 %% loss for about one round); print a comparison "
+                                   "seeded microbursts (60-90 % loss for about one round); print a comparison "
                                    "table; write report.json and PNG plots.")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--model", choices=["digits", "text"], default="digits")

@@ -134,6 +134,26 @@ def test_top_level_help_has_examples(capsys):
     assert "examples:" in out and "dblp dump -r" in out
 
 
+def test_every_help_renders_percent_signs_once(capsys):
+    """argparse %-formats argument help but not descriptions: no '%%' may reach the user."""
+    import argparse
+
+    def walk(parser, path):
+        yield path
+        for act in parser._actions:
+            if isinstance(act, argparse._SubParsersAction):
+                for name, sub in act.choices.items():
+                    yield from walk(sub, path + [name])
+
+    paths = list(walk(cli.build_parser(), []))
+    assert ["experiment"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit):
+            cli.main(path + ["--help"])
+        out = capsys.readouterr().out
+        assert "%%" not in out, path
+
+
 def test_dump_help_has_examples(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["dump", "--help"])
