@@ -635,7 +635,7 @@ class Collective:
                 self._ctrl_packet(rnd, int(h["tensor"]), STOP, ag, src, inn.n, inn.tol8)
                 inn.stop_sent = True
             else:
-                self._bitmap(rnd, int(h["tensor"]), inn, inn.n)
+                self._bitmap(rnd, int(h["tensor"]), inn)
             return
         if kind == STOP and len(payload) >= 2:
             self._timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
@@ -660,10 +660,9 @@ class Collective:
                 o.t_last = now
                 o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
 
-    def _bitmap(self, rnd: int, tensor: int, inn: _In, upto: int) -> None:
-        """Queue BITMAP packets with ``inn``'s arrival bits for chunks ``[0, upto)`` (``upto`` a multiple
-        of 8 or ``inn.n``: a sender reads every bit it gets, padding included)."""
-        bits = np.packbits(inn.mask[:upto], bitorder="little").tobytes()
+    def _bitmap(self, rnd: int, tensor: int, inn: _In) -> None:
+        """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""
+        bits = np.packbits(inn.mask, bitorder="little").tobytes()
         step = self.cfg.chunk_bytes
         for off in range(0, len(bits), step):
             self._ctrl_packet(rnd, tensor, BITMAP, inn.ag, inn.src, inn.n, inn.tol8,
@@ -673,12 +672,12 @@ class Collective:
         """Receiver-driven repair: NACK a message that can no longer reach its bound.
 
         Once ``count + (n - hi) < need`` the bound is out of reach even if
-        every chunk not yet seen arrives, so chunks below ``hi`` are missing
-        for good (senders send in chunk order): after ``NACK_QUIET`` without a
-        new chunk (2x, then 4x while NACKs go unanswered) the receiver sends
-        an unsolicited BITMAP of chunks ``[0, hi)`` (rounded down to whole
-        bytes), and the sender retransmits the gaps at once instead of
-        waiting for its probe timeout.  Loss within the bound never NACKs.
+        every chunk not yet seen arrives (senders send in chunk order, so
+        chunks below ``hi`` are lost): after ``NACK_QUIET`` without a new
+        chunk (2x, then 4x while NACKs go unanswered) the receiver sends an
+        unsolicited BITMAP of the whole message, and the sender retransmits
+        every gap among the chunks it has sent at once instead of waiting for
+        its probe timeout.  Loss within the bound never NACKs.
         """
         for inn in st.ins.values():
             if inn.done or inn.count == 0 or inn.count + inn.n - inn.hi >= inn.need:
@@ -688,7 +687,7 @@ class Collective:
             quiet = NACK_QUIET * (1 << min(inn.nacks, 2))
             if now - max(inn.t_data, inn.t_nack) < quiet:
                 continue
-            self._bitmap(st.round, st.tensor, inn, inn.n)
+            self._bitmap(st.round, st.tensor, inn)
             inn.t_nack = now
             inn.nacks += 1
             st.nacks += 1
