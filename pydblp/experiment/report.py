@@ -57,6 +57,13 @@ def table(rep: dict) -> str:
     return "\n".join(text)
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(rep: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -73,10 +80,7 @@ def plots(rep: dict, out: Path) -> list[Path]:
             a2.set_ylabel(r["evals"][0]["metric"])
     a1.set_xlabel("time (s)"), a1.set_ylabel("training loss"), a1.legend()
     a2.set_xlabel("time (s)"), a2.legend()
-    fig.tight_layout()
-    made.append(out / "loss_accuracy.png")
-    fig.savefig(made[-1], dpi=110)
-    plt.close(fig)
+    made.append(_save(plt, fig, out / "loss_accuracy.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for tr, r in runs.items():
@@ -84,10 +88,7 @@ def plots(rep: dict, out: Path) -> list[Path]:
         ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=tr)
     ax.set_xscale("log"), ax.set_xlabel("round latency (ms, backward + sync)"), ax.set_ylabel("CDF")
     ax.legend(), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    made.append(out / "latency_cdf.png")
-    fig.savefig(made[-1], dpi=110)
-    plt.close(fig)
+    made.append(_save(plt, fig, out / "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for tr, r in runs.items():
@@ -95,8 +96,5 @@ def plots(rep: dict, out: Path) -> list[Path]:
         if rounds:
             ax.plot([x["tol"] * 100 for x in rounds], label=tr, lw=0.8)
     ax.set_xlabel("collective round"), ax.set_ylabel("tolerance (%)"), ax.legend()
-    fig.tight_layout()
-    made.append(out / "tolerance.png")
-    fig.savefig(made[-1], dpi=110)
-    plt.close(fig)
+    made.append(_save(plt, fig, out / "tolerance.png"))
     return made
