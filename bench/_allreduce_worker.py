@@ -68,6 +68,7 @@ def parse(argv=None):
     p.add_argument("--send-burst", type=int, default=None, help="Config.burst")
     p.add_argument("--chunk-bytes", type=int, default=None, help="Config.chunk_bytes")
     p.add_argument("--spin", type=float, default=0.0, help="transport busy-poll seconds")
+    p.add_argument("--rate", type=float, default=0.0, help="XskTransport rate: the link's bits/s (0: unpaced)")
     p.add_argument("--store", help="FileStore path (gloo rendezvous)")
     p.add_argument("--fabric", help="JSON {pin_dir, ports}: the fabric bursts are armed on")
     p.add_argument("--sync", help="directory for the burst-arming markers")
@@ -88,7 +89,8 @@ class Pydblp:
             self.host = HostProgram(a.iface)
             self.host.register_job(a.job, a.world, a.rank, "xsk")
             big = (a.chunk_bytes or 0) + 128 > 2048  # headers + payload past a 2 KiB frame
-            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048, spin=a.spin)
+            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048, spin=a.spin,
+                             rate=a.rate)
         else:
             from pydblp.transport.udp import UdpTransport
 

@@ -47,10 +47,13 @@ allreduce with ``GLOO_SOCKET_IFNAME=eth0``.  Every worker calls
 ``torch.set_num_threads(1)``; workers are not pinned (4 ranks share the
 machine's CPUs).
 
-Caveat on rates: the TBF limit sits in the worker's qdisc, which the UDP
-socket and Gloo's TCP go through but AF_XDP copy-mode transmit does not
-(the kernel hands those frames straight to the driver); the table's
-``Gb/s`` column shows each rank's data rate so the difference is visible.
+Rates: the TBF limit sits in the worker's qdisc, which the UDP socket and
+Gloo's TCP go through but AF_XDP copy-mode transmit does not (the kernel
+hands those frames straight to the driver).  So the AF_XDP workers pace
+themselves at the same rate and burst (``XskTransport(rate=...)``, a token
+bucket releasing tx-ring frames, as the TBF releases its queue), and every
+transport meets the same 1 Gbit/s link; ``--no-pace`` turns that off (then
+AF_XDP runs at CPU speed, faster than the link Gloo and UDP see).
 
 Bounded: each block has a timeout (``--block-timeout`` or 30 s + 3 s per
 round per 8 MiB); a worker set that fails or overruns is killed by pid,
@@ -118,6 +121,8 @@ class WorkerSet:
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--spin", str(args.spin)]
+            if transport == "xsk" and not args.no_pace:
+                argv += ["--rate", str(tb.rate_bps)]  # AF_XDP bypasses the TBF: pace at its rate
             argv += ["--fabric", fabric, "--sync", str(sync)]
             err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
             self.errs.append(err)
@@ -312,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spin", type=float, default=0.0,
                     help="pydblp transports' busy-poll seconds (default 0: 4 ranks share the CPUs, "
                          "as pydblp.torch assumes)")
+    ap.add_argument("--no-pace", action="store_true",
+                    help="AF_XDP transmit unpaced (it bypasses the worker NIC's TBF; default: paced at its rate)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="pydblp payload per packet (default: Config's 1408; up to MTU - 88)")
     ap.add_argument("--send-burst", type=int, default=None,

@@ -44,6 +44,8 @@ def parse(argv=None):
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--peer-timeout", type=float, default=30.0)
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="the link's bits/s: the xsk transport paces at it (AF_XDP bypasses the TBF)")
     return p.parse_args(argv)
 
 
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
 
             phase = Static(a.tol) if a.transport == "static" else Dblp(p_low=a.tol)
             cfg = Config(job=11, phase=phase, estimator=a.estimator, peer_timeout=a.peer_timeout)
-            state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg)
+            state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate)
             ddp.register_comm_hook(state, ptorch.hook)
         opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if a.model == "digits"
                else torch.optim.Adam(ddp.parameters(), lr=lr))

@@ -52,7 +52,8 @@ class State:
     @classmethod
     def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
                            port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
-                           config: Config | None = None, store=None, spin: float = 0.0) -> "State":
+                           config: Config | None = None, store=None, spin: float = 0.0,
+                           rate: float = 0) -> "State":
         """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
 
         ``transport``: ``udp`` (any user) or ``xsk`` (AF_XDP: root; attaches
@@ -60,7 +61,10 @@ class State:
         ``addr`` overrides the address published to peers (default: the
         first IPv4 address of ``iface``).  ``spin``: seconds the receiver
         busy-polls before sleeping; 0 (default) suits ranks that share cores,
-        a few hundred microseconds suits a dedicated core.
+        a few hundred microseconds suits a dedicated core.  ``rate`` (bits/s,
+        0: none) paces the xsk transport at a link's line rate: AF_XDP transmit
+        bypasses qdiscs, so a TBF on ``iface`` does not limit it (the udp
+        transport goes through the qdisc and ignores ``rate``).
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
@@ -81,7 +85,7 @@ class State:
                 maps = host.HostProgram(iface, netns=netns)
             owned.append(maps)
             maps.register_job(cfg.job, world, rank, "xsk")
-            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin)
+            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin, rate=rate)
         elif transport == "udp":
             from pydblp.transport.udp import UdpTransport
             t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)

@@ -20,6 +20,18 @@ That is correct on x86-64 (TSO: stores are not reordered with stores,
 loads not with loads; every crossing of the interpreter is a compiler
 barrier); another architecture would need explicit barriers.
 
+Transmit bypasses the qdisc: copy mode hands each frame straight to the
+driver (``__dev_direct_xmit``), so a TBF or any other qdisc on the device
+never sees AF_XDP traffic.  A real NIC still sends at its line rate; a veth
+sends as fast as the CPU goes.  ``rate`` (bits/s) emulates the line rate:
+a token bucket of ``rate_burst`` bytes (default 1 ms of ``rate``, at least
+four frames: the testbed's TBF) decides how many queued frames the kernel
+may take; the rest wait in the tx ring, released by later ``send``,
+``recv`` and ``flush`` calls (as a qdisc queue drains while the application
+goes on), and ``send`` blocks only when the ring is full.  Frames count
+with their Ethernet header, as the TBF counts them.  Frames still waiting at
+``close`` are dropped.
+
 The XDP program decides what reaches the socket: it redirects packets with
 ``bpf_redirect_map(&xskmap, ctx->rx_queue_index, ...)``.  This transport
 inserts its socket at its queue after bind and fill, and removes it on close,
@@ -30,6 +42,7 @@ through ``host`` (an object with ``xsk_insert(queue, fd)`` and
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import fcntl
@@ -39,6 +52,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -124,6 +138,8 @@ class XskTransport(Transport):
     validated every DBLP header before redirecting the frame here, so
     ``recv`` only parses; with a foreign ``xskmap`` it validates each header
     again (``wire.validate_batch``) and counts failures in ``rx_invalid``.
+    ``rate`` (bits/s, 0: none) and ``rate_burst`` (bytes) pace transmission
+    like a line-rate link (module docstring: qdiscs never see AF_XDP frames).
     """
 
     kind = "xsk"
@@ -132,9 +148,16 @@ class XskTransport(Transport):
                  *, host=None, xskmap=None, pressure=None, mode: str = "auto", frame_size: int = 2048,
                  rx_frames: int = 16384, tx_frames: int = 4096, rx_ring: int | None = None,
                  tx_ring: int | None = None, need_wakeup: bool = True, bind_timeout: float = 3.0,
-                 spin: float = 200e-6):
+                 spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
         self.spin = spin
+        if rate < 0 or (rate_burst is not None and rate_burst < 4 * frame_size):
+            raise ValueError(f"rate must be >= 0 bits/s and rate_burst at least 4 frames ({4 * frame_size} bytes)")
+        self.rate = float(rate)
+        self._Bps = self.rate / 8  # bytes per second; 0: unpaced
+        self.rate_burst = rate_burst or max(4 * frame_size, int(self._Bps / 1000))
+        self._tokens, self._t_tok = float(self.rate_burst), time.monotonic()
+        self._tx_lock = threading.Lock()  # send vs. a recv that releases paced frames
         self._fd = -1
         self._sock = None
         self._rings: list[_Ring] = []
@@ -158,7 +181,7 @@ class XskTransport(Transport):
         self._sources = frames.Sources()
         self._tmpl = frames.Templates()
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "tx_busy_drops", "tx_kicks", "rx_polls"), 0)
+                                 "rx_truncated", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
         try:
             with net.in_netns(netns):
                 self._sock = socket.socket(AF_XDP, socket.SOCK_RAW, 0)
@@ -206,6 +229,7 @@ class XskTransport(Transport):
             self._tx_head = 0
             self._tx_nfree = tx_frames
             self._tx_outstanding = 0
+            self._wprod = int(self._tx.prod[0])  # descriptors written up to here; tx.prod: handed to the kernel
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
@@ -346,6 +370,7 @@ class XskTransport(Transport):
             into = Batch.empty(1024)
         cap = into.cap if max is None else min(max, into.cap)
         rx = self._rx
+        pace = self._pump()
         cons = int(rx.cons[0])
         avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
         if avail == 0:
@@ -357,8 +382,15 @@ class XskTransport(Transport):
             self._spin(ready, timeout)
             if avail == 0 and (self.need_wakeup and int(self._fill.flags[0]) & XDP_RING_NEED_WAKEUP or timeout != 0):
                 self._c["rx_polls"] += 1
-                self._poll.poll(None if timeout is None else int(timeout * 1000))
-                avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+                end = None if timeout is None else time.monotonic() + timeout
+                while True:  # paced frames waiting: wake up to release them, as a qdisc would
+                    wait = timeout if pace is None else pace if end is None else \
+                        builtins.max(0.0, builtins.min(pace, end - time.monotonic()))
+                    self._poll.poll(None if wait is None else int(wait * 1000))
+                    avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+                    if avail or pace is None or (end is not None and time.monotonic() >= end):
+                        break
+                    pace = self._pump()
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
         n = min(avail, cap)
         if n == 0:
@@ -491,6 +523,56 @@ class XskTransport(Transport):
             self._tx_outstanding -= n
         return n
 
+    def _pump(self) -> float | None:
+        """From recv: release paced frames that may go; seconds until the next may (None: none waits).
+
+        Skipped (None) while a send in another thread holds the transmit side.
+        """
+        if self._wprod == int(self._tx.prod[0]) or not self._tx_lock.acquire(blocking=False):
+            return None
+        try:
+            self._release()
+            self._kick()
+            if self._wprod == int(self._tx.prod[0]):
+                return None
+            return builtins.max(0.001, self._pace_wait())  # poll(2) counts milliseconds
+        finally:
+            self._tx_lock.release()
+
+    def _release(self) -> int:
+        """Hand the kernel the written descriptors the token bucket allows (all when unpaced)."""
+        tx = self._tx
+        prod = int(tx.prod[0])
+        waiting = (self._wprod - prod) & 0xFFFFFFFF
+        if waiting == 0:
+            return 0
+        if not self._Bps:
+            tx.prod[0] = self._wprod
+            return waiting
+        now = time.monotonic()
+        self._tokens = min(self.rate_burst, self._tokens + (now - self._t_tok) * self._Bps)
+        self._t_tok = now
+        i0 = prod & tx.mask
+        lens = tx.desc["len"][i0: i0 + waiting] if i0 + waiting <= tx.n else \
+            tx.desc["len"][(prod + np.arange(waiting)) & tx.mask]
+        cum = np.cumsum(lens, dtype=np.int64)
+        k = int(np.searchsorted(cum, self._tokens, side="right"))
+        if k:
+            self._tokens -= int(cum[k - 1])
+            tx.prod[0] = (prod + k) & 0xFFFFFFFF
+        if k < waiting:
+            self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
+        return k
+
+    def _pace_wait(self) -> float:
+        """Seconds until the token bucket lets the next waiting frame go (0: none waits)."""
+        tx = self._tx
+        prod = int(tx.prod[0])
+        if self._wprod == prod or not self._Bps:
+            return 0.0
+        need = int(tx.desc["len"][prod & tx.mask]) - self._tokens
+        return max(0.0, need / self._Bps)
+
     def _kick(self) -> bool:
         """Let the kernel consume the tx ring; False when it pushed back (busy)."""
         tx = self._tx
@@ -528,19 +610,24 @@ class XskTransport(Transport):
         if longest + (longest & 1) > self.frame_size:
             raise ValueError(f"a {longest}-byte frame does not fit a {self.frame_size}-byte UMEM frame")
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._tx_lock:
+            return self._send_locked(batch, n, hl_max, one_hl, deadline)
+
+    def _send_locked(self, batch: Batch, n: int, hl_max: int, one_hl: bool, deadline: float | None) -> int:
         tx = self._tx
         sent = 0
         while sent < n:
             self._reclaim()
-            prod = int(tx.prod[0])
+            prod = self._wprod
             space = tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF)
             m = min(n - sent, self._tx_nfree, space)
-            if m == 0:
+            if m == 0:  # ring or frames all taken: wait for completions (and tokens, when paced)
+                self._release()
                 self._kick()
                 if self._reclaim() == 0:
                     if deadline is not None and time.monotonic() >= deadline:
                         break
-                    time.sleep(0.0002)
+                    time.sleep(min(0.001, max(0.0002, self._pace_wait())))
                 continue
             fs = self.frame_size
             T = self.tx_frames
@@ -575,11 +662,12 @@ class XskTransport(Transport):
             dd["addr"] = addrs
             dd["len"] = lens
             dd["options"] = 0
-            tx.prod[0] = (prod + m) & 0xFFFFFFFF
+            self._wprod = (prod + m) & 0xFFFFFFFF
             self._tx_outstanding += m
             self._c["tx_packets"] += m
             self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
             sent += m
+            self._release()
             self._kick()
         # leave nothing queued behind a busy device while there is time
         while int(tx.cons[0]) != int(tx.prod[0]) and not self._kick():
@@ -590,16 +678,19 @@ class XskTransport(Transport):
         return sent
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Wait until every queued frame has completed; True if they all did."""
+        """Wait until every queued frame has completed (paced ones sent first); True if they all did."""
         deadline = time.monotonic() + timeout
         while True:
-            self._kick()
-            self._reclaim()
+            with self._tx_lock:
+                self._release()
+                self._kick()
+                self._reclaim()
+                wait = self._pace_wait()
             if self._tx_outstanding == 0:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.0005)
+            time.sleep(min(0.001, max(0.0002, wait)))
 
     # ---- the rest -----------------------------------------------------
 
@@ -614,6 +705,7 @@ class XskTransport(Transport):
             s.update(self.xdp_statistics())
             s["rx_ring_used"] = (int(self._rx.prod[0]) - int(self._rx.cons[0])) & 0xFFFFFFFF
             s["tx_outstanding"] = self._tx_outstanding
+            s["tx_waiting"] = (self._wprod - int(self._tx.prod[0])) & 0xFFFFFFFF  # paced, not yet handed over
             s["pressure"] = max(self._pressure, 0)
             s["zerocopy"] = self.zerocopy
         return s
