@@ -118,7 +118,9 @@ class Pydblp:
         self.col.allreduce(np.zeros(1, np.float32), tensor=1)
 
     def counters(self) -> dict:
-        return {**self.col.counters, "probe_timeout_ms": self.col.probe_timeout * 1e3}
+        ts = self.col.t.stats()
+        return {**self.col.counters, "probe_timeout_ms": self.col.probe_timeout * 1e3,
+                **{f"transport_{k}": ts.get(k, 0) for k in ("tx_kicks", "rx_polls", "tx_held", "rx_packets")}}
 
     def close(self) -> None:
         self.col.close()
