@@ -25,7 +25,9 @@ A transport is used from at most two threads at a time: **one** thread
 calling :meth:`Transport.recv` and **one** (possibly other) thread calling
 :meth:`Transport.send`.  Receive and transmit state are disjoint (AF_XDP: the
 rx + fill rings and rx frames versus the tx + completion rings and tx frames,
-each a single-producer/single-consumer ring), so the two need no lock.
+each a single-producer/single-consumer ring), so the two need no lock
+(a paced ``XskTransport(rate=...)`` is the exception: ``recv`` also hands
+waiting transmit frames to the kernel, under a lock ``send`` holds).
 :meth:`stats` may be called from any thread.  :meth:`close` must not race
 with a ``send``/``recv`` in progress.  Blocking in ``recv(timeout=...)`` and
 ``send`` waits in ``poll(2)`` or ctypes calls, which release the GIL.

@@ -157,7 +157,6 @@ class XskTransport(Transport):
         self._Bps = self.rate / 8  # bytes per second; 0: unpaced
         self.rate_burst = rate_burst or max(4 * frame_size, int(self._Bps / 1000))
         self._tokens, self._t_tok = float(self.rate_burst), time.monotonic()
-        self._quantum = self.rate_burst // 4
         self._tx_lock = threading.Lock()  # send vs. a recv that releases paced frames
         self._fd = -1
         self._sock = None
@@ -553,9 +552,6 @@ class XskTransport(Transport):
         now = time.monotonic()
         self._tokens = min(self.rate_burst, self._tokens + (now - self._t_tok) * self._Bps)
         self._t_tok = now
-        if self._tokens < self._quantum:  # hand over in quarter-bucket steps: fewer, fuller kicks
-            self._c["tx_held"] += 1
-            return 0
         i0 = prod & tx.mask
         waiting = min(waiting, int(self._tokens) // 60 + 1)  # no frame is shorter than 60 bytes
         lens = tx.desc["len"][i0: i0 + waiting] if i0 + waiting <= tx.n else \
@@ -575,7 +571,7 @@ class XskTransport(Transport):
         prod = int(tx.prod[0])
         if self._wprod == prod or not self._Bps:
             return 0.0
-        need = max(int(tx.desc["len"][prod & tx.mask]), self._quantum) - self._tokens
+        need = int(tx.desc["len"][prod & tx.mask]) - self._tokens
         return max(0.0, need / self._Bps)
 
     def _kick(self) -> bool:
