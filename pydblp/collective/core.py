@@ -62,7 +62,9 @@ from pydblp import wire
 from pydblp.collective import estimators, phase as phases
 from pydblp.transport.base import Batch, Transport
 
-DATA, PROBE, BITMAP, STOP = wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP
+# plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
+DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
+RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
@@ -70,16 +72,6 @@ STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
-
-
-def _first_of_each(key: np.ndarray) -> np.ndarray:
-    """True at the first occurrence of each value of ``key`` (duplicates in one batch)."""
-    if len(key) < 2:
-        return np.ones(len(key), bool)
-    _, first = np.unique(key, return_index=True)
-    out = np.zeros(len(key), bool)
-    out[first] = True
-    return out
 
 
 def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
@@ -340,7 +332,8 @@ class Collective:
             st.rmask[me] = True
             for src in range(self.world):
                 if src != me:
-                    st.ins[(False, src)] = _In(False, src, b - a)
+                    inn = st.ins[(False, src)] = _In(False, src, b - a)
+                    inn.mask = st.rmask[src]  # arrivals are marked in the reduce buffer's mask
         for k, (a, b) in enumerate(st.bounds):
             if k == st.my_shard:
                 continue
@@ -462,7 +455,7 @@ class Collective:
         peer = np.empty(k, np.int32)
         for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
             h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
-                    wire.Dtype.RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)
+                    RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)
             payload[i, : len(pl)] = np.frombuffer(pl, np.uint8)
             lens[i] = len(pl)
             peer[i] = self._pid[dst]
@@ -473,7 +466,7 @@ class Collective:
             d["round"] = st.round
             d["tensor"] = st.tensor
             d["src"] = self.rank
-            d["dtype"] = wire.Dtype.F32
+            d["dtype"] = F32
             d["len"] = width
             i = nc
             for o, idx, flags in parts:
@@ -525,12 +518,16 @@ class Collective:
             self.counters["late"] += int(np.count_nonzero(done_round & (kind == DATA)))
             return
         src_all = h["src"].astype(np.int64)
-        st.heard[src_all[mine]] = now
         cur = mine & (rnd == st.round)
+        data = cur & (kind == DATA)
+        if np.count_nonzero(data) == len(h):  # the usual batch: DATA of this round, for this rank
+            st.heard[src_all] = now
+            self._absorb(st, h, pay, lens, np.arange(len(h)), now)
+            return
+        st.heard[src_all[mine]] = now
         nxt = mine & (rnd == ((st.round + 1) & MASK32))
         prev = mine & (rnd == ((st.round - 1) & MASK32))
         self._keep(h, pay, lens, nxt)
-        data = cur & (kind == DATA)
         if data.any():
             self._absorb(st, h, pay, lens, np.flatnonzero(data), now)
         self.counters["late"] += int(np.count_nonzero(prev & (kind == DATA)))
@@ -554,42 +551,40 @@ class Collective:
         """Take DATA packets ``rows`` of a received batch into the round.
 
         Header fields decide which packets are new; payload bytes are read
-        once, straight into the reduce buffer or the result.
+        once, straight into the reduce buffer or the result.  Arrival counts
+        come from the masks (a chunk twice in one batch is written twice,
+        with the same bytes, and counted once), so no per-batch dedup pass.
         """
-        width = self.C * 4
-        good = lens[rows] == width
-        if not good.all():
-            self.counters["bad_payload"] += int(np.count_nonzero(~good))
-            rows = rows[good]
-        hh = wire.take(h, rows)
+        width, W = self.C * 4, self.world
+        bad = lens[rows] != width
+        if bad.any():
+            self.counters["bad_payload"] += int(np.count_nonzero(bad))
+            rows = rows[~bad]
+        hh = h if len(rows) == len(h) else wire.take(h, rows)  # (rows are increasing)
         src = hh["src"].astype(np.int64)
         chunk = hh["chunk"].astype(np.int64)
         ag = (hh["flags"] & AG) != 0
-        touched = set()
+        nag = int(np.count_nonzero(ag))
+        touched = []
         # reduce-scatter contributions to my shard
-        if st.my_shard is not None and not st.reduced and not ag.all():
+        if st.my_shard is not None and not st.reduced and nag < len(ag):
             n = st.rmask.shape[1]
             sel = np.flatnonzero(~ag & (chunk < n) & (hh["nchunks"] == n))
             s, c = src[sel], chunk[sel]
-            new = _first_of_each(s * n + c) & ~st.rmask[s, c]
-            self.counters["duplicate"] += int(len(s) - np.count_nonzero(new))
-            sn, cn = s[new], c[new]
-            st.rbuf[sn, cn] = _payload_rows(pay, rows[sel[new]], width)
-            st.rmask[sn, cn] = True
-            counts = np.bincount(sn, minlength=self.world)
-            for r in np.flatnonzero(counts | np.bincount(s, minlength=self.world)):
+            new = ~st.rmask[s, c]
+            st.rbuf[s[new], c[new]] = _payload_rows(pay, rows[sel[new]], width)
+            st.rmask[s[new], c[new]] = True
+            per_src = np.bincount(s, minlength=W)
+            for r in np.flatnonzero(per_src):
                 inn = st.ins[(False, int(r))]
-                if counts[r]:
-                    inn.count += int(counts[r])
-                    inn.hi = max(inn.hi, int(c[s == r].max()) + 1)
-                    inn.t_data, inn.nacks = now, 0
-                inn.mask = st.rmask[r]
                 if inn.tol8 is None:
-                    inn.tol8 = int(hh["tol"][sel[s == r][0]])
-                touched.add(inn)
+                    inn.tol8 = int(hh["tol"][sel[int(np.argmax(s == r))]])
+                self._arrived(inn, int(per_src[r]), now)
+                touched.append(inn)
         # all-gather results from shard owners
-        if ag.any():
-            for k in np.unique(src[ag]):
+        if nag:
+            per_src = np.bincount(src[ag], minlength=W)
+            for k in np.flatnonzero(per_src):
                 k = int(k)
                 inn = st.ins.get((True, k))
                 if inn is None:
@@ -600,23 +595,28 @@ class Collective:
                 a, _ = st.bounds[k]
                 sel = np.flatnonzero(ag & (src == k) & (chunk < inn.n))
                 c = chunk[sel]
-                new = _first_of_each(c) & ~inn.mask[c]
-                self.counters["duplicate"] += int(len(sel) - np.count_nonzero(new))
+                new = ~inn.mask[c]
                 cn = c[new]
                 inn.mask[cn] = True
                 st.y[a + cn] = _payload_rows(pay, rows[sel[new]], width)
                 st.have[a + cn] = True
-                inn.count += len(cn)
-                if len(cn):
-                    inn.hi = max(inn.hi, int(cn.max()) + 1)
-                    inn.t_data, inn.nacks = now, 0
                 if inn.tol8 is None and len(sel):
                     inn.tol8 = int(hh["tol"][sel[0]])
-                touched.add(inn)
+                self._arrived(inn, len(sel), now)
+                touched.append(inn)
         for inn in touched:
             if inn.done and not inn.stop_sent:
                 self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
                 inn.stop_sent = True
+
+    def _arrived(self, inn: _In, got: int, now: float) -> None:
+        """Update ``inn`` after ``got`` packets of it were absorbed into its mask."""
+        count = int(np.count_nonzero(inn.mask))
+        self.counters["duplicate"] += got - (count - inn.count)
+        if count > inn.count:
+            inn.count = count
+            inn.hi = inn.n - int(np.argmax(inn.mask[::-1]))  # 1 + the highest chunk seen
+            inn.t_data, inn.nacks = now, 0
 
     def _control(self, st: _Round | None, h, payload: np.ndarray, now: float, current: bool) -> None:
         ag = bool(h["flags"] & AG)
