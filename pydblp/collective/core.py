@@ -71,7 +71,8 @@ MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
-IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
+IDLE_GRACE = 0.002
+TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)  # s after a round before the idle responder takes the transport
 
 
 def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
@@ -212,6 +213,7 @@ class Collective:
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
+        self._tx_wait = None                      # s to wait for the transport's queue to drain
         self._timeouts: list = [None] * world     # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
         self._closing = False
@@ -380,7 +382,7 @@ class Collective:
                 return
             if cfg.deadline is not None and now - st.t0 > cfg.deadline:
                 return  # below the bound: _finish fills the gaps and reports it
-            b = self.t.recv(self._rx, timeout=0.0 if busy else 0.002)
+            b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002)
             if b.n:
                 self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
             self._timers(st, time.monotonic())
@@ -410,9 +412,17 @@ class Collective:
 
         Returns True if more wait.  The budget is shared fairly across the
         messages still sending, so no destination waits behind another.
+        Nothing is sent while the transport holds more than ``TXQ_LIMIT`` of
+        paced data (``Transport.tx_backlog``): a control packet queued next
+        then waits at most that long.  ``_tx_wait`` says how long to wait.
         """
+        self._tx_wait = None
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.n or o.nretx)]
         if not active:
+            return False
+        backlog = self.t.tx_backlog()
+        if backlog > TXQ_LIMIT:  # a pacing transport holds enough: STOPs and PROBEs must not queue behind more
+            self._tx_wait = min(0.002, max(0.001, backlog - TXQ_LIMIT / 2))
             return False
         share = max(1, self.cfg.burst // len(active))
         parts = []

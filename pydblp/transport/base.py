@@ -180,6 +180,15 @@ class Transport(abc.ABC):
         are truncated and counted in ``stats()["rx_truncated"]``.
         """
 
+    def tx_backlog(self) -> float:
+        """Seconds until what ``send`` queued here has been handed to the network (0: nothing waits).
+
+        Only a transport that paces itself (``XskTransport(rate=...)``) holds
+        a backlog; a caller keeps it short (TCP small queues: a few ms), so a
+        control packet it sends next does not wait behind a long data queue.
+        """
+        return 0.0
+
     @abc.abstractmethod
     def stats(self) -> dict:
         """Counters: rx_packets, rx_bytes, tx_packets, tx_bytes, rx_invalid,

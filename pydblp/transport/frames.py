@@ -85,6 +85,7 @@ class Templates:
         self.table = np.zeros((0, TEMPLATE_WIDTH), np.uint8)
         self.hlen = np.zeros(0, np.int64)
         self.partial = np.zeros(0, np.uint64)
+        self._v4 = np.zeros((0, 0, HDR4), np.uint8)  # [peer, DBLP payload length] -> finished IPv4 headers
 
     def __len__(self):
         return len(self.hlen)
@@ -95,7 +96,30 @@ class Templates:
         self.table = np.concatenate([self.table, row])
         self.hlen = np.append(self.hlen, len(tmpl))
         self.partial = np.append(self.partial, np.uint64(partial))
+        self._v4 = self._v4[:0, :0]  # rebuilt with the new peer on next use
         return len(self.hlen) - 1
+
+    def v4_headers(self, maxlen: int) -> np.ndarray:
+        """Finished Eth/IPv4/UDP headers (lengths and IP checksum filled in) for every peer and
+        every DBLP payload length 0..``maxlen``: ``[peer, length] -> HDR4 bytes``.
+
+        On IPv4 nothing in those headers depends on the payload bytes, so a
+        batch gets its headers in one gather instead of per-packet arithmetic.
+        Rows of IPv6 peers are garbage (their UDP checksum covers the payload).
+        """
+        if self._v4.shape[0] != len(self) or self._v4.shape[1] <= maxlen:
+            n = max(maxlen + 1, 4096)
+            udp_len = UDP_LEN + wire.HEADER_LEN + np.arange(n, dtype=np.uint64)
+            tot = IPV4_LEN + udp_len
+            c = ~fold(self.partial[:, None] + tot[None, :], 2) & np.uint64(0xFFFF)
+            t = np.repeat(self.table[:, None, :HDR4], n, axis=1)
+            u = ETH_LEN + IPV4_LEN
+            t[:, :, 16], t[:, :, 17] = (tot >> np.uint64(8)).astype(np.uint8), (tot & np.uint64(0xFF)).astype(np.uint8)
+            t[:, :, 24], t[:, :, 25] = (c >> np.uint64(8)).astype(np.uint8), (c & np.uint64(0xFF)).astype(np.uint8)
+            t[:, :, u + 4] = (udp_len >> np.uint64(8)).astype(np.uint8)
+            t[:, :, u + 5] = (udp_len & np.uint64(0xFF)).astype(np.uint8)
+            self._v4 = t
+        return self._v4
 
 
 def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
@@ -138,22 +162,16 @@ def build_one(tp: Templates, hl: int, peer: np.ndarray, headers: np.ndarray, pay
         st = out[:m, :L]
     else:
         st = np.empty((m, L), np.uint8)
-    st[:, :hl] = tp.table[peer, :hl]
     st[:, hl: hl + wire.HEADER_LEN] = wire.encode_batch(headers)
     st[:, hl + wire.HEADER_LEN: hl + wire.HEADER_LEN + w] = payload[:, :w]
-    udp_len = UDP_LEN + wire.HEADER_LEN + lengths
-    u = hl - UDP_LEN
-    st[:, u + 4] = udp_len >> 8
-    st[:, u + 5] = udp_len & 0xFF
-    if hl == HDR4:
-        tot = IPV4_LEN + udp_len
-        st[:, 16] = tot >> 8
-        st[:, 17] = tot & 0xFF
-        c = ~fold(tp.partial[peer] + tot.astype(np.uint64), 2) & np.uint64(0xFFFF)  # < 2^22: two folds
-        st[:, 24] = (c >> np.uint64(8)).astype(np.uint8)
-        st[:, 25] = (c & np.uint64(0xFF)).astype(np.uint8)
-        # UDP checksum stays 0 (from the template)
+    if hl == HDR4:  # lengths and IP checksum from the table; the UDP checksum stays 0 (RFC 768)
+        st[:, :hl] = tp.v4_headers(w)[peer, lengths]
     else:
+        st[:, :hl] = tp.table[peer, :hl]
+        udp_len = UDP_LEN + wire.HEADER_LEN + lengths
+        u = hl - UDP_LEN
+        st[:, u + 4] = udp_len >> 8
+        st[:, u + 5] = udp_len & 0xFF
         st[:, 18] = udp_len >> 8
         st[:, 19] = udp_len & 0xFF
         # zero bytes past each frame so the word sum covers exactly the datagram

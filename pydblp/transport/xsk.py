@@ -230,6 +230,8 @@ class XskTransport(Transport):
             self._tx_nfree = tx_frames
             self._tx_outstanding = 0
             self._wprod = int(self._tx.prod[0])  # descriptors written up to here; tx.prod: handed to the kernel
+            self._tx_words = self._tx.desc.view(np.uint64).reshape(-1, 2)
+            self._bytes_written = self._bytes_released = 0  # frame bytes in the tx ring, for tx_backlog()
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
@@ -560,10 +562,16 @@ class XskTransport(Transport):
         k = int(np.searchsorted(cum, self._tokens, side="right"))
         if k:
             self._tokens -= int(cum[k - 1])
+            self._bytes_released += int(cum[k - 1])
             tx.prod[0] = (prod + k) & 0xFFFFFFFF
         if self._wprod != int(tx.prod[0]):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
         return k
+
+    def tx_backlog(self) -> float:
+        if not self._Bps or self._wprod == int(self._tx.prod[0]):
+            return 0.0
+        return (self._bytes_written - self._bytes_released - self._tokens) / self._Bps
 
     def _pace_wait(self) -> float:
         """Seconds until the token bucket lets the next waiting frame go (0: none waits)."""
@@ -643,26 +651,20 @@ class XskTransport(Transport):
             self._tx_nfree -= m
             part = batch.view(sent, sent + m)
             f0 = int(fr[0])
-            if one_hl:
-                built = [(None, *frames.build_one(self._tmpl, hl_max, part.peer, part.headers, part.payload,
-                                                  part.lengths, out=self._umem2d[f0: f0 + m]))]
+            if one_hl:  # built in place: every frame fits a UMEM frame (checked above)
+                _, lens = frames.build_one(self._tmpl, hl_max, part.peer, part.headers, part.payload,
+                                           part.lengths, out=self._umem2d[f0: f0 + m])
             else:
-                built = frames.build(self._tmpl, part.peer, part.headers, part.payload, part.lengths,
-                                     out=self._umem2d[f0: f0 + m])
-            lens = np.empty(m, np.uint32)
-            for rows, st, flen in built:
-                L = st.shape[1]
-                if rows is None:
-                    if st.ctypes.data != self._umem2d[f0].ctypes.data:  # not built in place
-                        self._umem2d[f0: f0 + m, :L] = st
-                    lens[:] = flen
-                else:
-                    self._umem2d[fr[rows], :L] = st
+                lens = np.empty(m, np.int64)
+                for rows, st, flen in frames.build(self._tmpl, part.peer, part.headers, part.payload,
+                                                   part.lengths):
+                    self._umem2d[fr[rows], : st.shape[1]] = st
                     lens[rows] = flen
-            dd = tx.desc[i0: i0 + m]
-            dd["addr"] = addrs
-            dd["len"] = lens
-            dd["options"] = 0
+            dd = self._tx_words[i0: i0 + m]  # descriptors as (addr, len | options << 32) words
+            dd[:, 0] = addrs
+            dd[:, 1] = lens
+            if self._Bps:
+                self._bytes_written += int(lens.sum())
             self._wprod = (prod + m) & 0xFFFFFFFF
             self._tx_outstanding += m
             self._c["tx_packets"] += m
@@ -728,6 +730,7 @@ class XskTransport(Transport):
                 except Exception:
                     pass
             self._pressure = -1
+            self._tx_words = None  # a view of the tx ring: it must go before the ring's mapping
             leaked = [r for r in self._rings if not r.close()]
             self._rings = []
             self._rx = self._tx = self._fill = self._comp = None

@@ -341,3 +341,20 @@ def test_sender_retransmits_only_what_has_gone_out(rank0):
     rank0.col._control(rank0.st, h, np.packbits(bits, bitorder="little"), 100.0, current=True)
     assert np.flatnonzero(o.retx).tolist() == list(range(10, 30))
     assert o.nretx == 20 and o.timeouts == 0 and not o.done
+
+
+def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
+    """A transport that paces itself (tx_backlog > 0) gets no more data while it holds more than
+    TXQ_LIMIT, so a STOP queued next waits at most that long; once it drains, sending resumes."""
+    from pydblp.collective import core
+
+    sent = []
+    monkeypatch.setattr(rank0.t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
+    o = rank0.st.outs[(False, 1)]
+    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: core.TXQ_LIMIT + 0.004)
+    assert rank0.col._send_some(rank0.st, 100.0) is False
+    assert sent == [] and o.sent == 0
+    assert rank0.col._tx_wait == pytest.approx(0.002)  # capped: the loop still wakes up for packets
+    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: core.TXQ_LIMIT / 2)
+    rank0.col._send_some(rank0.st, 100.0)
+    assert sent == [100] and o.sent == 100 and rank0.col._tx_wait is None
