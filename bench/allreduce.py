@@ -17,8 +17,10 @@ A block is one (size, condition): float32 tensors of ``--sizes`` MiB
   ``clean``  no injected loss
   ``loss``   ``--loss`` random loss on every port (default 1 %)
   ``burst``  microbursts of ``--burst-ratio`` loss (default 80 %) lasting one clean
-             round: the duration is that transport's clean p50 for that size, measured
-             just before in the same run; a burst on every port starts as measured rounds
+             round of the baseline: Gloo's clean p50 for that size, measured earlier in
+             the same run (Gloo runs first), the same burst for every transport
+             (``--burst-len own``: each transport's own clean p50 instead, a longer burst
+             for a slower transport; a number: that many ms); a burst on every port starts as measured rounds
              1, 1+k, 1+2k, ... start (``--burst-every`` k, default 3, or 2 for blocks of
              fewer than 9 rounds): the last rank to
              enter such a round arms it (the worker's docstring says how)
@@ -310,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
     ap.add_argument("--loss", type=float, default=0.01, help="random loss of the loss condition")
     ap.add_argument("--burst-ratio", type=float, default=0.8)
+    ap.add_argument("--burst-len", default="gloo",
+                    help="burst duration: 'gloo' (Gloo's clean p50 at that size, for every transport; default), "
+                         "'own' (each transport's own clean p50) or milliseconds")
     ap.add_argument("--burst-every", type=int, default=None,
                     help="a burst every k measured rounds from round 1 (default 3; 2 for blocks under 9 rounds)")
     ap.add_argument("--peer-timeout", type=float, default=30.0)
@@ -334,6 +339,20 @@ def main(argv=None) -> int:
     if "burst" in conds and "clean" not in conds:
         conds.insert(0, "clean")  # the burst duration is the clean p50
     conds = [c for c in CONDITIONS if c in conds]
+    if args.burst_len not in ("gloo", "own"):
+        try:
+            burst_ms = float(args.burst_len)
+        except ValueError:
+            ap.error(f"--burst-len {args.burst_len!r}: use gloo, own or milliseconds")
+        if burst_ms <= 0:
+            ap.error("--burst-len: milliseconds must be positive")
+    if args.burst_len == "gloo" and "burst" in conds:
+        if "gloo" in transports:
+            transports = ["gloo"] + [t for t in transports if t != "gloo"]  # its clean p50 sizes every burst
+        else:
+            print("bench/allreduce.py: no gloo in --transports; bursts last each transport's own clean p50",
+                  file=sys.stderr)
+            args.burst_len = "own"
     if os.geteuid() != 0:
         print("bench/allreduce.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
         return 2
@@ -375,12 +394,17 @@ def main(argv=None) -> int:
                             cmd = {"cmd": "block", "seq": seq, "size": size, "rounds": rounds_for(mib), "warmup": 1,
                                    "burst": None}
                             if cond == "burst":
-                                clean = res[tr][key].get("clean")
-                                if not clean or "p50" not in clean:
-                                    res[tr][key][cond] = {"error": "no clean p50 to size the burst"}
-                                    continue
+                                if args.burst_len in ("gloo", "own"):
+                                    ref = "gloo" if args.burst_len == "gloo" else tr
+                                    clean = res.get(ref, {}).get(key, {}).get("clean")
+                                    if not clean or "p50" not in clean:
+                                        res[tr][key][cond] = {"error": f"no {ref} clean p50 to size the burst"}
+                                        continue
+                                    duration = clean["p50"]
+                                else:
+                                    duration = float(args.burst_len) / 1e3
                                 every = args.burst_every or (3 if rounds_for(mib) >= 9 else 2)
-                                cmd["burst"] = {"ratio": args.burst_ratio, "duration": clean["p50"],
+                                cmd["burst"] = {"ratio": args.burst_ratio, "duration": duration,
                                                 "rounds": list(range(1, rounds_for(mib), every))}
                             t = time.monotonic()
                             k0 = kernel_counters(tb)
@@ -399,8 +423,9 @@ def main(argv=None) -> int:
                             k1 = kernel_counters(tb)
                             s["kernel"] = {k: k1[k] - k0[k] for k in k0}
                             res[tr][key][cond] = s
-                            extra = (f" burst med {fmt_ms(s.get('burst_med'))} ms over rounds {s['burst_rounds']}"
-                                     if cond == "burst" else "")
+                            s["burst_len"] = cmd["burst"]["duration"] if cond == "burst" else None
+                            extra = (f" burst med {fmt_ms(s.get('burst_med'))} ms over rounds {s['burst_rounds']} "
+                                     f"(bursts of {fmt_ms(s['burst_len'])} ms)" if cond == "burst" else "")
                             pyd = (f" retx/round {s['retx']:.0f}, min delivered {s['min_delivered']:.3f}"
                                    if "retx" in s else "")
                             print(f"  {tr:<4} {key:>3} MiB {cond:<5}: p50 {fmt_ms(s['p50'])} ms, "
@@ -418,7 +443,9 @@ def main(argv=None) -> int:
 
     # ---- table -------------------------------------------------------------
     print(f"\nround latency, ms (last rank in -> last rank out); {WORLD} workers, 1 Gbit/s TBF per NIC; "
-          f"loss {args.loss:.0%}; bursts {args.burst_ratio:.0%} for one clean p50")
+          f"loss {args.loss:.0%}; bursts {args.burst_ratio:.0%} lasting "
+          + {"gloo": "Gloo's clean p50 (the same for every transport)",
+             "own": "each transport's own clean p50"}.get(args.burst_len, f"{args.burst_len} ms"))
     hdr = (f"{'transport':<9} {'MiB':>4} {'cond':<6} {'p50':>8} {'p99':>8} {'burst med':>9} "
            f"{'p50/gloo':>8} {'p99/gloo':>8} {'burst gloo/x':>12} {'Gb/s':>5} {'retx/rd':>7} {'exact':>6}")
     print(hdr)
