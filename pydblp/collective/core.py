@@ -72,6 +72,7 @@ STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002
+LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)  # s after a round before the idle responder takes the transport
 
 
@@ -382,10 +383,23 @@ class Collective:
                 return
             if cfg.deadline is not None and now - st.t0 > cfg.deadline:
                 return  # below the bound: _finish fills the gaps and reports it
-            b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002)
+            want = 1 if busy else self._expected(st)
+            b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002,
+                            want=want, linger=LINGER if want > 1 else 0.0)
             if b.n:
                 self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
             self._timers(st, time.monotonic())
+
+    def _expected(self, st: _Round) -> int:
+        """How many packets a receive may wait for: LINGER_WANT while at least that many data
+        packets are still due, else 1 (a control packet or a message's last chunks go at once)."""
+        due = 0
+        for inn in st.ins.values():
+            if not inn.done and (inn.ag or not st.reduced):
+                due += inn.need - inn.count
+                if due >= LINGER_WANT:
+                    return LINGER_WANT
+        return 1
 
     def _complete(self, st: _Round) -> bool:
         return (st.reduced and all(o.done for o in st.outs.values())

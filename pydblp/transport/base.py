@@ -169,12 +169,15 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
+    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
+             *, want: int = 1, linger: float = 0.0) -> Batch:
         """Receive up to ``max`` (default: ``into.cap``) packets into ``into``.
 
         Returns ``into.view(0, k)`` (``into.n`` is set to k).  Waits up to
-        ``timeout`` seconds for the first packet (0: never, None: forever),
-        then takes whatever has arrived.  Only packets that pass
+        ``timeout`` seconds for the first packet (0: never, None: forever);
+        then, if fewer than ``want`` have arrived, up to ``linger`` seconds
+        more for them (interrupt coalescing: fewer, larger batches while a
+        stream trickles in at line rate), then takes whatever has arrived.  Only packets that pass
         :func:`pydblp.wire.validate_batch` are returned; the rest are counted
         in ``stats()["rx_invalid"]``.  Payloads longer than ``into.maxlen``
         are truncated and counted in ``stats()["rx_truncated"]``.

@@ -160,12 +160,13 @@ class UdpTransport(Transport):
         self._rx_iov["len"][:n, 1] = into.maxlen
         self._rx_bound = key
 
-    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
+    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
+             *, want: int = 1, linger: float = 0.0) -> Batch:
         self._check_open()
         if into is None:
             into = Batch.empty(1024)
         if not _rows_ok(into):  # the kernel can only scatter into plain rows
-            tmp = self.recv(Batch.empty(into.cap, into.maxlen), timeout, max)
+            tmp = self.recv(Batch.empty(into.cap, into.maxlen), timeout, max, want=want, linger=linger)
             k = len(tmp)
             wire.put(into.headers[:k], tmp.headers)
             into.payload[:k], into.lengths[:k], into.peer[:k] = tmp.payload, tmp.lengths, tmp.peer
@@ -193,6 +194,10 @@ class UdpTransport(Transport):
             if k < 0:
                 into.n = 0
                 return into.view(0, 0)
+        if k < min(want, cap) and linger > 0:  # coalesce: one more read after the linger
+            time.sleep(linger)
+            k2 = _libc.recvmmsg(self._fd, ptr + k * mm.itemsize, cap - k, MSG_DONTWAIT | MSG_TRUNC, None)
+            k += k2 if k2 > 0 else 0
         m = mm[:k]
         plen = m["len"].astype(np.int64)
         hdrs = into.headers[:k]

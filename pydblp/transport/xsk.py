@@ -366,7 +366,8 @@ class XskTransport(Transport):
             self._pressure_fn(level)
             self._pressure = level
 
-    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None) -> Batch:
+    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
+             *, want: int = 1, linger: float = 0.0) -> Batch:
         self._check_open()
         if into is None:
             into = Batch.empty(1024)
@@ -393,6 +394,15 @@ class XskTransport(Transport):
                     if avail or pace is None or (end is not None and time.monotonic() >= end):
                         break
                     pace = self._pump()
+        if 0 < avail < want and linger > 0:  # coalesce: let more arrive, still releasing paced frames
+            end = time.monotonic() + linger
+            while avail < want:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                pace = self._pump()
+                time.sleep(builtins.min(left, 0.0005 if pace is None else builtins.min(pace, 0.0005)))
+                avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
         n = min(avail, cap)
         if n == 0:

@@ -347,6 +347,24 @@ def test_rate_paces_transmit_like_a_line(pair, release):
         _drain(tb, Checker(n, 0, 1), n)
 
 
+def test_recv_coalesces_a_trickle_into_one_batch(pair):
+    """want/linger: fewer than ``want`` frames in the ring -> recv waits up to ``linger``; frames
+    arriving meanwhile come back in the same batch, still bit-exact."""
+    import threading
+
+    with xsk(pair, 0) as ta, xsk(pair, 1) as tb:
+        pb = ta.add_peer(ADDR[4][1])
+        assert ta.send(packets(0, 10, 0, 1, JOB, pb)) == 10
+        later = threading.Timer(0.05, lambda: ta.send(packets(10, 10, 0, 1, JOB, pb)))
+        later.start()
+        try:
+            got = tb.recv(Batch.empty(256, MAXLEN), timeout=1.0, want=20, linger=0.5)
+        finally:
+            later.join()
+        chk = Checker(20, 0, 1)
+        assert chk.add(got) == 20 and (chk.seen == 1).all()
+
+
 def test_add_peer_resolves_the_mac_on_demand(pair):
     """No static neighbour for a third address: add_peer makes the kernel ARP for it."""
     a, b = pair["ns"]

@@ -140,3 +140,26 @@ def test_udp_transport_works_without_root():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_recv_coalesces_a_trickle_into_one_batch():
+    """want/linger: with fewer than ``want`` packets waiting, recv waits up to ``linger`` for more
+    (packets sent meanwhile come back in the same batch); without them it returns what it has."""
+    import threading
+    import time
+
+    with UdpTransport(port=0) as a, UdpTransport(port=0) as b:
+        pb = a.add_peer("127.0.0.1", b.port)
+        into = Batch.empty(256, 1400)
+        assert a.send(make_batch(10, 0, peer=pb)) == 10
+        later = threading.Timer(0.05, lambda: a.send(make_batch(10, 10, peer=pb)))
+        later.start()
+        try:
+            got = b.recv(into, timeout=1.0, want=20, linger=0.5)
+        finally:
+            later.join()
+        assert sorted(got.headers["chunk"]) == list(range(20))
+        assert a.send(make_batch(5, 20, peer=pb)) == 5
+        t = time.monotonic()
+        got = b.recv(into, timeout=1.0, want=1, linger=0.5)  # enough already: no wait
+        assert len(got) == 5 and time.monotonic() - t < 0.25
