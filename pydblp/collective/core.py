@@ -71,9 +71,9 @@ MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
-IDLE_GRACE = 0.002
+IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
-TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)  # s after a round before the idle responder takes the transport
+TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 
 
 def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
