@@ -136,14 +136,15 @@ def test_no_fault_forwards_everything(fab):
     assert counts(fab)["pass"] == 50
 
 
-def test_bernoulli_loss_within_3_sigma(fab):
-    p, n = 0.1, 20000
+def test_bernoulli_loss_matches_p(fab):
+    """Drops within 4.5 sigma of n*p (a false alarm once in ~150000 runs; 3 sigma flaked in CI)."""
+    p, n = 0.1, 200000
     fab.loss(p, port="a")
     bpf.test_run(fab.prog_fd, udp_frame(), repeat=n)
     c = counts(fab)
     assert c["loss"] + c["pass"] == n
     sigma = math.sqrt(n * p * (1 - p))
-    assert abs(c["loss"] - n * p) <= 3 * sigma, c
+    assert abs(c["loss"] - n * p) <= 4.5 * sigma, c
     # other port untouched
     assert set(verdicts(fab, udp_frame(dst_mac=MAC_B), 200)) == {FORWARD}
 

@@ -166,7 +166,9 @@ def udp_blast(tb, src: str, dst: str, n: int, gap: float = 0.0, seconds: float =
     return sent, got
 
 
-def test_random_loss_udp_within_3_sigma(clean):
+def test_random_loss_udp_matches_p(clean):
+    """Losses within 4.5 sigma of n*p (a false alarm once in ~150000 runs: 3 sigma, once in ~370,
+    failed a CI run at 3.08 sigma)."""
     tb, p = clean, 0.2
     tb.loss(p, port="w1")
     sent, got = udp_blast(tb, "w0", "w1", 10000)
@@ -177,7 +179,7 @@ def test_random_loss_udp_within_3_sigma(clean):
     lost = n - len(got)
     assert lost == s["loss"]["packets"], "every loss is the fabric's"
     sigma = (n * p * (1 - p)) ** 0.5
-    assert abs(lost - n * p) <= 3 * sigma, (lost, n * p, sigma)
+    assert abs(lost - n * p) <= 4.5 * sigma, (lost, n * p, sigma)
 
 
 def test_burst_window_udp_timestamps(clean):
