@@ -333,6 +333,7 @@ def test_rate_paces_transmit_like_a_line(pair, release):
         t0 = time.monotonic()
         assert ta.send(b, timeout=5) == n
         assert ta.stats()["tx_waiting"] > n // 2  # queued behind the token bucket, not sent yet
+        assert 0.1 < ta.tx_backlog() <= frame_bytes / (rate / 8)  # seconds until the queue is handed over
         if release == "flush":
             assert ta.flush(timeout=10)
         else:  # a receive loop with nothing to receive drains it as well
@@ -343,6 +344,7 @@ def test_rate_paces_transmit_like_a_line(pair, release):
         dt = time.monotonic() - t0
         s = ta.stats()
         assert s["tx_outstanding"] == s["tx_waiting"] == 0 and s["tx_held"] > 0, s
+        assert ta.tx_backlog() == 0.0
         assert dt >= (frame_bytes - ta.rate_burst) / (rate / 8), f"{frame_bytes} bytes in {dt:.3f} s"
         _drain(tb, Checker(n, 0, 1), n)
 
