@@ -203,7 +203,8 @@ def parse(block: np.ndarray, frame_lens: np.ndarray, port: int | None = None):
     if n:
         fast = parse_uniform(block, flen, port)
         if fast is not None:
-            return fast
+            ok, off, plen, fam = fast
+            return ok, np.full(n, off, np.int64), plen, np.full(n, fam, np.int64)
     return parse_general(block, flen, port)
 
 
@@ -213,7 +214,10 @@ _LAYOUT6 = np.array([12, 13, 14, 20])
 
 
 def parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
-    """``parse`` for a batch laid out like its first frame (IPv4 without options or IPv6), else None."""
+    """``parse`` for a batch laid out like its first frame (IPv4 without options or IPv6), else None.
+
+    Returns ``(ok, off, plen, family)`` with ``off`` and ``family`` one int for the whole batch.
+    """
     r0 = b[0]
     if r0[12] == 0x08 and r0[13] == 0x00 and r0[14] == 0x45 and r0[23] == IPPROTO_UDP \
             and (r0[20] & 0x3F) == 0 and r0[21] == 0:
@@ -230,15 +234,13 @@ def parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
         same[:, 2] = (lay[:, 2] >> 4) == 6  # traffic class bits may differ
     if not same.all():
         return None
-    hi = b[:, u: u + UDP_LEN].astype(np.int64)
-    udp_len = (hi[:, 4] << 8) | hi[:, 5]
+    uh = b[:, u: u + UDP_LEN].view(">u2").astype(np.int64)  # source port, dest port, length, checksum
     off = u + UDP_LEN
-    plen = np.minimum(udp_len - UDP_LEN, flen - off)
-    ok = (udp_len >= UDP_LEN) & (plen >= wire.HEADER_LEN)
+    plen = np.minimum(uh[:, 2] - UDP_LEN, flen - off)
+    ok = plen >= wire.HEADER_LEN  # (so the UDP length is at least 8 + the DBLP header too)
     if port is not None:
-        ok &= ((hi[:, 2] << 8) | hi[:, 3]) == port
-    n = len(b)
-    return ok, np.full(n, off, np.int64), plen, np.full(n, fam, np.int64)
+        ok &= uh[:, 1] == port
+    return ok, off, plen, fam
 
 
 def parse_general(b: np.ndarray, frame_lens: np.ndarray, port: int | None):
@@ -288,11 +290,17 @@ class Sources:
             self.v6 = np.concatenate([self.v6, np.frombuffer(a.packed, np.uint8)[None]])
             self.v6_pid = np.append(self.v6_pid, np.int32(pid))
 
-    def match(self, block: np.ndarray, family: np.ndarray) -> np.ndarray:
+    def match(self, block: np.ndarray, family) -> np.ndarray:
         """Peer id per frame from the source IP, -1 when no registered address matches.
 
-        An address registered twice matches its first peer id.
+        ``family``: 4 or 6 per frame, or one int for the whole batch.  An
+        address registered twice matches its first peer id.
         """
+        if isinstance(family, int):  # one family: a compare against the registered addresses, no masks
+            if family == 4 and len(self.v4):
+                eq = block[:, 26:30].view(">u4") == self.v4  # (n, 1) against (peers,)
+                return np.where(eq.any(axis=1), self.v4_pid[eq.argmax(axis=1)], -1).astype(np.int32)
+            family = np.full(len(block), family, np.int64)
         out = np.full(len(block), -1, np.int32)
         v4 = family == 4
         if len(self.v4) and v4.any():

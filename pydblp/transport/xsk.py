@@ -494,8 +494,7 @@ class XskTransport(Transport):
         parsed = frames.parse_uniform(block, flen, self.port)
         if parsed is None:
             return None
-        ok, off, plen, fam = parsed
-        hoff = int(off[0])
+        ok, hoff, plen, fam = parsed
         hdrs = into.headers[:n]  # header bytes straight into the caller's records
         hdrs.view(np.uint8).reshape(n, wire.HEADER_LEN)[:] = block[:, hoff: hoff + wire.HEADER_LEN]
         if not self._validated:

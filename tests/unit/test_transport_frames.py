@@ -123,6 +123,12 @@ def test_source_match():
         got = src.match(st, fam)
         assert np.array_equal(got, np.where(fam == 4, 2, 0))
         assert (frames.Sources().match(st, fam) == -1).all()
+        one = int(fam[0])  # a one-family batch may pass its family as an int: same answer
+        assert np.array_equal(src.match(st, one), got) and src.match(st, one).dtype == np.int32
+        stranger = st.copy()
+        stranger[:, 26:30] = (198, 18, 0, 99)  # an unregistered IPv4 source
+        if one == 4:
+            assert (src.match(stranger, 4) == -1).all()
 
 
 def test_build_rejects_unknown_peer_and_overlong():
