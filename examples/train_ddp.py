@@ -59,6 +59,9 @@ def parse(argv=None):
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port; 0 = any free one "
                                                            "(needed for several ranks on one host)")
     p.add_argument("--queue", type=int, default=0, help="NIC queue (xsk)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="xsk: pace transmission at this line rate, bits/s (e.g. 1e9 in the testbed, whose "
+                        "TBF AF_XDP bypasses; default 0: unpaced)")
     p.add_argument("--phase", default="dblp", help="dblp, dblp:P_LOW or static:TOL (default dblp)")
     p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
     p.add_argument("--job", type=int, default=1, help="job id, the same on every rank")
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
     try:
         cfg = Config(job=a.job, phase=a.phase, estimator=a.estimator, peer_timeout=a.peer_timeout)
         state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
-                                                addr=a.addr, config=cfg)
+                                                addr=a.addr, config=cfg, rate=a.rate)
         col = state.collective
         log(f"world {world}, {a.transport} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
             f"phase {a.phase}, estimator {a.estimator}, broadcast every {a.broadcast_every or 'never'}")
