@@ -73,6 +73,8 @@ RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
+TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
+DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 
 
@@ -349,6 +351,7 @@ class Collective:
             if inn.n == 0:
                 del st.ins[key]
         st.t0 = time.monotonic()
+        st.t_timers = st.t_alive = st.t0
         st.nacks = 0
         st.heard = np.full(self.world, st.t0)
         st.stats0 = self.t.stats()
@@ -388,7 +391,10 @@ class Collective:
                             want=want, linger=LINGER if want > 1 else 0.0)
             if b.n:
                 self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
-            self._timers(st, time.monotonic())
+            now = time.monotonic()
+            if now - st.t_timers >= TIMER_TICK:  # timeouts are milliseconds: no need to check every turn
+                st.t_timers = now
+                self._timers(st, now)
 
     def _expected(self, st: _Round) -> int:
         """How many packets a receive may wait for: LINGER_WANT while at least that many data
@@ -737,6 +743,7 @@ class Collective:
         return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
     def _timers(self, st: _Round, now: float) -> None:
+        """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK)."""
         self._nacks(st, now)
         pt = None
         for o in st.outs.values():
@@ -752,6 +759,9 @@ class Collective:
                 o.probes += 1
                 o.timeouts += 1
                 o.t_last = now
+        if now - st.t_alive < DEAD_TICK:
+            return
+        st.t_alive = now
         needed = {o.dst for o in st.outs.values() if not o.done}
         needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}
         if needed:
