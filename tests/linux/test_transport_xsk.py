@@ -273,9 +273,13 @@ def test_open_close_20x_leaks_nothing(pair):
     t0 = time.monotonic()
     retries = 0
     for i in range(20):  # no pause: a quick rebind meets EBUSY and retries
-        t = xsk(pair, 1, rx_frames=1024, tx_frames=1024)
+        paced = i % 2 == 1  # every other one closes with frames still waiting for tokens
+        t = xsk(pair, 1, rx_frames=1024, tx_frames=1024, rate=10e6 if paced else 0)
         assert t.fileno() >= 0
         retries += t.bind_retries
+        if paced:
+            assert t.send(packets(0, 100, 1, 0, JOB, t.add_peer(ADDR[4][0]))) == 100
+            assert t.stats()["tx_waiting"] > 0
         t.close()
         assert t.closed and t._leaked == 0
     assert time.monotonic() - t0 < 30
