@@ -61,7 +61,7 @@ Bounded: each block has a timeout (``--block-timeout`` or 30 s + 3 s per
 round per 8 MiB); a worker set that fails or overruns is killed by pid,
 the block is reported as failed, and a fresh set continues with the next
 block.  A default run (3 transports x 3 sizes x 3 conditions) takes about
-3-4 minutes on 2 vCPUs (203 s in the first full run); at worst ~27 block timeouts.  Needs root.
+2-4 minutes on 2 vCPUs (142 s today); at worst ~27 block timeouts.  Needs root.
 
     .venv/bin/python bench/allreduce.py [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
                                         [--transports xsk,udp,gloo] [--conditions clean,loss,burst]
