@@ -32,6 +32,14 @@ within ``probe_min``..``probe_max``), every STOP carries the sender's
 estimate (2-byte payload, units of 100 us), and each rank uses the median
 of the latest estimates of all ranks (:attr:`Collective.probe_timeout`).
 
+The loop: each turn sends up to ``burst`` data packets (control first),
+receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
+``DEAD_TICK``).  A transport that paces itself to a line rate
+(:meth:`Transport.tx_backlog`) is handed no more data while it holds
+``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog; while
+``LINGER_WANT`` data packets are still due, a receive waits up to
+``LINGER`` for that many (a stream at line rate arrives in slices).
+
 Failure semantics:
 
 * Loss: never raises.  Rounds wait for the bound unless ``deadline`` is set;
