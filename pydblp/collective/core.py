@@ -167,7 +167,9 @@ class _In:
         self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
         self.t_data = 0.0      # when a new chunk last arrived
         self.t_nack = 0.0      # when the last unsolicited BITMAP went out
-        self.nacks = 0         # unsolicited BITMAPs since the last new chunk
+        self.nacks = 0         # unsolicited BITMAPs since a repair last got through
+        self.asked = 0         # chunks missing below hi when the last one went out
+        self.count_nack = 0    # count then
         self.tol8 = None
         self.stop_sent = False
 
@@ -654,7 +656,9 @@ class Collective:
         if count > inn.count:
             inn.count = count
             inn.hi = inn.n - int(np.argmax(inn.mask[::-1]))  # 1 + the highest chunk seen
-            inn.t_data, inn.nacks = now, 0
+            inn.t_data = now
+            if 2 * (count - inn.count_nack) >= inn.asked:  # the repair got through: NACK at once again
+                inn.nacks = 0
 
     def _control(self, st: _Round | None, h, payload: np.ndarray, now: float, current: bool) -> None:
         ag = bool(h["flags"] & AG)
@@ -712,10 +716,12 @@ class Collective:
         Once ``count + (n - hi) < need`` the bound is out of reach even if
         every chunk not yet seen arrives (senders send in chunk order, so
         chunks below ``hi`` are lost): after ``NACK_QUIET`` without a new
-        chunk (2x, then 4x while NACKs go unanswered) the receiver sends an
-        unsolicited BITMAP of the whole message, and the sender retransmits
-        every gap among the chunks it has sent at once instead of waiting for
-        its probe timeout.  Loss within the bound never NACKs.
+        chunk (2x, then 4x while NACKs go unanswered, or answered with less
+        than half of what was missing: a burst is still eating the repair) the
+        receiver sends an unsolicited BITMAP of the whole message, and the
+        sender retransmits every gap among the chunks it has sent at once
+        instead of waiting for its probe timeout.  Loss within the bound never
+        NACKs.
         """
         for inn in st.ins.values():
             if inn.done or inn.count == 0 or inn.count + inn.n - inn.hi >= inn.need:
@@ -727,6 +733,7 @@ class Collective:
                 continue
             self._bitmap(st.round, st.tensor, inn)
             inn.t_nack = now
+            inn.asked, inn.count_nack = inn.hi - inn.count, inn.count
             inn.nacks += 1
             st.nacks += 1
 

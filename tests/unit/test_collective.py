@@ -358,3 +358,24 @@ def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
     monkeypatch.setattr(rank0.t, "tx_backlog", lambda: core.TXQ_LIMIT / 2)
     rank0.col._send_some(rank0.st, 100.0)
     assert sent == [100] and o.sent == 100 and rank0.col._tx_wait is None
+
+
+def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
+    """After a NACK, a repair that brings less than half of the missing chunks (a burst is still
+    on) keeps the backoff (next NACK after 4 ms of quiet, not 2); one that brings most resets it."""
+    t = 100.0
+    lost = list(range(20, 60))
+    rank0.data([c for c in range(100) if c not in lost], t)
+    rank0.col._nacks(rank0.st, t + 0.0025)
+    assert len(rank0.sent()) == 1  # first NACK: 40 missing
+    t2 = t + 0.003
+    rank0.data(lost[:10], t2)  # 10 of 40 got through
+    rank0.col._nacks(rank0.st, t2 + 0.0025)
+    assert rank0.sent() == []  # still backing off: 2.5 ms < 4 ms
+    rank0.col._nacks(rank0.st, t2 + 0.0041)
+    assert len(rank0.sent()) == 1  # second NACK: 30 missing
+    t3 = t2 + 0.005
+    rank0.data(lost[10:35], t3)  # 25 of 30: the repair got through, but 5 still missing > bound (4)
+    assert rank0.st.ins[(False, 1)].nacks == 0
+    rank0.col._nacks(rank0.st, t3 + 0.0025)
+    assert len(rank0.sent()) == 1  # back to the 2 ms quiet
