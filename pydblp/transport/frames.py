@@ -123,13 +123,12 @@ class Templates:
 
 
 def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
-          lengths: np.ndarray, out: np.ndarray | None = None) -> list[tuple]:
+          lengths: np.ndarray) -> list[tuple]:
     """Frames for a batch: ``[(rows, frames (m, L) uint8, frame_lens (m,))]``, one item per header length.
 
     ``rows`` index the batch (None: all rows, in order); frame bytes past
-    ``frame_lens`` are undefined.  With ``out`` (an (n, >= L) uint8 array, e.g.
-    consecutive UMEM frames) a batch whose peers share one header length is
-    built in place there, without a staging copy.
+    ``frame_lens`` are undefined.  (:func:`build_one` with ``out`` builds a
+    batch of one header length in place, e.g. in consecutive UMEM frames.)
     """
     n = len(peer)
     if n == 0:
@@ -141,7 +140,7 @@ def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndar
     hl_all = tp.hlen[peer]
     hl0 = hl_all[0]
     if np.all(hl_all == hl0):
-        return [(None, *build_one(tp, int(hl0), peer, headers, payload, lengths, out))]
+        return [(None, *build_one(tp, int(hl0), peer, headers, payload, lengths))]
     out_list = []
     for hl in np.unique(hl_all):
         rows = np.flatnonzero(hl_all == hl)
