@@ -92,7 +92,7 @@ def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
         block = pay[int(rows[0]): int(rows[-1]) + 1, :width]
     else:
         block = pay[rows, :width]
-    return np.ascontiguousarray(block).view(np.float32)
+    return block.view(np.float32)  # rows need not be contiguous, only each row's bytes
 
 
 class CollectiveError(RuntimeError):
@@ -398,7 +398,7 @@ class Collective:
                 return  # below the bound: _finish fills the gaps and reports it
             want = 1 if busy else self._expected(st)
             b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002,
-                            want=want, linger=LINGER if want > 1 else 0.0)
+                            want=want, linger=LINGER if want > 1 else 0.0, copy=False)
             if b.n:
                 self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
             now = time.monotonic()

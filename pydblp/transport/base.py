@@ -170,7 +170,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
-             *, want: int = 1, linger: float = 0.0) -> Batch:
+             *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
         """Receive up to ``max`` (default: ``into.cap``) packets into ``into``.
 
         Returns ``into.view(0, k)`` (``into.n`` is set to k).  Waits up to
@@ -181,6 +181,11 @@ class Transport(abc.ABC):
         :func:`pydblp.wire.validate_batch` are returned; the rest are counted
         in ``stats()["rx_invalid"]``.  Payloads longer than ``into.maxlen``
         are truncated and counted in ``stats()["rx_truncated"]``.
+
+        ``copy=False`` lets the transport lend its own receive buffers: the
+        returned batch's ``payload`` may be a view of them (AF_XDP: the UMEM
+        frames, so no payload copy), valid only until the next ``recv``;
+        ``headers``, ``lengths`` and ``peer`` are still ``into``'s rows.
         """
 
     def tx_backlog(self) -> float:

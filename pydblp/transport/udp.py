@@ -161,7 +161,7 @@ class UdpTransport(Transport):
         self._rx_bound = key
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
-             *, want: int = 1, linger: float = 0.0) -> Batch:
+             *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
         self._check_open()
         if into is None:
             into = Batch.empty(1024)

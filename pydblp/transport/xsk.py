@@ -222,6 +222,7 @@ class XskTransport(Transport):
                 self.tx_budget = 32
             # frames: receive ones go to the fill ring now, transmit ones to the free list
             self._fill_pending = np.zeros(0, np.uint64)
+            self._lent = None  # frames whose payload the last recv(copy=False) lent out
             self._fill_push(np.arange(rx_frames, dtype=np.uint64) * np.uint64(frame_size))
             # transmit frames: a FIFO, so frames leave and complete in UMEM order and a
             # batch usually gets consecutive frames it can be built in place into
@@ -232,6 +233,7 @@ class XskTransport(Transport):
             self._wprod = int(self._tx.prod[0])  # descriptors written up to here; tx.prod: handed to the kernel
             self._tx_words = self._tx.desc.view(np.uint64).reshape(-1, 2)
             self._bytes_written = self._bytes_released = 0  # frame bytes in the tx ring, for tx_backlog()
+            self._tx_cum = np.zeros(self._tx.n, np.int64)  # per ring slot: _bytes_written once its frame was
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
@@ -367,12 +369,15 @@ class XskTransport(Transport):
             self._pressure = level
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
-             *, want: int = 1, linger: float = 0.0) -> Batch:
+             *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
         self._check_open()
         if into is None:
             into = Batch.empty(1024)
         cap = into.cap if max is None else min(max, into.cap)
         rx = self._rx
+        if self._lent is not None:  # the caller is done with the payload the last call lent
+            self._fill_push(self._lent)
+            self._lent = None
         pace = self._pump()
         cons = int(rx.cons[0])
         avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
@@ -414,7 +419,9 @@ class XskTransport(Transport):
         addr = d["addr"].astype(np.int64)
         flen = d["len"].astype(np.int64)
         rx.cons[0] = (cons + n) & 0xFFFFFFFF  # descriptors copied; frames stay ours until refilled
-        k = self._recv_run(into, addr, flen, n) if (np.diff(addr) == fs).all() else None
+        k = self._recv_run(into, addr, flen, n, copy) if (np.diff(addr) == fs).all() else None
+        if isinstance(k, Batch):
+            return k
         if k is not None:
             into.n = k
             return into.view(0, k)
@@ -478,11 +485,13 @@ class XskTransport(Transport):
         into.n = k
         return into.view(0, k)
 
-    def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int) -> int | None:
+    def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int, copy: bool = True):
         """``recv`` for the usual case, in few numpy calls: consecutive frames, one layout, all valid.
 
         Returns the packet count, or None (frames not refilled; ``into`` may
-        hold scratch the general path overwrites) to let that path handle the batch.
+        hold scratch the general path overwrites) to let that path handle the batch;
+        with ``copy=False`` a batch whose payload rows are the UMEM frames
+        themselves (refilled at the next ``recv``).
         """
         fs = self.frame_size
         a0 = int(addr[0])
@@ -507,11 +516,17 @@ class XskTransport(Transport):
         if w > into.maxlen or s0 + w > fs:
             return None
         into.lengths[:n] = lens
-        into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
         into.peer[:n] = self._sources.match(block, fam)
         self._c["rx_packets"] += n
         self._c["rx_bytes"] += int(lens.sum()) + n * wire.HEADER_LEN
-        self._fill_push((addr - o0).astype(np.uint64))
+        lent = (addr - o0).astype(np.uint64)
+        into.n = n
+        if not copy:  # lend the frames: no payload copy; they go back to the fill ring next call
+            self._lent = lent
+            return Batch(into.headers[:n], self._umem2d[f0: f0 + n, s0: s0 + w], into.lengths[:n],
+                         into.peer[:n], n)
+        into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
+        self._fill_push(lent)
         return n
 
     # ---- transmit ------------------------------------------------------
@@ -563,15 +578,18 @@ class XskTransport(Transport):
         now = time.monotonic()
         self._tokens = min(self.rate_burst, self._tokens + (now - self._t_tok) * self._Bps)
         self._t_tok = now
+        # frames whose cumulative byte count fits the tokens: a binary search, no per-call sums
+        limit = self._bytes_released + int(self._tokens)
         i0 = prod & tx.mask
-        waiting = min(waiting, int(self._tokens) // 60 + 1)  # no frame is shorter than 60 bytes
-        lens = tx.desc["len"][i0: i0 + waiting] if i0 + waiting <= tx.n else \
-            tx.desc["len"][(prod + np.arange(waiting)) & tx.mask]
-        cum = np.cumsum(lens, dtype=np.int64)
-        k = int(np.searchsorted(cum, self._tokens, side="right"))
+        head = min(waiting, tx.n - i0)
+        cum = self._tx_cum
+        k = int(np.searchsorted(cum[i0: i0 + head], limit, side="right"))
+        if k == head < waiting:  # the waiting frames wrap around the ring's end
+            k += int(np.searchsorted(cum[: waiting - head], limit, side="right"))
         if k:
-            self._tokens -= int(cum[k - 1])
-            self._bytes_released += int(cum[k - 1])
+            done = int(cum[(prod + k - 1) & tx.mask])
+            self._tokens -= done - self._bytes_released
+            self._bytes_released = done
             tx.prod[0] = (prod + k) & 0xFFFFFFFF
         if self._wprod != int(tx.prod[0]):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
@@ -673,7 +691,10 @@ class XskTransport(Transport):
             dd[:, 0] = addrs
             dd[:, 1] = lens
             if self._Bps:
-                self._bytes_written += int(lens.sum())
+                c = np.cumsum(lens)
+                c += self._bytes_written
+                self._tx_cum[i0: i0 + m] = c
+                self._bytes_written = int(c[-1])
             self._wprod = (prod + m) & 0xFFFFFFFF
             self._tx_outstanding += m
             self._c["tx_packets"] += m

@@ -100,7 +100,7 @@ class Checker:
 
 
 def transfer(tx, rx, peer: int, total: int, src: int, dst: int, job: int = JOB, step: int = 200,
-             into: Batch | None = None) -> Checker:
+             into: Batch | None = None, copy: bool = True) -> Checker:
     """Send ``total`` packets in lockstep steps (a modest rate: none may be lost) and check them.
 
     Steps stay below the 256-slot ring a veth with XDP queues into: a longer
@@ -114,10 +114,10 @@ def transfer(tx, rx, peer: int, total: int, src: int, dst: int, job: int = JOB, 
         assert tx.send(packets(start, n, src, dst, job, peer), timeout=5) == n
         deadline = time.monotonic() + 5
         while got < start + n and time.monotonic() < deadline:
-            got += chk.add(rx.recv(into, timeout=0.2))
+            got += chk.add(rx.recv(into, timeout=0.2, copy=copy))
         assert got == start + n, f"lost packets: {start + n - got} after chunk {start}"
     for _ in range(3):  # nothing extra trails behind
-        got += chk.add(rx.recv(into, timeout=0.05))
+        got += chk.add(rx.recv(into, timeout=0.05, copy=copy))
     assert (chk.seen == 1).all(), f"missing {int((chk.seen == 0).sum())}, duplicated {int((chk.seen > 1).sum())}"
     return chk
 
@@ -172,6 +172,24 @@ def test_xsk_bit_exact_both_directions(pair, family):
             assert after["nosock"] == before["nosock"]
             assert sum(after["drop"].values()) == sum(before["drop"].values())
             assert sum(after["shed"]) == sum(before["shed"])
+
+
+def test_recv_without_copy_lends_the_umem_frames(pair):
+    """copy=False: payload rows are the UMEM frames themselves (no copy into ``into``), intact,
+    and each call hands the previous call's frames back to the kernel: 20x the ring's frames
+    pass through a 512-frame UMEM."""
+    with xsk(pair, 0) as ta, xsk(pair, 1, rx_frames=512) as tb:
+        pb = ta.add_peer(ADDR[4][1])
+        into = Batch.empty(4096, MAXLEN)
+        transfer(ta, tb, pb, 20 * 512, src=0, dst=1, step=128, into=into, copy=False)
+        assert ta.send(packets(0, 100, 0, 1, JOB, pb)) == 100
+        deadline, r = time.monotonic() + 5, into.view(0, 0)
+        while len(r) == 0 and time.monotonic() < deadline:
+            r = tb.recv(into, timeout=0.2, copy=False)
+        assert len(r) and not np.shares_memory(r.payload, into.payload)
+        assert np.shares_memory(r.headers, into.headers)
+        s = tb.stats()
+        assert s["rx_packets"] == 20 * 512 + len(r) and s["rx_dropped"] == s["rx_ring_full"] == 0, s
 
 
 def test_xsk_mixed_families_in_one_batch(pair):
