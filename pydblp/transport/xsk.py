@@ -233,7 +233,7 @@ class XskTransport(Transport):
             self._wprod = int(self._tx.prod[0])  # descriptors written up to here; tx.prod: handed to the kernel
             self._tx_words = self._tx.desc.view(np.uint64).reshape(-1, 2)
             self._bytes_written = self._bytes_released = 0  # frame bytes in the tx ring, for tx_backlog()
-            self._tx_cum = np.zeros(self._tx.n, np.int64)  # per ring slot: _bytes_written once its frame was
+            self._tx_cum = np.zeros(self._tx.n, np.int64)  # per ring slot: _bytes_written once its frame was written
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
@@ -520,9 +520,9 @@ class XskTransport(Transport):
         self._c["rx_packets"] += n
         self._c["rx_bytes"] += int(lens.sum()) + n * wire.HEADER_LEN
         lent = (addr - o0).astype(np.uint64)
-        into.n = n
         if not copy:  # lend the frames: no payload copy; they go back to the fill ring next call
             self._lent = lent
+            into.n = n
             return Batch(into.headers[:n], self._umem2d[f0: f0 + n, s0: s0 + w], into.lengths[:n],
                          into.peer[:n], n)
         into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
