@@ -14,11 +14,17 @@ and transmit rate for the two transports into an XDP_DROP receiver:
 
   ``xsk_tx`` / ``udp_tx``  packets per second the sender pushes out
 
-On veth the receive side's kernel work (XDP, the AF_XDP copy, the UDP
-stack) runs in the sender's softirq unless ``--napi threaded``; so (a) is
-the sender's ceiling, and a receive path that costs the kernel more shows up
-as a lower offered rate in its own run: the table prints each run's
-offered rate and the share delivered next to the received rate.
+NAPI placement (``--napi``): by default the receiving veth's NAPI runs in a
+kthread pinned to the receiver's CPU (``threaded``), so the receive side's
+kernel work (XDP, the AF_XDP copy, the UDP stack) lands on the receiver's
+CPU, as a NIC's interrupt work does on the receiving host, and the sender's
+CPU only transmits: every configuration is offered the same load.  With
+``--napi inline`` (veth's own default) that work runs in the sender's
+softirq on the sender's CPU instead, so a costlier receive path lowers the
+offered rate of its own run.  The table prints each run's offered rate and
+the share delivered next to the received rate.  Receivers sleep in poll(2)
+under threaded NAPI (``--spin 0``: a spinning receiver would take the CPU
+its NAPI thread needs) and spin 200 us, the transports' default, inline.
 
 The configurations are interleaved within each repeat (a, b, c, tx...) so
 background load hits them alike; the figures are medians over repeats and
@@ -208,14 +214,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1024, help="packets per send/recv call")
     ap.add_argument("--cpus", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1],
                     help="sender CPU,receiver CPU (default 0,1)")
-    ap.add_argument("--napi", choices=("inline", "threaded"), default="inline",
-                    help="receiver veth NAPI: in the sender's softirq (veth default, so the receive side's "
-                         "kernel work is charged to the sender's CPU) or a kthread pinned to the receiver CPU")
-    ap.add_argument("--spin", type=float, default=200e-6,
-                    help="receivers' busy-poll seconds before sleeping in poll(2) (default 200e-6, the transports' own)")
+    ap.add_argument("--napi", choices=("inline", "threaded"), default="threaded",
+                    help="receiver veth NAPI: a kthread pinned to the receiver CPU (default: receive work on the "
+                         "receiver's CPU, as on a NIC) or inline in the sender's softirq (veth's default: the "
+                         "receive side's kernel work is charged to the sender's CPU)")
+    ap.add_argument("--spin", type=float, default=None,
+                    help="receivers' busy-poll seconds before sleeping in poll(2) (default: 0 with threaded NAPI, "
+                         "which needs the receiver CPU; 200e-6, the transports' own, inline)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    spin = args.spin
+    spin = args.spin if args.spin is not None else (0.0 if args.napi == "threaded" else 200e-6)
     if os.geteuid() != 0:
         print("bench/transport.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
         return 2
@@ -237,7 +245,9 @@ def main(argv=None) -> int:
         if args.napi == "threaded":
             net.xdp_attach(VB, drop_fd, net.Mode.NATIVE, ns_b)  # veth has NAPI once XDP is on
             if not threaded_napi(ns_b, VB, args.cpus[1]):
-                print("warning: no NAPI thread found for the receiver; NAPI runs inline", file=sys.stderr)
+                print(f"bench/transport.py: no NAPI thread appeared for {VB} (threaded NAPI unsupported?); "
+                      "rerun with --napi inline", file=sys.stderr)
+                return 2
         into = Batch.empty(args.batch * 4, args.payload)
         dblp_bytes = args.payload + wire.HEADER_LEN
 
