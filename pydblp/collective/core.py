@@ -612,8 +612,9 @@ class Collective:
             sel = np.flatnonzero(~ag & (chunk < n) & (hh["nchunks"] == n))
             s, c = src[sel], chunk[sel]
             new = ~st.rmask[s, c]
-            st.rbuf[s[new], c[new]] = _payload_rows(pay, rows[sel[new]], width)
-            st.rmask[s[new], c[new]] = True
+            sn, cn = s[new], c[new]
+            st.rbuf[sn, cn] = _payload_rows(pay, rows[sel[new]], width)
+            st.rmask[sn, cn] = True
             per_src = np.bincount(s, minlength=W)
             for r in np.flatnonzero(per_src):
                 inn = st.ins[(False, int(r))]

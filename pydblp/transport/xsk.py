@@ -419,12 +419,9 @@ class XskTransport(Transport):
         addr = d["addr"].astype(np.int64)
         flen = d["len"].astype(np.int64)
         rx.cons[0] = (cons + n) & 0xFFFFFFFF  # descriptors copied; frames stay ours until refilled
-        k = self._recv_run(into, addr, flen, n, copy) if (np.diff(addr) == fs).all() else None
-        if isinstance(k, Batch):
-            return k
-        if k is not None:
-            into.n = k
-            return into.view(0, k)
+        run = self._recv_run(into, addr, flen, n, copy) if (np.diff(addr) == fs).all() else None
+        if run is not None:
+            return run
         frame = addr // fs
         foff = addr - frame * fs
         pw = frames.PARSE_WIDTH
@@ -485,13 +482,13 @@ class XskTransport(Transport):
         into.n = k
         return into.view(0, k)
 
-    def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int, copy: bool = True):
+    def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int, copy: bool) -> Batch | None:
         """``recv`` for the usual case, in few numpy calls: consecutive frames, one layout, all valid.
 
-        Returns the packet count, or None (frames not refilled; ``into`` may
-        hold scratch the general path overwrites) to let that path handle the batch;
-        with ``copy=False`` a batch whose payload rows are the UMEM frames
-        themselves (refilled at the next ``recv``).
+        Returns the received batch (with ``copy=False`` its payload rows are
+        the UMEM frames themselves, refilled at the next ``recv``), or None
+        (frames not refilled; ``into`` may hold scratch the general path
+        overwrites) to let that path handle the batch.
         """
         fs = self.frame_size
         a0 = int(addr[0])
@@ -519,15 +516,15 @@ class XskTransport(Transport):
         into.peer[:n] = self._sources.match(block, fam)
         self._c["rx_packets"] += n
         self._c["rx_bytes"] += int(lens.sum()) + n * wire.HEADER_LEN
+        into.n = n
         lent = (addr - o0).astype(np.uint64)
         if not copy:  # lend the frames: no payload copy; they go back to the fill ring next call
             self._lent = lent
-            into.n = n
             return Batch(into.headers[:n], self._umem2d[f0: f0 + n, s0: s0 + w], into.lengths[:n],
                          into.peer[:n], n)
         into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
         self._fill_push(lent)
-        return n
+        return into.view(0, n)
 
     # ---- transmit ------------------------------------------------------
 
