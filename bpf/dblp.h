@@ -111,4 +111,18 @@ struct dblp_host_cfg {
 	__u32 shed_at[DBLP_MAX_PRIO + 1]; /* shed prio p when pressure >= shed_at[p] */
 };
 
+#ifdef __KERNEL__  /* the BPF side (bcc builds with kernel headers) */
+/* The frame's length.  Programs loaded multi-buffer (-DDBLP_FRAGS=1, see
+ * pydblp.bpf.compile_xdp) get jumbo frames in fragments: data_end bounds
+ * the first only, which always holds the headers. */
+static __always_inline __u64 dblp_frame_len(struct xdp_md *ctx)
+{
+#if DBLP_FRAGS
+	return bpf_xdp_get_buff_len(ctx);
+#else
+	return ctx->data_end - ctx->data;
+#endif
+}
+#endif
+
 #endif /* DBLP_H */

@@ -121,7 +121,7 @@ int dblp_host(struct xdp_md *ctx)
 	if (plen < sizeof(*udp) + DBLP_HEADER_LEN || (void *)(h + 1) > data_end)
 		return drop(DBLP_REASON_SHORT);
 	plen -= sizeof(*udp);
-	if ((void *)h + plen > data_end)
+	if ((void *)h - data + plen > dblp_frame_len(ctx))
 		return drop(DBLP_REASON_SHORT);
 	if (h->magic != bpf_htons(DBLP_MAGIC))
 		return drop(DBLP_REASON_MAGIC);

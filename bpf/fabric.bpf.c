@@ -117,7 +117,7 @@ int fabric(struct xdp_md *ctx)
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
-	u64 len = data_end - data;
+	u64 len = dblp_frame_len(ctx);
 	u32 in_if = ctx->ingress_ifindex;
 
 	if ((void *)(eth + 1) > data_end)

@@ -26,11 +26,14 @@ BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_UPDATE_ELEM = 2
 BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
+BPF_PROG_LOAD = 5
 BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_PROG_TYPE_XDP = 6
+BPF_F_XDP_HAS_FRAGS = 1 << 5  # the program handles multi-buffer frames (5.18+)
 PERCPU_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 _NR_BPF = 321  # x86_64
 
@@ -218,6 +221,83 @@ def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
     if not src.exists():
         raise FileNotFoundError(f"BPF source {src} not found (set DBLP_BPF_DIR?)")
     return BPF(src_file=str(src).encode(), cflags=[f"-I{BPF_DIR}", *cflags])
+
+
+_frags: bool | None = None
+
+
+def _prog_load(insns: int, count: int, license_addr: int, name: bytes, flags: int, log=None) -> int:
+    attr = ct.create_string_buffer(128)
+    struct.pack_into("=IIQQIIQII16s", attr, 0, BPF_PROG_TYPE_XDP, count, insns, license_addr,
+                     1 if log is not None else 0, len(log) if log is not None else 0,
+                     _addr(log) if log is not None else 0, 0, flags, name[:15])
+    return _sys_bpf(BPF_PROG_LOAD, attr)
+
+
+def xdp_frags_supported() -> bool:
+    """Whether the kernel loads multi-buffer XDP programs (``BPF_F_XDP_HAS_FRAGS``, 5.18+); cached."""
+    global _frags
+    if _frags is None:
+        prog = ct.create_string_buffer(struct.pack("=BBhiBBhi", 0xB7, 0, 0, 2, 0x95, 0, 0, 0))  # r0 = XDP_PASS; exit
+        lic = ct.create_string_buffer(b"GPL")
+        try:
+            os.close(_prog_load(_addr(prog), 2, _addr(lic), b"dblp_probe", BPF_F_XDP_HAS_FRAGS))
+            _frags = True
+        except BPFError as e:
+            if e.errno == errno.EPERM:
+                return False  # not root: nothing can be loaded anyway (not cached)
+            if e.errno != errno.EINVAL:
+                raise
+            _frags = False
+    return _frags
+
+
+def compile_xdp(name: str, func: str, cflags: list[str] | tuple[str, ...] = ()):
+    """Compile ``bpf/<name>`` and load its XDP function ``func``; returns ``(bcc object, fn)``.
+
+    Where the kernel has multi-buffer XDP (5.18+), the program is loaded with
+    ``BPF_F_XDP_HAS_FRAGS``: only such a program attaches natively to a veth
+    whose MTU exceeds one page (about 3500 bytes) and sees jumbo frames
+    whole.  bcc's ``load_func`` has no flag for it, so bcc compiles (with
+    ``-DDBLP_FRAGS=1``: ``dblp_frame_len`` then counts the fragments) and
+    its instructions, map references already resolved to the object's map
+    fds, go to BPF_PROG_LOAD here.  Elsewhere bcc loads it plainly and MTUs
+    stay within a page.  ``fn.fd`` is the program, ``fn.frags`` which load
+    it got; ``b.cleanup()`` closes both.
+    """
+    from bcc import BPF, libbcc
+
+    frags = xdp_frags_supported()
+    b = compile(name, [*cflags, f"-DDBLP_FRAGS={int(frags)}"])
+    key = func.encode()
+    if not frags:
+        fn = b.load_func(key, BPF.XDP)
+        fn.frags = False
+        return b, fn
+    lib = libbcc.lib
+    try:
+        start = lib.bpf_function_start(b.module, key)
+        if not start:
+            raise BPFError(errno.ENOENT, f"no function {func!r} in {name}")
+        lic_buf = ct.create_string_buffer(lib.bpf_module_license(b.module))
+        lic = _addr(lic_buf)
+        count = lib.bpf_function_size(b.module, key) // 8
+        try:
+            fd = _prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS)
+        except BPFError as e:
+            log = ct.create_string_buffer(1 << 20)  # again with the verifier's log, for the message
+            try:
+                os.close(_prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS, log))
+            except BPFError:
+                pass
+            raise BPFError(e.errno, f"loading {func} from {name}: {e.strerror}\n"
+                           + log.value.decode(errors="replace")[-2000:]) from None
+    except BaseException:
+        b.cleanup()
+        raise
+    fn = b.funcs[key] = BPF.Function(b, key, fd)
+    fn.frags = True
+    return b, fn
 
 
 def pin_dir(kind: str, ifname: str, netns: str | None) -> Path:

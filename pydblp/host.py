@@ -219,9 +219,9 @@ class HostProgram(HostMaps):
                             f"that pydblp did not attach; detach it or use --force to replace it")
         if pin:
             bpf.require_bpffs()
-        self._bpf = bpf.compile("dblp_host.bpf.c")
-        fn = self._bpf.load_func(PROG_NAME.encode(), self._bpf.XDP)
+        self._bpf, fn = bpf.compile_xdp("dblp_host.bpf.c", PROG_NAME)
         self.prog_fd = fn.fd
+        self.frags = fn.frags  # multi-buffer: attaches natively at any MTU, sees jumbo frames whole
         self.prog_id = bpf.prog_info(fn.fd)["id"]
         maps = {name: bpf.Map(self._bpf[name.encode()].map_fd, owned=False) for name in MAPS}
         super().__init__(maps, ifname, netns)

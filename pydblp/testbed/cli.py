@@ -64,7 +64,7 @@ def add_testbed(sub) -> None:
     up.add_argument("--rate", default=None, help="TBF limit per worker NIC, e.g. 10gbit; 'none' for "
                                                  "no limit (default 1gbit)")
     up.add_argument("--mode", choices=["auto", "native", "skb"], default="auto",
-                    help="fabric XDP mode (auto: native up to mtu 3506, else skb)")
+                    help="fabric XDP mode (auto: native; skb above mtu 3506 on kernels without multi-buffer XDP)")
     up.add_argument("--no-fabric", action="store_true", help="no XDP fabric (no faults)")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
     up.set_defaults(func=cmd_up)

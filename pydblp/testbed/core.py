@@ -52,7 +52,7 @@ HOST_SYSCTLS = {"net.core.netdev_max_backlog": 10000}  # raised while any testbe
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 MAX_WORKERS = 250
 TBF_LATENCY_S = 0.05             # TBF queue: 50 ms at the rate
-VETH_NATIVE_XDP_MAX_MTU = 3506   # veth native XDP without multi-buffer (bcc cannot load frags progs)
+VETH_NATIVE_XDP_MAX_MTU = 3506   # veth native XDP for single-buffer programs (kernels before 5.18)
 
 _live: set["Testbed"] = set()
 
@@ -390,8 +390,9 @@ class Testbed:
     ...     tb.run("w1", ["ping", "-c1", tb.addr("w0")])
 
     ``rate``: each worker NIC's TBF limit ('1gbit' by default, ``0``/'none' for
-    none).  ``mode``: the fabric's XDP mode; ``auto`` is native up to MTU 3506
-    (veth's limit for single-buffer XDP) and generic (skb) above.  ``fabric=False`` skips the XDP fabric (no faults possible).
+    none).  ``mode``: the fabric's XDP mode; ``auto`` is native (at any MTU
+    where the kernel has multi-buffer XDP, 5.18+; else up to MTU 3506, veth's
+    limit for single-buffer XDP, and generic (skb) above).  ``fabric=False`` skips the XDP fabric (no faults possible).
     ``prog``: an already compiled ``(bcc.BPF, fn)`` to share (tests).
     """
 
@@ -416,13 +417,14 @@ class Testbed:
         if self.rate_bps and self.rate_bps // 8 >= 1 << 32:
             raise TestbedError("rate above ~34 Gbit/s is not supported by the TBF limit; use 0 for none")
         self.use_fabric = fabric
+        native_ok = self.mtu <= VETH_NATIVE_XDP_MAX_MTU or not fabric or bpf.xdp_frags_supported()
         if mode == "auto":
-            mode = "native" if self.mtu <= VETH_NATIVE_XDP_MAX_MTU else "skb"
+            mode = "native" if native_ok else "skb"
         if mode not in ("native", "skb"):
             raise TestbedError(f"bad fabric mode {mode!r}: auto, native or skb")
-        if mode == "native" and fabric and self.mtu > VETH_NATIVE_XDP_MAX_MTU:
-            raise TestbedError(f"native XDP on veth needs mtu <= {VETH_NATIVE_XDP_MAX_MTU} (got {self.mtu}); "
-                               "use mode skb (or auto)")
+        if mode == "native" and not native_ok:
+            raise TestbedError(f"native XDP on veth above mtu {VETH_NATIVE_XDP_MAX_MTU} (got {self.mtu}) needs "
+                               "multi-buffer XDP (kernel 5.18+); use mode skb (or auto)")
         self.mode = mode
         self.rps = rps
         self._prog = prog

@@ -346,8 +346,7 @@ def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, b
     bpf.require_bpffs()
     own = prog is None
     if own:
-        b = bpf.compile(SOURCE)
-        fn = b.load_func(b"fabric", b.XDP)
+        b, fn = bpf.compile_xdp(SOURCE, "fabric")
     else:
         b, fn = prog
     try:

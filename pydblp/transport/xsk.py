@@ -76,6 +76,9 @@ XDP_SHARED_UMEM = 1
 XDP_COPY = 2
 XDP_ZEROCOPY = 4
 XDP_USE_NEED_WAKEUP = 8
+XDP_USE_SG = 16            # multi-buffer: a frame may span several descriptors (6.6+)
+XDP_PKT_CONTD = 1          # descriptor option: the frame continues in the next descriptor
+SG_MAX_SEGMENTS = 17       # descriptors per frame the kernel's copy-mode transmit accepts (MAX_SKB_FRAGS)
 XDP_RING_NEED_WAKEUP = 1
 XDP_OPTIONS_ZEROCOPY = 1
 XDP_PGOFF_RX_RING = 0
@@ -140,6 +143,13 @@ class XskTransport(Transport):
     again (``wire.validate_batch``) and counts failures in ``rx_invalid``.
     ``rate`` (bits/s, 0: none) and ``rate_burst`` (bytes) pace transmission
     like a line-rate link (module docstring: qdiscs never see AF_XDP frames).
+    ``sg``: multi-buffer (``XDP_USE_SG``; None: where the kernel has it,
+    6.6+): a frame longer than a UMEM frame (jumbo MTUs) spans several
+    descriptors, chained with ``XDP_PKT_CONTD``, on receive and transmit;
+    ``self.sg`` says whether it is on.  Without it such frames cannot be
+    sent (``ValueError``) and the kernel drops them on receive
+    (``rx_dropped``).  The XDP program must then be multi-buffer too
+    (:func:`pydblp.bpf.compile_xdp` loads pydblp's that way).
     """
 
     kind = "xsk"
@@ -147,7 +157,8 @@ class XskTransport(Transport):
     def __init__(self, ifname: str, netns: str | None = None, queue: int = 0, port: int = wire.DEFAULT_PORT,
                  *, host=None, xskmap=None, pressure=None, mode: str = "auto", frame_size: int = 2048,
                  rx_frames: int = 16384, tx_frames: int = 4096, rx_ring: int | None = None,
-                 tx_ring: int | None = None, need_wakeup: bool = True, bind_timeout: float = 3.0,
+                 tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
+                 bind_timeout: float = 3.0,
                  spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
         self.spin = spin
@@ -238,7 +249,16 @@ class XskTransport(Transport):
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
             self.need_wakeup = need_wakeup
-            self._bind(flags, bind_timeout)
+            self.sg = False
+            if sg is not False:  # multi-buffer where the kernel has it: frames larger than a UMEM frame
+                try:
+                    self._bind(flags | XDP_USE_SG, bind_timeout)
+                    self.sg = True
+                except TransportError as e:
+                    if sg or e.errno != errno.EINVAL:
+                        raise
+            if not self.sg:
+                self._bind(flags, bind_timeout)
             opts = struct.unpack("=I", self._sock.getsockopt(SOL_XDP, XDP_OPTIONS, 4))[0]
             self.zerocopy = bool(opts & XDP_OPTIONS_ZEROCOPY)
             self._insert()
@@ -415,6 +435,8 @@ class XskTransport(Transport):
             return into.view(0, 0)
         i0 = cons & rx.mask
         d = rx.desc[i0: i0 + n] if i0 + n <= rx.n else rx.desc[(cons + np.arange(n)) & rx.mask]
+        if self.sg and d["options"].any():  # frames spanning descriptors (multi-buffer)
+            return self._recv_sg(into, cons, avail, cap)
         fs = self.frame_size
         addr = d["addr"].astype(np.int64)
         flen = d["len"].astype(np.int64)
@@ -476,6 +498,74 @@ class XskTransport(Transport):
                         ww = min(w, fs - int(s))
                         into.payload[rows, :ww] = self._umem2d[fsel[rows], int(s): int(s) + ww]
             into.peer[:k] = self._sources.match(block if allok else block[sel], fam[sel])
+            self._c["rx_packets"] += k
+            self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
+        self._fill_push((frame * fs).astype(np.uint64))
+        into.n = k
+        return into.view(0, k)
+
+    def _recv_sg(self, into: Batch, cons: int, avail: int, cap: int) -> Batch:
+        """``recv`` for a batch with frames spanning descriptors (``XDP_PKT_CONTD``).
+
+        Takes up to ``cap`` whole frames.  Headers come from each frame's
+        first descriptor (it holds at least the first ~3.8 KB); the payload
+        is gathered segment by segment: one numpy copy per segment index
+        (a handful), not per packet.  The payload is always copied.
+        """
+        rx, fs = self._rx, self.frame_size
+        dd = rx.desc[(cons + np.arange(avail)) & rx.mask]
+        ends = np.flatnonzero((dd["options"] & XDP_PKT_CONTD) == 0)  # last descriptor of each frame
+        npk = min(len(ends), cap)
+        if npk == 0:  # the kernel publishes whole frames; nothing complete yet
+            into.n = 0
+            return into.view(0, 0)
+        ndesc = int(ends[npk - 1]) + 1
+        rx.cons[0] = (cons + ndesc) & 0xFFFFFFFF
+        addr = dd["addr"][:ndesc].astype(np.int64)
+        dlen = dd["len"][:ndesc].astype(np.int64)
+        first = np.concatenate(([0], ends[: npk - 1] + 1))
+        nseg = ends[:npk] - first + 1
+        flen = np.add.reduceat(dlen, first)
+        frame = addr // fs
+        a0 = addr[first]
+        pw = frames.PARSE_WIDTH
+        block = self._umem[np.minimum(a0[:, None] + np.arange(pw), (frame[first][:, None] + 1) * fs - 1)]
+        ok, off, plen, fam = frames.parse(block, flen, self.port)
+        hdrs = wire.decode_batch(block, off)
+        if not self._validated:
+            ok &= wire.validate_batch(hdrs, plen) == 0
+        ok &= dlen[first] >= off + wire.HEADER_LEN  # the DBLP header lies in the first descriptor
+        sel = np.flatnonzero(ok)
+        k = len(sel)
+        self._c["rx_invalid"] += npk - k
+        if k:
+            wire.put(into.headers[:k], wire.take(hdrs, sel))
+            lens = plen[sel] - wire.HEADER_LEN
+            maxlen = into.maxlen
+            trunc = lens > maxlen
+            if trunc.any():
+                self._c["rx_truncated"] += int(trunc.sum())
+                lens = np.minimum(lens, maxlen)
+            into.lengths[:k] = lens
+            col = np.zeros(k, np.int64)  # payload bytes of each packet placed so far
+            skip = off[sel] + wire.HEADER_LEN  # headers before the payload, first segment only
+            for j in range(int(nseg[sel].max())):
+                rows = np.flatnonzero((nseg[sel] > j) & (col < lens))
+                if not len(rows):
+                    break
+                di = first[sel[rows]] + j
+                src = addr[di] + (skip[rows] if j == 0 else 0)
+                seg = np.minimum(dlen[di] - (skip[rows] if j == 0 else 0), lens[rows] - col[rows])
+                fr, so = src // fs, src % fs
+                # one copy per distinct (offset in frame, offset in payload): one or two per segment
+                key = so * (maxlen + 1) + col[rows]
+                for kv in np.unique(key):
+                    g = np.flatnonzero(key == kv)
+                    o, c = int(so[g[0]]), int(col[rows[g[0]]])
+                    w = int(seg[g].max())
+                    into.payload[rows[g], c: c + w] = self._umem2d[fr[g], o: o + w]
+                col[rows] += seg
+            into.peer[:k] = self._sources.match(block[sel], fam[sel])
             self._c["rx_packets"] += k
             self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
         self._fill_push((frame * fs).astype(np.uint64))
@@ -639,12 +729,101 @@ class XskTransport(Transport):
         hl = self._tmpl.hlen[peer]
         hl_max = int(hl.max())
         one_hl = hl_max == int(hl.min())  # one header length: frames built in one pass
+        fs = self.frame_size
         longest = int(batch.lengths[:n].max()) + wire.HEADER_LEN + hl_max
-        if longest + (longest & 1) > self.frame_size:
-            raise ValueError(f"a {longest}-byte frame does not fit a {self.frame_size}-byte UMEM frame")
+        if longest + (longest & 1) > fs and not self.sg:
+            raise ValueError(f"a {longest}-byte frame does not fit a {fs}-byte UMEM frame "
+                             "(frames spanning UMEM frames need multi-buffer AF_XDP: kernel 6.6+)")
+        if -(-(longest + 1) // fs) > SG_MAX_SEGMENTS:
+            raise ValueError(f"a {longest}-byte frame needs more than {SG_MAX_SEGMENTS} {fs}-byte UMEM frames")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._tx_lock:
-            return self._send_locked(batch, n, hl_max, one_hl, deadline)
+            if longest + (longest & 1) <= fs:
+                return self._send_locked(batch, n, hl_max, one_hl, deadline)
+            # frames spanning UMEM frames: runs of packets with the same segment count
+            flen = hl + wire.HEADER_LEN + batch.lengths[:n]
+            segs = (flen + (flen & 1) + fs - 1) // fs
+            sent = 0
+            cuts = [int(c) for c in np.flatnonzero(np.diff(segs)) + 1]
+            for lo, hi in zip([0, *cuts], [*cuts, n]):
+                part = batch.view(lo, hi)
+                k = int(segs[lo])
+                got = self._send_locked(part, hi - lo, int(hl[lo:hi].max()), bool((hl[lo:hi] == hl[lo]).all()),
+                                        deadline) if k == 1 else self._send_sg(part, hi - lo, k, deadline)
+                sent += got
+                if got < hi - lo:
+                    break
+            return sent
+
+    def _send_sg(self, batch: Batch, n: int, k: int, deadline: float | None) -> int:
+        """``_send_locked`` for packets whose frames each span ``k`` UMEM frames (multi-buffer).
+
+        Each frame is built across ``k`` consecutive UMEM frames (in place
+        when the free list hands out a consecutive run, else in scratch and
+        scattered) and described by ``k`` descriptors, all but the last
+        with ``XDP_PKT_CONTD``; pacing releases a frame's descriptors together.
+        """
+        tx, fs, T = self._tx, self.frame_size, self.tx_frames
+        sent = 0
+        while sent < n:
+            self._reclaim()
+            prod = self._wprod
+            space = tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF)
+            m = min(n - sent, self._tx_nfree // k, space // k, T // k)
+            if m == 0:
+                self._release()
+                self._kick()
+                if self._reclaim() == 0:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    time.sleep(min(0.001, max(0.0002, self._pace_wait())))
+                continue
+            q = m * k
+            addrs = self._tx_free[(self._tx_head + np.arange(q)) % T]
+            self._tx_head = (self._tx_head + q) % T
+            self._tx_nfree -= q
+            fr = (addrs // np.uint64(fs)).astype(np.int64)
+            part = batch.view(sent, sent + m)
+            f0 = int(fr[0])
+            inplace = int(fr[-1]) - f0 == q - 1 and bool((np.diff(fr) == 1).all())
+            span = self._umem[f0 * fs: (f0 + q) * fs].reshape(m, k * fs) if inplace else np.empty((m, k * fs), np.uint8)
+            hl = self._tmpl.hlen[part.peer]
+            if (hl == hl[0]).all():  # one header length: built straight into the span
+                _, lens = frames.build_one(self._tmpl, int(hl[0]), part.peer, part.headers, part.payload,
+                                           part.lengths, out=span)
+            else:
+                lens = np.empty(m, np.int64)
+                for rows, st, flen in frames.build(self._tmpl, part.peer, part.headers, part.payload,
+                                                   part.lengths):
+                    span[rows, : st.shape[1]] = st
+                    lens[rows] = flen
+            if not inplace:
+                self._umem2d[fr] = span.reshape(q, fs)
+            seg = np.arange(q) % k
+            dlen = np.where(seg < k - 1, fs, np.repeat(lens - (k - 1) * fs, k))
+            words = np.empty((q, 2), np.uint64)
+            words[:, 0] = addrs
+            words[:, 1] = dlen.astype(np.uint64) | (np.where(seg < k - 1, XDP_PKT_CONTD, 0).astype(np.uint64) << 32)
+            slots = (prod + np.arange(q)) & tx.mask
+            self._tx_words[slots] = words
+            if self._Bps:  # a frame's descriptors all carry its end: released together
+                c = np.cumsum(lens)
+                c += self._bytes_written
+                self._tx_cum[slots] = np.repeat(c, k)
+                self._bytes_written = int(c[-1])
+            self._wprod = (prod + q) & 0xFFFFFFFF
+            self._tx_outstanding += q
+            self._c["tx_packets"] += m
+            self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
+            sent += m
+            self._release()
+            self._kick()
+        while int(tx.cons[0]) != int(tx.prod[0]) and not self._kick():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.0002)
+        self._reclaim()
+        return sent
 
     def _send_locked(self, batch: Batch, n: int, hl_max: int, one_hl: bool, deadline: float | None) -> int:
         tx = self._tx

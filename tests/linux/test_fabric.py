@@ -54,8 +54,7 @@ def dblp_frame(prio: int, tensor: int = 0, src: int = 0, nchunks: int = 100, tol
 
 @pytest.fixture(scope="module")
 def compiled(bpf_xdp):
-    b = bpf.compile(fb.SOURCE)
-    fn = b.load_func(b"fabric", b.XDP)
+    b, fn = bpf.compile_xdp(fb.SOURCE, "fabric")
     yield b, fn
     b.cleanup()
 

@@ -33,8 +33,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 @pytest.fixture(scope="module")
 def prog(bpf_xdp):
-    b = bpf.compile(fb.SOURCE)
-    fn = b.load_func(b"fabric", b.XDP)
+    b, fn = bpf.compile_xdp(fb.SOURCE, "fabric")
     yield b, fn
     b.cleanup()
 

@@ -70,10 +70,8 @@ def test_testbed_arguments_checked_before_anything_is_built():
         Testbed(name="x" * 40)
     with pytest.raises(TestbedError):
         Testbed(rate="warp")
-    with pytest.raises(TestbedError):
-        Testbed(mtu=9000, mode="native")
     tb = Testbed(workers=3, name="abc", mtu=9000)
-    assert tb.mode == "skb" and tb.ns("w2") == "abc-w2" and tb.ns(1) == "abc-w1" and tb.addr("w2") == "198.18.0.3"
+    assert tb.ns("w2") == "abc-w2" and tb.ns(1) == "abc-w1" and tb.addr("w2") == "198.18.0.3"
     assert tb.rate_bps == 10**9 and Testbed(rate="none").rate_bps == 0
     with pytest.raises(TestbedError):
         tb.addr("w3")
@@ -93,3 +91,16 @@ def test_cli_parser_has_testbed_and_fault():
     assert a.p == 0.01 and a.r == 0.25 and a.loss_bad == 1.0
     with pytest.raises(SystemExit):
         p.parse_args(["testbed", "down", "--name", "a", "--all"])
+
+
+def test_jumbo_mtu_fabric_mode_follows_multibuffer_xdp(monkeypatch):
+    """Above veth's single-buffer limit the fabric is native only with multi-buffer XDP (5.18+)."""
+    from pydblp import bpf
+
+    monkeypatch.setattr(bpf, "xdp_frags_supported", lambda: True)
+    assert Testbed(mtu=9000).mode == "native" and Testbed(mtu=9000, mode="native").mode == "native"
+    monkeypatch.setattr(bpf, "xdp_frags_supported", lambda: False)
+    assert Testbed(mtu=9000).mode == "skb" and Testbed(mtu=3506).mode == "native"
+    with pytest.raises(TestbedError, match="multi-buffer"):
+        Testbed(mtu=9000, mode="native")
+    assert Testbed(mtu=9000, mode="skb").mode == "skb"
