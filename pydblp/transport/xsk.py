@@ -527,6 +527,9 @@ class XskTransport(Transport):
         nseg = ends[:npk] - first + 1
         flen = np.add.reduceat(dlen, first)
         frame = addr // fs
+        fast = self._recv_sg_uniform(into, addr, dlen, frame, nseg, flen)
+        if fast is not None:
+            return fast
         a0 = addr[first]
         pw = frames.PARSE_WIDTH
         block = self._umem[np.minimum(a0[:, None] + np.arange(pw), (frame[first][:, None] + 1) * fs - 1)]
@@ -571,6 +574,52 @@ class XskTransport(Transport):
         self._fill_push((frame * fs).astype(np.uint64))
         into.n = k
         return into.view(0, k)
+
+    def _recv_sg_uniform(self, into: Batch, addr, dlen, frame, nseg, flen) -> Batch | None:
+        """``_recv_sg`` for the usual batch: every frame in the same number of descriptors, in
+        consecutive UMEM frames at one offset, one layout, all valid.  Each segment index is one
+        strided copy; None (nothing consumed from ``into``'s view) lets the general path run."""
+        fs = self.frame_size
+        k, npk, ndesc = int(nseg[0]), len(nseg), len(addr)
+        f0, o = int(frame[0]), int(addr[0]) - int(frame[0]) * fs
+        full = fs - o  # every descriptor but a frame's last is filled to its frame's end
+        pw = frames.PARSE_WIDTH
+        if not ((nseg == k).all() and int(frame[-1]) - f0 == ndesc - 1 and (np.diff(frame) == 1).all()
+                and (addr - frame * fs == o).all() and o + pw <= fs and npk <= into.cap
+                and into.headers.flags.c_contiguous):
+            return None
+        seg = self._umem2d[f0: f0 + ndesc].reshape(npk, k, fs)  # [packet, segment, byte]: a view
+        dl = dlen.reshape(npk, k)
+        if not (dl[:, :-1] == full).all():
+            return None
+        block = seg[:, 0, o: o + pw]
+        parsed = frames.parse_uniform(block, flen, self.port)
+        if parsed is None:
+            return None
+        ok, hoff, plen, fam = parsed
+        hdrs = into.headers[:npk]
+        hdrs.view(np.uint8).reshape(npk, wire.HEADER_LEN)[:] = block[:, hoff: hoff + wire.HEADER_LEN]
+        if not self._validated:
+            ok &= wire.validate_batch(hdrs, plen) == 0
+        lens = plen - wire.HEADER_LEN
+        skip = hoff + wire.HEADER_LEN
+        c = full - skip  # payload bytes in a first segment
+        if not ok.all() or c < 0 or k < 2 or int(lens.max()) > into.maxlen or c > into.maxlen:
+            return None
+        pay = into.payload
+        pay[:npk, :c] = seg[:, 0, o + skip: fs]
+        for j in range(1, k):
+            w = full if j < k - 1 else builtins.min(int(dl[:, j].max()), into.maxlen - c)
+            if w > 0:
+                pay[:npk, c: c + w] = seg[:, j, o: o + w]
+            c += w
+        into.lengths[:npk] = lens
+        into.peer[:npk] = self._sources.match(block, fam)
+        self._c["rx_packets"] += npk
+        self._c["rx_bytes"] += int(lens.sum()) + npk * wire.HEADER_LEN
+        self._fill_push((frame * fs).astype(np.uint64))
+        into.n = npk
+        return into.view(0, npk)
 
     def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int, copy: bool) -> Batch | None:
         """``recv`` for the usual case, in few numpy calls: consecutive frames, one layout, all valid.
