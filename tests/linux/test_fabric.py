@@ -318,3 +318,18 @@ def test_config_validation(fab):
         fab.queue("1gbit", thresholds=[1, 2])
     assert fb.parse_rate("1gbit") == 10**9 and fb.parse_rate("none") == 0
     assert fb.parse_size("64k") == 65536 and fb.parse_duration("50ms") == pytest.approx(0.05)
+
+
+def test_jumbo_frames_are_counted_and_queued_whole(fab):
+    """A multi-buffer (frags) load sees a 9000-byte frame whole: bytes counted and queued are 9000, not
+    the first buffer's ~3.5 KB (``dblp_frame_len``)."""
+    if not bpf.xdp_frags_supported():
+        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+)")
+    frame = udp_frame(b"j" * (9000 - 42))
+    assert len(frame) == 9000
+    verdict, out = bpf.test_run(fab.prog_fd, frame)
+    assert verdict == FORWARD and out == frame
+    assert fab.stats()["a"]["pass"]["bytes"] == 9000
+    # a 20 kB queue holds two 9000-byte frames, not five first buffers
+    fab.queue("800kbit", buffer=20_000, port="a")
+    assert verdicts(fab, frame, 4) == [FORWARD, FORWARD, XDP_DROP, XDP_DROP]

@@ -154,6 +154,21 @@ def test_truncated_frame_claiming_more_is_short(prog):
     assert (verdict, d) == (XDP_DROP, {"drop": {"short": 1}})
 
 
+@pytest.mark.parametrize("l3", ["ip4", "ip6"])
+def test_jumbo_frames_validated_whole(prog, l3):
+    """Loaded multi-buffer, the program judges a 9000-byte frame by its whole length: a valid one
+    passes (no socket bound here), one cut short by 100 bytes is SHORT, one with 100 extra is LENGTH."""
+    if not prog.frags:
+        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+)")
+    pay = data(payload=bytes(range(256)) * 34)
+    frame = dblp_frame(pay, l3)
+    assert len(frame) > 8700
+    assert run(prog, frame) == (XDP_PASS, {"nosock": 1})
+    assert run(prog, frame[:-100]) == (XDP_DROP, {"drop": {"short": 1}})
+    longer = dblp_frame(pay + b"e" * 100, l3)
+    assert run(prog, longer) == (XDP_DROP, {"drop": {"length": 1}})
+
+
 def _msg(prog, tensor, n, prio, tol, retx=False):
     flags = wire.Flag.RETX if retx else 0
     return [bpf.test_run(prog.prog_fd, dblp_frame(data(round=99, tensor=tensor, chunk=i, nchunks=n,

@@ -30,7 +30,7 @@ MAXLEN = 1400
 N = 100_000
 
 
-def make_pair():
+def make_pair(mtu: int = 1500):
     """Namespaces joined by veth va <-> vb with IPv4 + IPv6 benchmarking addresses and static neighbours."""
     from tests.conftest import unique_name
 
@@ -42,7 +42,7 @@ def make_pair():
     for ns, dev, i in ((a, "va", 0), (b, "vb", 1)):
         with net.ipr(ns) as ip:
             idx = ip.link_lookup(ifname=dev)[0]
-            ip.link("set", index=idx, address=MAC[i])
+            ip.link("set", index=idx, address=MAC[i], mtu=mtu)
             ip.addr("add", index=idx, address=ADDR[4][i], prefixlen=24)
             ip.addr("add", index=idx, address=ADDR[6][i], prefixlen=64, flags=0x02)  # IFA_F_NODAD
             ip.link("set", index=idx, state="up")
@@ -52,8 +52,8 @@ def make_pair():
     return a, b
 
 
-def packets(start: int, n: int, src: int, dst: int, job: int = JOB, peer: int = 0) -> Batch:
-    """Packets with chunk ids start..start+n-1; everything else is a function of the chunk id."""
+def packets(start: int, n: int, src: int, dst: int, job: int = JOB, peer: int = 0, maxlen: int = MAXLEN) -> Batch:
+    """Packets with chunk ids start..start+n-1; everything else (lengths 1..maxlen) is a function of the chunk id."""
     c = np.arange(start, start + n, dtype=np.int64)
     h = wire.empty_batch(n)
     h["kind"] = wire.Kind.DATA
@@ -66,18 +66,18 @@ def packets(start: int, n: int, src: int, dst: int, job: int = JOB, peer: int = 
     h["chunk"] = c
     h["nchunks"] = 1 << 24
     h["tol"] = c % 200
-    lens = 1 + (c * 37) % MAXLEN
-    off = (c * 7919) % (len(POOL) - MAXLEN)
-    pay = POOL[off[:, None] + np.arange(MAXLEN)]
+    lens = 1 + (c * 37) % maxlen
+    off = (c * 7919) % (len(POOL) - maxlen)
+    pay = POOL[off[:, None] + np.arange(maxlen)]
     return Batch.fill(h, pay, lens, peer)
 
 
 class Checker:
     """Verifies received batches against :func:`packets` and counts each chunk."""
 
-    def __init__(self, total: int, src: int, dst: int, job: int = JOB):
+    def __init__(self, total: int, src: int, dst: int, job: int = JOB, maxlen: int = MAXLEN):
         self.seen = np.zeros(total, np.int64)
-        self.src, self.dst, self.job = src, dst, job
+        self.src, self.dst, self.job, self.maxlen = src, dst, job, maxlen
 
     def add(self, r: Batch) -> int:
         if len(r) == 0:
@@ -88,10 +88,10 @@ class Checker:
         assert (h["job"] == self.job).all() and (h["src"] == self.src).all() and (h["dst"] == self.dst).all()
         assert np.array_equal(h["round"], c // 1000) and np.array_equal(h["tensor"], c % 7)
         assert np.array_equal(h["dtype"], c % 4) and np.array_equal(h["tol"], c % 200)
-        lens = 1 + (c * 37) % MAXLEN
+        lens = 1 + (c * 37) % self.maxlen
         assert np.array_equal(r.lengths, lens) and np.array_equal(h["len"], lens)
         w = int(lens.max())
-        off = (c * 7919) % (len(POOL) - MAXLEN)
+        off = (c * 7919) % (len(POOL) - self.maxlen)
         exp = POOL[off[:, None] + np.arange(w)]
         mask = np.arange(w) < lens[:, None]
         assert np.array_equal(np.where(mask, r.payload[:, :w], 0), np.where(mask, exp, 0)), "payload differs"
@@ -100,18 +100,18 @@ class Checker:
 
 
 def transfer(tx, rx, peer: int, total: int, src: int, dst: int, job: int = JOB, step: int = 200,
-             into: Batch | None = None, copy: bool = True) -> Checker:
+             into: Batch | None = None, copy: bool = True, maxlen: int = MAXLEN) -> Checker:
     """Send ``total`` packets in lockstep steps (a modest rate: none may be lost) and check them.
 
     Steps stay below the 256-slot ring a veth with XDP queues into: a longer
     burst can overflow it when the softirq is starved on a busy machine.
     """
-    chk = Checker(total, src, dst, job)
-    into = into or Batch.empty(4096, MAXLEN)
+    chk = Checker(total, src, dst, job, maxlen)
+    into = into or Batch.empty(4096, maxlen)
     got = 0
     for start in range(0, total, step):
         n = min(step, total - start)
-        assert tx.send(packets(start, n, src, dst, job, peer), timeout=5) == n
+        assert tx.send(packets(start, n, src, dst, job, peer, maxlen), timeout=5) == n
         deadline = time.monotonic() + 5
         while got < start + n and time.monotonic() < deadline:
             got += chk.add(rx.recv(into, timeout=0.2, copy=copy))

@@ -1,0 +1,137 @@
+"""Jumbo frames (MTU 9000) over AF_XDP: multi-buffer XDP and ``XDP_USE_SG``.
+
+A 9000-byte frame spans three 4 KiB UMEM frames on receive (the kernel's
+copy mode leaves 256 bytes of headroom in each) and two or three on
+transmit.  Bit-exact delivery both ways, IPv4 and IPv6, lengths from 1 to
+8,900 bytes mixed in every batch (single- and multi-descriptor frames
+together); interop with kernel UDP sockets (which verify our IPv6 checksums
+over the whole frame, and send frames the kernel itself splits); what a
+socket without multi-buffer does with a jumbo frame.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pydblp import bpf, net, wire
+from pydblp.transport import Batch
+from pydblp.transport.udp import UdpTransport
+from pydblp.transport.xsk import XskTransport
+from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, make_pair, packets, transfer
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
+
+MTU = 9000
+JUMBO = 8900  # DBLP payload bytes: 14 + 40 (IPv6) + 8 + 32 + 8900 = 8994 <= 9014
+N = 6000
+
+
+@pytest.fixture(scope="module")
+def jpair(root, bpf_xdp):
+    from pydblp.host import HostProgram
+
+    if not bpf.xdp_frags_supported():
+        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+): no native XDP above MTU 3506")
+    a, b = make_pair(mtu=MTU)
+    hosts = []
+    try:
+        for ns, dev, rank in ((a, "va", 0), (b, "vb", 1)):
+            h = HostProgram(dev, netns=ns, mode="native")
+            hosts.append(h)
+            h.register_job(JOB, world_size=2, rank=rank, transport="xsk")
+            h.register_job(JOB_UDP, world_size=2, rank=rank, transport="udp")
+            assert h.frags
+            assert net.xdp_query(dev, ns)["mode"] == net.Mode.NATIVE
+        yield {"ns": (a, b), "dev": ("va", "vb"), "host": tuple(hosts)}
+    finally:
+        for h in hosts:
+            h.close()
+        net.netns_del(a)
+        net.netns_del(b)
+
+
+def full(n: int, src: int, dst: int, peer: int) -> Batch:
+    """Packets of :func:`packets` content, every one JUMBO bytes long."""
+    b = packets(0, n, src, dst, JOB, peer, maxlen=JUMBO)
+    b.lengths[:] = b.headers["len"] = JUMBO
+    return b
+
+
+def xsk(p, side: int, **kw) -> XskTransport:
+    kw.setdefault("frame_size", 4096)
+    t = XskTransport(p["dev"][side], netns=p["ns"][side], host=p["host"][side], **kw)
+    if kw.get("sg") is not False and not t.sg:
+        t.close()
+        pytest.skip("kernel without multi-buffer AF_XDP (XDP_USE_SG, 6.6+)")
+    return t
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_jumbo_bit_exact_both_directions(jpair, family):
+    ha, hb = jpair["host"]
+    with xsk(jpair, 0) as ta, xsk(jpair, 1) as tb:
+        pb, pa = ta.add_peer(ADDR[family][1]), tb.add_peer(ADDR[family][0])
+        c0 = (ha.counters(), hb.counters())
+        into = Batch.empty(4096, JUMBO)
+        transfer(ta, tb, pb, N, 0, 1, into=into, maxlen=JUMBO)
+        assert (into.peer[: into.n] == pa).all()
+        transfer(tb, ta, pa, N, 1, 0, maxlen=JUMBO)
+        # copy=False cannot lend a frame spread over several UMEM frames: the payload is copied, intact
+        transfer(ta, tb, pb, N // 4, 0, 1, into=into, maxlen=JUMBO, copy=False)
+        assert ta.flush() and tb.flush()
+        for t, tx, rx in ((ta, N + N // 4, N), (tb, N, N + N // 4)):
+            s = t.stats()
+            assert (s["tx_packets"], s["rx_packets"]) == (tx, rx), s
+            assert s["rx_invalid"] == s["rx_truncated"] == s["tx_busy_drops"] == 0, s
+            assert s["rx_dropped"] == s["rx_ring_full"] == s["rx_invalid_descs"] == s["tx_invalid_descs"] == 0, s
+            assert s["tx_outstanding"] == 0  # every descriptor of every frame completed
+        c1 = (ha.counters(), hb.counters())
+        for before, after, rx in zip(c0, c1, (N, N + N // 4)):
+            assert after["redirect"] - before["redirect"] == rx  # the host program passed each frame whole
+            assert sum(after["drop"].values()) == sum(before["drop"].values())
+
+
+def test_jumbo_payload_wider_than_the_receive_buffer_is_truncated_and_counted(jpair):
+    with xsk(jpair, 0) as ta, xsk(jpair, 1) as tb:
+        pb = ta.add_peer(ADDR[4][1])
+        b = full(50, 0, 1, pb)
+        assert ta.send(b, timeout=5) == 50
+        into = Batch.empty(256, 5000)
+        got, deadline = [], time.monotonic() + 5
+        while sum(map(len, got)) < 50 and time.monotonic() < deadline:
+            r = tb.recv(into, timeout=0.2)
+            got.append(r.lengths.copy())
+            assert np.array_equal(r.payload[:, :5000], b.payload[r.headers["chunk"], :5000])
+        assert np.concatenate(got).tolist() == [5000] * 50
+        assert tb.stats()["rx_truncated"] == 50
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_jumbo_xsk_and_udp_interoperate(jpair, family):
+    """Jumbo AF_XDP frames into a kernel UDP socket (it checks the IPv6 checksum over all 9000 bytes)
+    and kernel-sent jumbo datagrams into AF_XDP (frames the veth hands XDP in fragments)."""
+    a, b = jpair["ns"]
+    with xsk(jpair, 0) as ta, UdpTransport("vb", netns=b) as ub:
+        transfer(ta, ub, ta.add_peer(ADDR[family][1]), 3000, 0, 1, job=JOB_UDP, maxlen=JUMBO)
+        transfer(ub, ta, ub.add_peer(ADDR[family][0]), 3000, 1, 0, job=JOB, maxlen=JUMBO)
+        assert ub.stats()["rx_dropped"] == 0 and ta.stats()["rx_dropped"] == 0
+
+
+def test_without_multibuffer_jumbo_is_refused_on_send_and_counted_on_receive(jpair):
+    with xsk(jpair, 0) as ta, xsk(jpair, 1, sg=False) as tb:
+        assert not tb.sg
+        with pytest.raises(ValueError, match="multi-buffer"):
+            tb.send(full(1, 1, 0, tb.add_peer(ADDR[4][0])))
+        b = packets(0, 100, 0, 1, JOB, ta.add_peer(ADDR[4][1]), maxlen=JUMBO)
+        assert ta.send(b, timeout=5) == 100
+        small = int((b.lengths + wire.HEADER_LEN + 42 <= 4096 - 256).sum())  # fit one receive frame
+        got, deadline = 0, time.monotonic() + 3
+        while got < small and time.monotonic() < deadline:
+            got += len(tb.recv(timeout=0.2))
+        time.sleep(0.05)
+        got += len(tb.recv(timeout=0.05))
+        s = tb.stats()
+        assert got == small and s["rx_dropped"] == 100 - small, s  # dropped by the kernel and counted
