@@ -820,12 +820,8 @@ class XskTransport(Transport):
             space = tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF)
             m = min(n - sent, self._tx_nfree // k, space // k, T // k)
             if m == 0:
-                self._release()
-                self._kick()
-                if self._reclaim() == 0:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
-                    time.sleep(min(0.001, max(0.0002, self._pace_wait())))
+                if not self._wait_room(deadline):
+                    break
                 continue
             q = m * k
             addrs = self._tx_free[(self._tx_head + np.arange(q)) % T]
@@ -855,23 +851,9 @@ class XskTransport(Transport):
             words[:, 1] = dlen.astype(np.uint64) | (np.where(seg < k - 1, XDP_PKT_CONTD, 0).astype(np.uint64) << 32)
             slots = (prod + np.arange(q)) & tx.mask
             self._tx_words[slots] = words
-            if self._Bps:  # a frame's descriptors all carry its end: released together
-                c = np.cumsum(lens)
-                c += self._bytes_written
-                self._tx_cum[slots] = np.repeat(c, k)
-                self._bytes_written = int(c[-1])
-            self._wprod = (prod + q) & 0xFFFFFFFF
-            self._tx_outstanding += q
-            self._c["tx_packets"] += m
-            self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
+            self._queued(slots, lens, k, part)
             sent += m
-            self._release()
-            self._kick()
-        while int(tx.cons[0]) != int(tx.prod[0]) and not self._kick():
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            time.sleep(0.0002)
-        self._reclaim()
+        self._push_out(deadline)
         return sent
 
     def _send_locked(self, batch: Batch, n: int, hl_max: int, one_hl: bool, deadline: float | None) -> int:
@@ -882,13 +864,9 @@ class XskTransport(Transport):
             prod = self._wprod
             space = tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF)
             m = min(n - sent, self._tx_nfree, space)
-            if m == 0:  # ring or frames all taken: wait for completions (and tokens, when paced)
-                self._release()
-                self._kick()
-                if self._reclaim() == 0:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
-                    time.sleep(min(0.001, max(0.0002, self._pace_wait())))
+            if m == 0:
+                if not self._wait_room(deadline):
+                    break
                 continue
             fs = self.frame_size
             T = self.tx_frames
@@ -915,25 +893,48 @@ class XskTransport(Transport):
             dd = self._tx_words[i0: i0 + m]  # descriptors as (addr, len | options << 32) words
             dd[:, 0] = addrs
             dd[:, 1] = lens
-            if self._Bps:
-                c = np.cumsum(lens)
-                c += self._bytes_written
-                self._tx_cum[i0: i0 + m] = c
-                self._bytes_written = int(c[-1])
-            self._wprod = (prod + m) & 0xFFFFFFFF
-            self._tx_outstanding += m
-            self._c["tx_packets"] += m
-            self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
+            self._queued(slice(i0, i0 + m), lens, 1, part)
             sent += m
-            self._release()
-            self._kick()
-        # leave nothing queued behind a busy device while there is time
+        self._push_out(deadline)
+        return sent
+
+    def _wait_room(self, deadline: float | None) -> bool:
+        """The ring or the frames are all taken: push, wait for completions (and tokens, when paced).
+
+        False once ``deadline`` has passed.
+        """
+        self._release()
+        self._kick()
+        if self._reclaim() == 0:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.001, max(0.0002, self._pace_wait())))
+        return True
+
+    def _queued(self, slots, lens: np.ndarray, k: int, part: Batch) -> None:
+        """Account ``len(lens)`` frames of ``k`` descriptors each, just written at tx ring ``slots``
+        (from ``_wprod`` on), and hand the kernel what the token bucket allows."""
+        m = len(lens)
+        if self._Bps:  # per descriptor, its frame's cumulative end: a frame's descriptors go together
+            c = np.cumsum(lens)
+            c += self._bytes_written
+            self._tx_cum[slots] = c if k == 1 else np.repeat(c, k)
+            self._bytes_written = int(c[-1])
+        self._wprod = (self._wprod + m * k) & 0xFFFFFFFF
+        self._tx_outstanding += m * k
+        self._c["tx_packets"] += m
+        self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
+        self._release()
+        self._kick()
+
+    def _push_out(self, deadline: float | None) -> None:
+        """Leave nothing released queued behind a busy device while there is time."""
+        tx = self._tx
         while int(tx.cons[0]) != int(tx.prod[0]) and not self._kick():
             if deadline is not None and time.monotonic() >= deadline:
                 break
             time.sleep(0.0002)
         self._reclaim()
-        return sent
 
     def flush(self, timeout: float = 1.0) -> bool:
         """Wait until every queued frame has completed (paced ones sent first); True if they all did."""

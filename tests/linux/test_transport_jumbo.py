@@ -16,11 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from pydblp import bpf, net, wire
+from pydblp import bpf, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, make_pair, packets, transfer
+from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, host_pair, packets, transfer
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -31,26 +31,11 @@ N = 6000
 
 @pytest.fixture(scope="module")
 def jpair(root, bpf_xdp):
-    from pydblp.host import HostProgram
-
     if not bpf.xdp_frags_supported():
         pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+): no native XDP above MTU 3506")
-    a, b = make_pair(mtu=MTU)
-    hosts = []
-    try:
-        for ns, dev, rank in ((a, "va", 0), (b, "vb", 1)):
-            h = HostProgram(dev, netns=ns, mode="native")
-            hosts.append(h)
-            h.register_job(JOB, world_size=2, rank=rank, transport="xsk")
-            h.register_job(JOB_UDP, world_size=2, rank=rank, transport="udp")
-            assert h.frags
-            assert net.xdp_query(dev, ns)["mode"] == net.Mode.NATIVE
-        yield {"ns": (a, b), "dev": ("va", "vb"), "host": tuple(hosts)}
-    finally:
-        for h in hosts:
-            h.close()
-        net.netns_del(a)
-        net.netns_del(b)
+    with host_pair(mtu=MTU) as p:
+        assert all(h.frags for h in p["host"])
+        yield p
 
 
 def full(n: int, src: int, dst: int, peer: int) -> Batch:

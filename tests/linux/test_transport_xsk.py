@@ -8,6 +8,7 @@ bounded shedding), and 20 open/close cycles that leak nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -122,11 +123,12 @@ def transfer(tx, rx, peer: int, total: int, src: int, dst: int, job: int = JOB, 
     return chk
 
 
-@pytest.fixture(scope="module")
-def pair(root, bpf_xdp):
+@contextlib.contextmanager
+def host_pair(mtu: int = 1500):
+    """:func:`make_pair` with the host program native on both ends, JOB for AF_XDP and JOB_UDP for UDP."""
     from pydblp.host import HostProgram
 
-    a, b = make_pair()
+    a, b = make_pair(mtu)
     hosts = []
     try:
         for ns, dev, rank in ((a, "va", 0), (b, "vb", 1)):
@@ -134,13 +136,19 @@ def pair(root, bpf_xdp):
             hosts.append(h)
             h.register_job(JOB, world_size=2, rank=rank, transport="xsk")
             h.register_job(JOB_UDP, world_size=2, rank=rank, transport="udp")
-        assert net.xdp_query("va", a)["mode"] == net.Mode.NATIVE
+            assert net.xdp_query(dev, ns)["mode"] == net.Mode.NATIVE
         yield {"ns": (a, b), "dev": ("va", "vb"), "host": tuple(hosts)}
     finally:
         for h in hosts:
             h.close()
         net.netns_del(a)
         net.netns_del(b)
+
+
+@pytest.fixture(scope="module")
+def pair(root, bpf_xdp):
+    with host_pair() as p:
+        yield p
 
 
 def xsk(pair, side: int, **kw) -> XskTransport:
