@@ -472,14 +472,7 @@ class XskTransport(Transport):
         k = len(sel)
         self._c["rx_invalid"] += n - k
         if k:
-            wire.put(into.headers[:k], hdrs if allok else wire.take(hdrs, sel))
-            lens = plen[sel] - wire.HEADER_LEN
-            maxlen = into.maxlen
-            trunc = lens > maxlen
-            if trunc.any():
-                self._c["rx_truncated"] += int(trunc.sum())
-                lens = np.minimum(lens, maxlen)
-            into.lengths[:k] = lens
+            lens = self._headers_in(into, hdrs if allok else wire.take(hdrs, sel), plen[sel])
             w = int(lens.max())
             start = foff[sel] + off[sel] + wire.HEADER_LEN
             if w:
@@ -503,6 +496,18 @@ class XskTransport(Transport):
         self._fill_push((frame * fs).astype(np.uint64))
         into.n = k
         return into.view(0, k)
+
+    def _headers_in(self, into: Batch, hdrs: np.ndarray, plen: np.ndarray) -> np.ndarray:
+        """Put valid packets' headers and payload lengths (cut to ``into``'s width, counted) in ``into``."""
+        k = len(hdrs)
+        wire.put(into.headers[:k], hdrs)
+        lens = plen - wire.HEADER_LEN
+        trunc = lens > into.maxlen
+        if trunc.any():
+            self._c["rx_truncated"] += int(trunc.sum())
+            lens = np.minimum(lens, into.maxlen)
+        into.lengths[:k] = lens
+        return lens
 
     def _recv_sg(self, into: Batch, cons: int, avail: int, cap: int) -> Batch:
         """``recv`` for a batch with frames spanning descriptors (``XDP_PKT_CONTD``).
@@ -542,14 +547,8 @@ class XskTransport(Transport):
         k = len(sel)
         self._c["rx_invalid"] += npk - k
         if k:
-            wire.put(into.headers[:k], wire.take(hdrs, sel))
-            lens = plen[sel] - wire.HEADER_LEN
+            lens = self._headers_in(into, wire.take(hdrs, sel), plen[sel])
             maxlen = into.maxlen
-            trunc = lens > maxlen
-            if trunc.any():
-                self._c["rx_truncated"] += int(trunc.sum())
-                lens = np.minimum(lens, maxlen)
-            into.lengths[:k] = lens
             col = np.zeros(k, np.int64)  # payload bytes of each packet placed so far
             skip = off[sel] + wire.HEADER_LEN  # headers before the payload, first segment only
             for j in range(int(nseg[sel].max())):
