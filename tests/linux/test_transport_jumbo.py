@@ -20,7 +20,7 @@ from pydblp import bpf, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, host_pair, packets, transfer
+from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, Checker, host_pair, packets, transfer
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -120,3 +120,29 @@ def test_without_multibuffer_jumbo_is_refused_on_send_and_counted_on_receive(jpa
         got += len(tb.recv(timeout=0.05))
         s = tb.stats()
         assert got == small and s["rx_dropped"] == 100 - small, s  # dropped by the kernel and counted
+
+
+def test_jumbo_mixed_families_and_short_receives(jpair):
+    """IPv4 and IPv6 jumbo frames interleaved (two header offsets in one batch: the general multi-buffer
+    path), received 7 frames at a time (batches end inside the ring; frames are never split)."""
+    total = 3000
+    with xsk(jpair, 0) as ta, xsk(jpair, 1) as tb:
+        p4, p6 = ta.add_peer(ADDR[4][1]), ta.add_peer(ADDR[6][1])
+        a4, a6 = tb.add_peer(ADDR[4][0]), tb.add_peer(ADDR[6][0])
+        chk = Checker(total, 0, 1, maxlen=JUMBO)
+        into = Batch.empty(64, JUMBO)
+        got = 0
+        for start in range(0, total, 100):
+            b = packets(start, 100, 0, 1, JOB, p4, maxlen=JUMBO)
+            b.peer[1::2] = p6
+            assert ta.send(b, timeout=5) == 100
+            deadline = time.monotonic() + 5
+            while got < start + 100 and time.monotonic() < deadline:
+                r = tb.recv(into, timeout=0.2, max=7)
+                assert len(r) <= 7
+                assert (r.peer == np.where(r.headers["chunk"] % 2 == 1, a6, a4)).all()
+                got += chk.add(r)
+            assert got == start + 100
+        assert (chk.seen == 1).all()
+        s = tb.stats()
+        assert s["rx_invalid"] == s["rx_dropped"] == 0 and s["rx_packets"] == total, s
