@@ -779,75 +779,75 @@ class XskTransport(Transport):
         one_hl = hl_max == int(hl.min())  # one header length: frames built in one pass
         fs = self.frame_size
         longest = int(batch.lengths[:n].max()) + wire.HEADER_LEN + hl_max
-        if longest + (longest & 1) > fs and not self.sg:
+        longest += longest & 1  # frames are built to an even width
+        if longest > fs and not self.sg:
             raise ValueError(f"a {longest}-byte frame does not fit a {fs}-byte UMEM frame "
                              "(frames spanning UMEM frames need multi-buffer AF_XDP: kernel 6.6+)")
-        if -(-(longest + 1) // fs) > SG_MAX_SEGMENTS:
+        if -(-longest // fs) > SG_MAX_SEGMENTS:
             raise ValueError(f"a {longest}-byte frame needs more than {SG_MAX_SEGMENTS} {fs}-byte UMEM frames")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._tx_lock:
-            if longest + (longest & 1) <= fs:
+            if longest <= fs:
                 return self._send_locked(batch, n, hl_max, one_hl, deadline)
-            # frames spanning UMEM frames: runs of packets with the same segment count
             flen = hl + wire.HEADER_LEN + batch.lengths[:n]
-            segs = (flen + (flen & 1) + fs - 1) // fs
-            sent = 0
-            cuts = [int(c) for c in np.flatnonzero(np.diff(segs)) + 1]
-            for lo, hi in zip([0, *cuts], [*cuts, n]):
-                part = batch.view(lo, hi)
-                k = int(segs[lo])
-                got = self._send_locked(part, hi - lo, int(hl[lo:hi].max()), bool((hl[lo:hi] == hl[lo]).all()),
-                                        deadline) if k == 1 else self._send_sg(part, hi - lo, k, deadline)
-                sent += got
-                if got < hi - lo:
-                    break
-            return sent
+            return self._send_sg(batch, n, (flen + (flen & 1) + fs - 1) // fs, deadline)
 
-    def _send_sg(self, batch: Batch, n: int, k: int, deadline: float | None) -> int:
-        """``_send_locked`` for packets whose frames each span ``k`` UMEM frames (multi-buffer).
+    def _send_sg(self, batch: Batch, n: int, segs: np.ndarray, deadline: float | None) -> int:
+        """``_send_locked`` for a batch with frames spanning UMEM frames (multi-buffer).
 
-        Each frame is built across ``k`` consecutive UMEM frames (in place
-        when the free list hands out a consecutive run, else in scratch and
-        scattered) and described by ``k`` descriptors, all but the last
-        with ``XDP_PKT_CONTD``; pacing releases a frame's descriptors together.
+        Packet i takes ``segs[i]`` UMEM frames and as many descriptors, all
+        but its last with ``XDP_PKT_CONTD``; pacing releases a frame's
+        descriptors together.  When every packet of a pass spans the same
+        number of frames and the free list hands out a consecutive run (the
+        collective's batches: same-size chunks), frames are built in place
+        across them; otherwise built in scratch and scattered, segment by
+        segment in one numpy gather (no loop over packets).
         """
         tx, fs, T = self._tx, self.frame_size, self.tx_frames
+        csum = np.concatenate(([0], np.cumsum(segs)))  # frames used by packets before i
         sent = 0
         while sent < n:
             self._reclaim()
             prod = self._wprod
-            space = tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF)
-            m = min(n - sent, self._tx_nfree // k, space // k, T // k)
+            room = min(self._tx_nfree, tx.n - ((prod - int(tx.cons[0])) & 0xFFFFFFFF))
+            m = int(np.searchsorted(csum[sent:], csum[sent] + room, side="right")) - 1  # whole packets that fit
+            m = min(m, n - sent)
             if m == 0:
                 if not self._wait_room(deadline):
                     break
                 continue
-            q = m * k
+            k = segs[sent: sent + m]
+            q = int(csum[sent + m] - csum[sent])
+            kmax = int(k.max())
             addrs = self._tx_free[(self._tx_head + np.arange(q)) % T]
             self._tx_head = (self._tx_head + q) % T
             self._tx_nfree -= q
             fr = (addrs // np.uint64(fs)).astype(np.int64)
             part = batch.view(sent, sent + m)
             f0 = int(fr[0])
-            inplace = int(fr[-1]) - f0 == q - 1 and bool((np.diff(fr) == 1).all())
-            span = self._umem[f0 * fs: (f0 + q) * fs].reshape(m, k * fs) if inplace else np.empty((m, k * fs), np.uint8)
             hl = self._tmpl.hlen[part.peer]
-            if (hl == hl[0]).all():  # one header length: built straight into the span
+            one_hl = bool((hl == hl[0]).all())
+            inplace = one_hl and int(k.min()) == kmax and int(fr[-1]) - f0 == q - 1 and bool((np.diff(fr) == 1).all())
+            span = self._umem[f0 * fs: (f0 + q) * fs].reshape(m, kmax * fs) if inplace else \
+                np.empty((m, kmax * fs), np.uint8)
+            if one_hl:
                 _, lens = frames.build_one(self._tmpl, int(hl[0]), part.peer, part.headers, part.payload,
                                            part.lengths, out=span)
             else:
                 lens = np.empty(m, np.int64)
                 for rows, st, flen in frames.build(self._tmpl, part.peer, part.headers, part.payload,
-                                                   part.lengths):
+                                                   part.lengths):  # rows: an index array (lengths differ)
                     span[rows, : st.shape[1]] = st
                     lens[rows] = flen
+            pk = np.repeat(np.arange(m), k)  # packet of each descriptor
+            j = np.arange(q) - np.repeat(csum[sent: sent + m] - csum[sent], k)  # its segment in the packet
             if not inplace:
-                self._umem2d[fr] = span.reshape(q, fs)
-            seg = np.arange(q) % k
-            dlen = np.where(seg < k - 1, fs, np.repeat(lens - (k - 1) * fs, k))
+                self._umem2d[fr] = span.reshape(m, kmax, fs)[pk, j]
+            last = j == k[pk] - 1
+            dlen = np.where(last, lens[pk] - j * fs, fs)
             words = np.empty((q, 2), np.uint64)
             words[:, 0] = addrs
-            words[:, 1] = dlen.astype(np.uint64) | (np.where(seg < k - 1, XDP_PKT_CONTD, 0).astype(np.uint64) << 32)
+            words[:, 1] = dlen.astype(np.uint64) | (np.where(last, 0, XDP_PKT_CONTD).astype(np.uint64) << 32)
             slots = (prod + np.arange(q)) & tx.mask
             self._tx_words[slots] = words
             self._queued(slots, lens, k, part)
@@ -910,17 +910,18 @@ class XskTransport(Transport):
             time.sleep(min(0.001, max(0.0002, self._pace_wait())))
         return True
 
-    def _queued(self, slots, lens: np.ndarray, k: int, part: Batch) -> None:
-        """Account ``len(lens)`` frames of ``k`` descriptors each, just written at tx ring ``slots``
-        (from ``_wprod`` on), and hand the kernel what the token bucket allows."""
+    def _queued(self, slots, lens: np.ndarray, k, part: Batch) -> None:
+        """Account ``len(lens)`` frames of ``k`` descriptors each (an int, or one count per frame),
+        just written at tx ring ``slots`` (from ``_wprod`` on); hand the kernel what the tokens allow."""
         m = len(lens)
+        q = int(np.sum(k)) if np.ndim(k) else m * k
         if self._Bps:  # per descriptor, its frame's cumulative end: a frame's descriptors go together
             c = np.cumsum(lens)
             c += self._bytes_written
-            self._tx_cum[slots] = c if k == 1 else np.repeat(c, k)
+            self._tx_cum[slots] = np.repeat(c, k) if np.ndim(k) or k > 1 else c
             self._bytes_written = int(c[-1])
-        self._wprod = (self._wprod + m * k) & 0xFFFFFFFF
-        self._tx_outstanding += m * k
+        self._wprod = (self._wprod + q) & 0xFFFFFFFF
+        self._tx_outstanding += q
         self._c["tx_packets"] += m
         self._c["tx_bytes"] += int(part.lengths.sum()) + m * wire.HEADER_LEN
         self._release()
