@@ -8,6 +8,15 @@ so the kernel scatters headers and payloads straight into the caller's numpy
 arrays (no staging copy, no per-packet Python).  The ``mmsghdr``/``iovec``
 arrays are numpy structured arrays whose pointers are filled vectorised.
 
+Transmit uses UDP generic segmentation offload where the kernel has it
+(``UDP_SEGMENT``, 4.18+): consecutive packets to one peer with one size go
+as one ``sendmmsg`` message of up to 64 datagrams (at most ~64 KB), which
+the kernel's UDP and IP layers, routing and qdisc handle once and segments
+into separate datagrams at the device: the same datagrams on the wire, a
+fraction of the per-datagram send cost.  A kernel that refuses it turns it
+off for the socket (counted in ``stats()["tx_gso_off"]``) and the packets go
+one datagram per message.
+
 One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
 (IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
 IPv4 socket.  Receive-buffer overflows are counted by the kernel and read
@@ -41,7 +50,13 @@ MMSG_DTYPE = np.dtype([("name", "<u8"), ("namelen", "<u4"), ("_p0", "<u4"), ("io
                        ("control", "<u8"), ("controllen", "<u8"), ("flags", "<i4"), ("_p1", "<u4"),
                        ("len", "<u4"), ("_p2", "<u4")])
 IOV_DTYPE = np.dtype([("base", "<u8"), ("len", "<u8")])
-assert MMSG_DTYPE.itemsize == 64 and IOV_DTYPE.itemsize == 16
+# struct cmsghdr carrying UDP_SEGMENT's u16 segment size: CMSG_LEN(2) = 18, CMSG_SPACE(2) = 24
+CMSG_DTYPE = np.dtype([("len", "<u8"), ("level", "<i4"), ("type", "<i4"), ("gso", "<u2"), ("_pad", "V6")])
+assert MMSG_DTYPE.itemsize == 64 and IOV_DTYPE.itemsize == 16 and CMSG_DTYPE.itemsize == 24
+SOL_UDP = 17
+UDP_SEGMENT = 103
+GSO_MAX_SEGS = 64        # datagrams per message (UDP_MAX_SEGMENTS; 6.x kernels allow 128)
+GSO_MAX_BYTES = 65000    # bytes per message: under the 64 KB IP datagram limit with headers
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
@@ -71,20 +86,23 @@ class UdpTransport(Transport):
     ``ifname`` binds the socket to that device (SO_BINDTODEVICE) when
     allowed; ``bind`` picks a local address (default: all).  ``queue`` is
     accepted for interface symmetry and ignored.  ``recv`` with a timeout
-    retries up to ``spin`` seconds before sleeping in poll(2).
+    retries up to ``spin`` seconds before sleeping in poll(2).  ``gso``:
+    segment in the kernel (see the module docstring); None uses it where the
+    kernel takes ``UDP_SEGMENT``, True raises :class:`TransportError` where
+    it does not, False never uses it.
     """
 
     kind = "udp"
 
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 8 << 20,
-                 sndbuf: int = 4 << 20, max_batch: int = 4096, spin: float = 200e-6):
+                 sndbuf: int = 4 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
         self.spin = spin
         self._sock = None
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "tx_errors", "tx_blocked"), 0)
+                                 "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off"), 0)
         self._peers: list = []
         self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
         cap = max_batch
@@ -98,8 +116,12 @@ class UdpTransport(Transport):
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
         self._tx_iov = np.zeros((cap, 2), IOV_DTYPE)
         self._tx_mmsg["iov"] = self._tx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
-        self._tx_mmsg["iovlen"] = 2
+        self._tx_cmsg = np.zeros(cap, CMSG_DTYPE)
+        self._tx_cmsg["len"] = 18
+        self._tx_cmsg["level"] = SOL_UDP
+        self._tx_cmsg["type"] = UDP_SEGMENT
         self.max_batch = cap
+        self.gso = False
         try:
             with net.in_netns(netns):
                 try:
@@ -131,6 +153,14 @@ class UdpTransport(Transport):
                 except OSError as e:
                     raise TransportError(e.errno, f"bind UDP {host} port {port}: {os.strerror(e.errno)}") from None
                 self.port = s.getsockname()[1]
+                if gso is not False:
+                    try:  # 0: no segmentation unless a message asks for it; refused before 4.18
+                        s.setsockopt(SOL_UDP, UDP_SEGMENT, 0)
+                        self.gso = True
+                    except OSError as e:
+                        if gso:
+                            raise TransportError(e.errno, f"UDP_SEGMENT (UDP GSO, Linux 4.18+): "
+                                                          f"{os.strerror(e.errno)}") from None
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
             self._wpoll = select.poll()
@@ -255,22 +285,38 @@ class UdpTransport(Transport):
             raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
         names = self._names  # keep alive for the call
         deadline = None if timeout is None else time.monotonic() + timeout
+        v6 = self.family == socket.AF_INET6
         sent = 0
         while sent < n:
             m = min(n - sent, self.max_batch)
             i = np.arange(m, dtype=np.uint64)
             rows = slice(sent, sent + m)
-            self._tx_iov["base"][:m, 0] = np.uint64(hdrs.ctypes.data) + (i + np.uint64(sent)) * np.uint64(wire.HEADER_LEN)
-            self._tx_iov["len"][:m, 0] = wire.HEADER_LEN
-            self._tx_iov["base"][:m, 1] = np.uint64(pay.ctypes.data) + (i + np.uint64(sent)) * np.uint64(pay.strides[0])
-            self._tx_iov["len"][:m, 1] = lens[rows]
-            self._tx_mmsg["name"][:m] = np.uint64(names.ctypes.data) + peer[rows].astype(np.uint64) * np.uint64(SOCKADDR_LEN)
-            self._tx_mmsg["namelen"][:m] = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
-            done = errs = 0
-            while done < m:
-                r = _libc.sendmmsg(self._fd, self._tx_mmsg.ctypes.data + done * MMSG_DTYPE.itemsize, m - done,
+            iov = self._tx_iov
+            iov["base"][:m, 0] = np.uint64(hdrs.ctypes.data) + (i + np.uint64(sent)) * np.uint64(wire.HEADER_LEN)
+            iov["len"][:m, 0] = wire.HEADER_LEN
+            iov["base"][:m, 1] = np.uint64(pay.ctypes.data) + (i + np.uint64(sent)) * np.uint64(pay.strides[0])
+            iov["len"][:m, 1] = lens[rows]
+            first, count = self._messages(peer[rows], lens[rows])
+            nm = len(first)
+            mm = self._tx_mmsg[:nm]
+            mm["iov"] = np.uint64(iov.ctypes.data) + first.astype(np.uint64) * np.uint64(2 * IOV_DTYPE.itemsize)
+            mm["iovlen"] = 2 * count
+            mm["name"] = np.uint64(names.ctypes.data) + peer[rows][first].astype(np.uint64) * np.uint64(SOCKADDR_LEN)
+            mm["namelen"] = SOCKADDR_LEN if v6 else 16
+            seg = count > 1  # a message of several datagrams carries their size in a UDP_SEGMENT cmsg
+            mm["control"] = np.where(seg, np.uint64(self._tx_cmsg.ctypes.data)
+                                     + np.arange(nm, dtype=np.uint64) * np.uint64(CMSG_DTYPE.itemsize), 0)
+            mm["controllen"] = np.where(seg, CMSG_DTYPE.itemsize, 0)
+            self._tx_cmsg["gso"][:nm] = lens[rows][first] + wire.HEADER_LEN
+            done = errs = pk = 0  # messages done, packets failed, packets done
+            fallback = False
+            while done < nm:
+                r = _libc.sendmmsg(self._fd, self._tx_mmsg.ctypes.data + done * MMSG_DTYPE.itemsize, nm - done,
                                    MSG_DONTWAIT)
                 if r > 0:
+                    k = int(count[done: done + r].sum())
+                    self._c["tx_gso_packets"] += k - int(np.count_nonzero(~seg[done: done + r]))
+                    pk += k
                     done += r
                     continue
                 e = ctypes.get_errno()
@@ -281,17 +327,49 @@ class UdpTransport(Transport):
                         break
                     self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
                     continue
+                if seg[done] and e in (errno.EINVAL, errno.EIO, errno.EOPNOTSUPP):
+                    # the kernel will not segment this (no checksum offload on the route, a segment
+                    # over the path MTU...): datagram by datagram from here on, for this socket
+                    self.gso = False
+                    self._c["tx_gso_off"] += 1
+                    fallback = True
+                    break
                 # this message failed (unreachable, refused...): count it, skip it
-                self._c["tx_errors"] += 1
-                errs += 1
+                k = int(count[done])
+                self._c["tx_errors"] += k
+                errs += k
+                pk += k
                 done += 1
-            ok = done - errs
+            ok = pk - errs
             self._c["tx_packets"] += ok
-            self._c["tx_bytes"] += int(lens[sent: sent + done].sum()) + ok * wire.HEADER_LEN  # approx. on errors
-            sent += done
-            if done < m:
+            self._c["tx_bytes"] += int(lens[sent: sent + pk].sum()) + ok * wire.HEADER_LEN  # approx. on errors
+            sent += pk
+            if done < nm and not fallback:  # blocked past the deadline
                 break
         return sent
+
+    def _messages(self, peer: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Group packets into sendmmsg messages: (first packet, packet count) of each.
+
+        With GSO, a message is a run of consecutive packets to one peer with
+        one length, cut at GSO_MAX_SEGS datagrams or GSO_MAX_BYTES; else one
+        packet per message.
+        """
+        m = len(peer)
+        if not self.gso or m == 1:
+            return np.arange(m), np.ones(m, np.int64)
+        size = lens + wire.HEADER_LEN
+        brk = np.empty(m, bool)
+        brk[0] = True
+        np.not_equal(peer[1:], peer[:-1], out=brk[1:])
+        brk[1:] |= size[1:] != size[:-1]
+        run0 = np.flatnonzero(brk)
+        if len(run0) < m:  # cut runs longer than one message may carry
+            runs = np.cumsum(brk) - 1
+            per = np.minimum(GSO_MAX_SEGS, GSO_MAX_BYTES // size)
+            brk |= (np.arange(m) - run0[runs]) % per == 0
+        first = np.flatnonzero(brk)
+        return first, np.diff(first, append=m)
 
     def stats(self) -> dict:
         s = dict(self._c)
