@@ -177,3 +177,23 @@ def links(netns: str | None = None) -> list[dict]:
             out.append({"ifname": name, "index": link["index"], "xdp_prog_id": prog,
                         "xdp_attached": attrs.get("IFLA_XDP_ATTACHED")})
     return out
+
+
+SIOCETHTOOL = 0x8946
+ETHTOOL_GGRO, ETHTOOL_SGRO, ETHTOOL_STXCSUM = 0x2B, 0x2C, 0x17
+
+
+def ethtool_value(ifname: str, cmd: int, value: int | None = None, netns: str | None = None) -> int:
+    """An ethtool_value command (``ETHTOOL_G*`` reads, ``ETHTOOL_S*`` with ``value`` writes); returns the value.
+
+    Raises OSError from the ioctl (ENODEV: no such interface; EOPNOTSUPP: the driver lacks it).
+    """
+    import fcntl
+    import socket
+    import struct
+
+    val = ctypes.create_string_buffer(struct.pack("=II", cmd, value or 0), 8)
+    ifr = struct.pack("16sP", ifname.encode(), ctypes.addressof(val))
+    with in_netns(netns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
+    return struct.unpack("=II", val.raw)[1]

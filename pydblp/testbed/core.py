@@ -33,8 +33,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -215,15 +213,9 @@ def _ns_sysctl(ns: str, key: str, value) -> None:
         _sysctl_path(key).write_text(str(value))
 
 
-SIOCETHTOOL, ETHTOOL_STXCSUM, ETHTOOL_SGRO = 0x8946, 0x17, 0x2C
-
-
 def _ethtool_set(ns: str, ifname: str, cmd: int, value: int, what: str) -> None:
-    val = ctypes.create_string_buffer(struct.pack("=II", cmd, value), 8)
-    ifr = struct.pack("16sP", ifname.encode(), ctypes.addressof(val))
     try:
-        with net.in_netns(ns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
+        net.ethtool_value(ifname, cmd, value, ns)
     except OSError as e:
         raise TestbedError(f"cannot turn {what} for {ifname} in {ns}: {e.strerror} (the fabric forwards "
                            "with XDP_REDIRECT, which needs it)") from None
@@ -238,8 +230,8 @@ def _worker_nic_features(ns: str, ifname: str) -> None:
     mark a veth would otherwise carry to the receiver, so the sender's stack
     computes TCP/UDP checksums itself (as with a NIC without offload).
     """
-    _ethtool_set(ns, ifname, ETHTOOL_STXCSUM, 0, "transmit checksum offload off")
-    _ethtool_set(ns, ifname, ETHTOOL_SGRO, 1, "GRO on")
+    _ethtool_set(ns, ifname, net.ETHTOOL_STXCSUM, 0, "transmit checksum offload off")
+    _ethtool_set(ns, ifname, net.ETHTOOL_SGRO, 1, "GRO on")
 
 
 def _set_rps(ns: str, ifnames: list[str], mask: str) -> None:

@@ -17,6 +17,16 @@ fraction of the per-datagram send cost.  A kernel that refuses it turns it
 off for the socket (counted in ``stats()["tx_gso_off"]``) and the packets go
 one datagram per message.
 
+Receive can take datagrams merged by GRO (``UDP_GRO``, 5.0+; on by default
+when the socket is bound to a device with GRO on): a run of equal-sized
+datagrams of one flow reaches the socket as one message, so the IP and UDP
+receive path, the socket queue and ``recvmmsg`` handle each run once.  Each
+message read then gets 64 rows of the caller's batch (the most datagrams
+GRO merges), its datagrams land row by row when they are a row's size
+(header + the batch's payload width; the collective's data packets are) and
+are re-cut otherwise, and the rows are packed; a batch narrower than 64 rows
+reads through an internal spill batch and gets the rest on the next calls.
+
 One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
 (IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
 IPv4 socket.  Receive-buffer overflows are counted by the kernel and read
@@ -57,6 +67,11 @@ SOL_UDP = 17
 UDP_SEGMENT = 103
 GSO_MAX_SEGS = 64        # datagrams per message (UDP_MAX_SEGMENTS; 6.x kernels allow 128)
 GSO_MAX_BYTES = 65000    # bytes per message: under the 64 KB IP datagram limit with headers
+UDP_GRO = 104
+GRO_SEGS = 64            # datagrams the kernel merges into one message at most (UDP_GRO_CNT_MAX)
+SPILL_ROWS = 8 * GRO_SEGS  # a batch narrower than GRO_SEGS reads through a spill batch this tall
+GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a row still arrive whole
+CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
@@ -89,20 +104,24 @@ class UdpTransport(Transport):
     retries up to ``spin`` seconds before sleeping in poll(2).  ``gso``:
     segment in the kernel (see the module docstring); None uses it where the
     kernel takes ``UDP_SEGMENT``, True raises :class:`TransportError` where
-    it does not, False never uses it.
+    it does not, False never uses it.  ``gro``: let the kernel hand over runs
+    of datagrams merged (``UDP_GRO``); None turns it on when ``ifname`` has
+    GRO on (nothing merges otherwise), True raises where the kernel lacks it.
     """
 
     kind = "udp"
 
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 8 << 20,
-                 sndbuf: int = 4 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None):
+                 sndbuf: int = 2 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None,
+                 gro: bool | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
         self.spin = spin
         self._sock = None
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off"), 0)
+                                 "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off",
+                                 "rx_gro_packets"), 0)
         self._peers: list = []
         self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
         cap = max_batch
@@ -113,6 +132,9 @@ class UdpTransport(Transport):
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
         self._rx_bound = None  # (headers ptr, payload ptr, row stride, width) the iovecs point at
+        self._rx_cmsg = np.zeros(cap, CMSG_DTYPE)
+        self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
+        self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
         self._tx_iov = np.zeros((cap, 2), IOV_DTYPE)
         self._tx_mmsg["iov"] = self._tx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
@@ -161,6 +183,32 @@ class UdpTransport(Transport):
                         if gso:
                             raise TransportError(e.errno, f"UDP_SEGMENT (UDP GSO, Linux 4.18+): "
                                                           f"{os.strerror(e.errno)}") from None
+                want_gro = gro
+                if gro is None:  # merging happens only where the device does GRO
+                    try:
+                        want_gro = bool(ifname) and bool(net.ethtool_value(ifname, net.ETHTOOL_GGRO))
+                    except OSError:
+                        want_gro = False
+                if want_gro:
+                    try:
+                        s.setsockopt(SOL_UDP, UDP_GRO, 1)
+                        self.gro = True
+                    except OSError as e:
+                        if gro:
+                            raise TransportError(e.errno, f"UDP_GRO (UDP receive offload, Linux 5.0+): "
+                                                          f"{os.strerror(e.errno)}") from None
+                if self.gro:  # each message may be GRO_SEGS datagrams: it gets that many rows + an overflow
+                    mm = self._rx_mmsg
+                    slots = cap // GRO_SEGS
+                    self._rx_slot_iov = np.zeros((slots, 2 * GRO_SEGS + 1), IOV_DTYPE)
+                    self._rx_over = np.zeros((slots, GRO_OVERFLOW), np.uint8)
+                    self._rx_slot_iov["base"][:, -1] = self._rx_over.ctypes.data + np.arange(
+                        slots, dtype=np.uint64) * GRO_OVERFLOW
+                    self._rx_slot_iov["len"][:, -1] = GRO_OVERFLOW
+                    mm["iov"][:slots] = self._rx_slot_iov.ctypes.data + np.arange(slots, dtype=np.uint64) * (
+                        self._rx_slot_iov.strides[0])
+                    mm["iovlen"] = 2 * GRO_SEGS + 1
+                    mm["control"] = self._rx_cmsg.ctypes.data + np.arange(cap, dtype=np.uint64) * CMSG_DTYPE.itemsize
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
             self._wpoll = select.poll()
@@ -203,11 +251,60 @@ class UdpTransport(Transport):
             into.n = k
             return into.view(0, k)
         cap = min(into.cap, self.max_batch, max or into.cap)
+        if self._spill_n or (self.gro and cap < GRO_SEGS):
+            return self._recv_spill(into, cap, timeout, want, linger)
         self._point_rx(into)
+        if self.gro:
+            return self._recv_gro(into, cap, timeout, want, linger)
+        k = self._read(cap, timeout)
+        if k <= 0:
+            into.n = 0
+            return into.view(0, 0)
+        if k < min(want, cap) and linger > 0:  # coalesce: one more read after the linger
+            time.sleep(linger)
+            k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
+                                MSG_DONTWAIT | MSG_TRUNC, None)
+            k += k2 if k2 > 0 else 0
+        return self._deliver(into, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
+
+    def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float) -> Batch:
+        """``recv`` on a GRO socket: every message read gets GRO_SEGS rows (it may hold that many
+        datagrams); messages are unmerged and packed after each read, and reads go on while the
+        queue yields full reads and GRO_SEGS rows are left."""
+        used, lost, lingered = 0, 0, False
+        plens, peers = [], []
+        while cap - used >= GRO_SEGS:
+            slots = (cap - used) // GRO_SEGS
+            k = self._read(slots, timeout if used == 0 and not lingered else 0, row0=used)
+            if k > 0:
+                plen, peer, lo = self._unmerge(into, used, k)
+                plens.append(plen)
+                peers.append(peer)
+                used += len(plen)
+                lost += lo
+            if k == slots:
+                continue
+            if (used == 0 and not lingered) or used >= min(want, cap) or linger <= 0 or lingered:
+                break
+            time.sleep(linger)  # coalesce: read once more after the linger
+            lingered = True
+        if not plens:
+            into.n = 0
+            return into.view(0, 0)
+        return self._deliver(into, np.concatenate(plens), np.concatenate(peers), lost)
+
+    def _read(self, nmsg: int, timeout: float | None, row0: int = 0) -> int:
+        """recvmmsg of up to ``nmsg`` messages, waiting up to ``timeout``; the count (<= 0: none).
+
+        GRO: message i goes to rows ``row0 + i * GRO_SEGS`` on.
+        """
         mm = self._rx_mmsg
-        mm["namelen"][:cap] = SOCKADDR_LEN
+        mm["namelen"][:nmsg] = SOCKADDR_LEN
+        if self.gro:  # message i: GRO_SEGS rows from row0 + i * GRO_SEGS, then its overflow buffer
+            mm["controllen"][:nmsg] = CMSG_DTYPE.itemsize
+            self._rx_slot_iov[:nmsg, :-1] = self._rx_iov[row0: row0 + nmsg * GRO_SEGS].reshape(nmsg, -1)
         ptr = mm.ctypes.data
-        k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+        k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         if k < 0:
             e = ctypes.get_errno()
             if e not in (errno.EAGAIN, errno.EINTR):
@@ -215,29 +312,112 @@ class UdpTransport(Transport):
 
             def ready():
                 nonlocal k
-                k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
+                k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
                 return k >= 0
 
             if not self._spin(ready, timeout) and timeout != 0:
                 self._poll.poll(None if timeout is None else int(timeout * 1000))
-                k = _libc.recvmmsg(self._fd, ptr, cap, MSG_DONTWAIT | MSG_TRUNC, None)
-            if k < 0:
-                into.n = 0
-                return into.view(0, 0)
-        if k < min(want, cap) and linger > 0:  # coalesce: one more read after the linger
-            time.sleep(linger)
-            k2 = _libc.recvmmsg(self._fd, ptr + k * mm.itemsize, cap - k, MSG_DONTWAIT | MSG_TRUNC, None)
-            k += k2 if k2 > 0 else 0
-        m = mm[:k]
-        plen = m["len"].astype(np.int64)
+                k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
+        return k
+
+    def _gso_sizes(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(message length, datagram size) of the first ``k`` messages read; merged ones say their size."""
+        m = self._rx_mmsg[:k]
+        total = m["len"].astype(np.int64)
+        c = self._rx_cmsg[:k]
+        merged = (m["controllen"] >= CMSG_LEN4) & (c["level"] == SOL_UDP) & (c["type"] == UDP_GRO)
+        return total, np.where(merged, np.maximum(c["gso"].astype(np.int64), 1), np.maximum(total, 1))
+
+    def _unmerge(self, into: Batch, row0: int, k: int):
+        """Split the ``k`` messages read (each in its own GRO_SEGS rows from ``row0``) into one row per datagram.
+
+        Returns (UDP payload length per datagram, peer per datagram, datagrams lost), the
+        datagrams in rows [row0, row0 + n).  A datagram of a row's size (header + ``into.maxlen``) fills its
+        row exactly, so a merged message of such datagrams lands row by row as it is; other
+        sizes are re-cut from the bytes received.
+        """
+        peer = self._match(k)
+        total, g = self._gso_sizes(k)
+        nseg = np.maximum(-(-total // g), 1)
+        row = wire.HEADER_LEN + into.maxlen
+        lost = 0
+        for i in np.flatnonzero((nseg > 1) & (g != row)):  # rare: merged datagrams of another size
+            got, drop = self._recut(into, row0 + int(i) * GRO_SEGS, int(i), int(total[i]), int(g[i]))
+            nseg[i] = got
+            lost += drop
+        last = np.minimum(g, total - (nseg - 1) * g)  # the last datagram of a message may be shorter
+        self._c["rx_gro_packets"] += int(nseg[nseg > 1].sum())
+        n = int(nseg.sum())
+        plen = np.repeat(g, nseg)
+        ends = np.cumsum(nseg)
+        plen[ends - 1] = last
+        if k > 1 and n:  # move each message's rows up behind the previous one's
+            hv = into.headers.view(wire._RECORD)
+            dst = row0 + int(nseg[0])
+            for i in range(1, k):
+                c, src = int(nseg[i]), row0 + i * GRO_SEGS
+                if c and src != dst:
+                    hv[dst: dst + c] = hv[src: src + c]
+                    into.payload[dst: dst + c] = into.payload[src: src + c]
+                dst += c
+        return plen, np.repeat(peer, nseg), lost
+
+    def _recut(self, into: Batch, r0: int, slot: int, total: int, g: int) -> tuple[int, int]:
+        """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream over rows
+        ``r0``.. (each row: its header bytes, then its payload bytes; then overflow ``slot``), into
+        one datagram per row.
+
+        Returns (datagrams kept, datagrams lost).  A datagram is kept when every byte a row can
+        take of it arrived (it may still be cut to the row's width: counted as truncated).
+        """
+        rows = slice(r0, r0 + GRO_SEGS)
+        hb = into.headers[rows].view(np.uint8).reshape(GRO_SEGS, wire.HEADER_LEN)
+        stream = np.concatenate([np.concatenate([hb, into.payload[rows]], axis=1).reshape(-1),
+                                 self._rx_over[slot]])[:total]
+        starts = np.arange(0, total, g)
+        size = np.minimum(g, total - starts)
+        keep = starts + np.minimum(size, wire.HEADER_LEN + into.maxlen) <= len(stream)
+        n = int(keep.sum())  # kept ones come first: the stream is cut at its end only
+        if n:
+            padded = np.zeros(n * g, np.uint8)
+            m = min(len(stream), n * g)
+            padded[:m] = stream[:m]
+            segs = padded.reshape(n, g)
+            w = min(g - wire.HEADER_LEN, into.maxlen)
+            hb[:n] = segs[:, : wire.HEADER_LEN]
+            into.payload[r0: r0 + n, :w] = segs[:, wire.HEADER_LEN: wire.HEADER_LEN + w]
+        return n, len(starts) - n
+
+    def _recv_spill(self, into: Batch, cap: int, timeout, want, linger) -> Batch:
+        """A batch narrower than one merged message: read into the spill batch, hand out ``cap`` rows."""
+        sp = self._spill
+        if not self._spill_n:
+            if sp is None or sp.maxlen != into.maxlen:
+                sp = self._spill = Batch.empty(SPILL_ROWS, into.maxlen)
+            got = self.recv(sp, timeout, want=want, linger=linger)
+            self._spill_n, self._spill_at = len(got), 0
+        m = min(cap, self._spill_n)
+        rows = slice(self._spill_at, self._spill_at + m)
+        wire.put(into.headers[:m], sp.headers[rows])
+        w = min(into.maxlen, sp.maxlen)
+        into.payload[:m, :w] = sp.payload[rows, :w]
+        into.lengths[:m], into.peer[:m] = np.minimum(sp.lengths[rows], into.maxlen), sp.peer[rows]
+        self._spill_n -= m
+        self._spill_at += m
+        into.n = m
+        return into.view(0, m)
+
+    def _deliver(self, into: Batch, plen: np.ndarray, peer: np.ndarray, lost: int) -> Batch:
+        """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``), count, return them."""
+        k = len(plen)
         hdrs = into.headers[:k]
         ok = wire.validate_batch(hdrs, plen) == 0
         lens = plen - wire.HEADER_LEN
         trunc = lens > into.maxlen
+        self._c["rx_truncated"] += lost
         if trunc.any():
             self._c["rx_truncated"] += int((trunc & ok).sum())
             lens = np.minimum(lens, into.maxlen)
-        peer = self._match(k)
         if not ok.all():  # rare: compact the valid rows to the front
             sel = np.flatnonzero(ok)
             self._c["rx_invalid"] += k - len(sel)
