@@ -231,6 +231,12 @@ def put(dst: np.ndarray, src: np.ndarray) -> None:
     dst.view(_RECORD)[...] = src.view(_RECORD)
 
 
+def move(headers: np.ndarray, dst, src) -> None:
+    """``headers[dst] = headers[src]`` within one array, copied as opaque records (see :func:`take`)."""
+    v = headers.view(_RECORD)
+    v[dst] = v[src]
+
+
 def encode_batch(headers: np.ndarray) -> np.ndarray:
     """Header records -> an (n, 32) uint8 array of wire bytes (no copy of fields by Python)."""
     headers = np.ascontiguousarray(headers, dtype=HEADER_DTYPE)

@@ -332,7 +332,8 @@ class UdpTransport(Transport):
         """Split the ``k`` messages read (each in its own GRO_SEGS rows from ``row0``) into one row per datagram.
 
         Returns (UDP payload length per datagram, peer per datagram, datagrams lost), the
-        datagrams in rows [row0, row0 + n).  A datagram of a row's size (header + ``into.maxlen``) fills its
+        datagrams in rows [row0, row0 + n): the rows above it fill the gaps messages left, so
+        only those move.  A datagram of a row's size (header + ``into.maxlen``) fills its
         row exactly, so a merged message of such datagrams lands row by row as it is; other
         sizes are re-cut from the bytes received.
         """
@@ -348,19 +349,22 @@ class UdpTransport(Transport):
         last = np.minimum(g, total - (nseg - 1) * g)  # the last datagram of a message may be shorter
         self._c["rx_gro_packets"] += int(nseg[nseg > 1].sum())
         n = int(nseg.sum())
-        plen = np.repeat(g, nseg)
         ends = np.cumsum(nseg)
+        plen = np.repeat(g, nseg)
         plen[ends - 1] = last
-        if k > 1 and n:  # move each message's rows up behind the previous one's
-            hv = into.headers.view(wire._RECORD)
-            dst = row0 + int(nseg[0])
-            for i in range(1, k):
-                c, src = int(nseg[i]), row0 + i * GRO_SEGS
-                if c and src != dst:
-                    hv[dst: dst + c] = hv[src: src + c]
-                    into.payload[dst: dst + c] = into.payload[src: src + c]
-                dst += c
-        return plen, np.repeat(peer, nseg), lost
+        peer = np.repeat(peer, nseg)
+        at = row0 + np.repeat(np.arange(k) * GRO_SEGS - (ends - nseg), nseg) + np.arange(n)  # row of each
+        tail = at >= row0 + n
+        if tail.any():  # fill the gaps below row0 + n with the rows above it (datagrams are unordered)
+            held = np.zeros(n, bool)
+            held[at[~tail] - row0] = True
+            gaps = row0 + np.flatnonzero(~held)
+            wire.move(into.headers, gaps, at[tail])
+            into.payload[gaps] = into.payload[at[tail]]
+            at[tail] = gaps
+        order = np.empty(n, np.int64)
+        order[at - row0] = np.arange(n)
+        return plen[order], peer[order], lost
 
     def _recut(self, into: Batch, r0: int, slot: int, total: int, g: int) -> tuple[int, int]:
         """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream over rows
