@@ -71,6 +71,8 @@ UDP_GRO = 104
 GRO_SEGS = 64            # datagrams the kernel merges into one message at most (UDP_GRO_CNT_MAX)
 SPILL_ROWS = 8 * GRO_SEGS  # a batch narrower than GRO_SEGS reads through a spill batch this tall
 GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a row still arrive whole
+FEW_SEND = 4             # packets per send up to which each goes by its own sendmsg
+SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
 CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -123,6 +125,8 @@ class UdpTransport(Transport):
                                  "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off",
                                  "rx_gro_packets"), 0)
         self._peers: list = []
+        self._peer_key: dict[bytes, int] = {}
+        self._addrs: list[tuple] = []  # socket addresses of the peers, for sendmsg
         self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
         cap = max_batch
         self._rx_mmsg = np.zeros(cap, MMSG_DTYPE)
@@ -222,7 +226,17 @@ class UdpTransport(Transport):
         row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]
         self._names = np.concatenate([self._names, row])
         self._peers.append(ip)
+        self._peer_key.setdefault(self._addr_key(row[0]), len(self._peers) - 1)  # first registration wins
+        if self.family == socket.AF_INET6:
+            mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed) if ip.version == 4 else ip
+            self._addrs.append((str(mapped), port, 0, 0))
+        else:
+            self._addrs.append((str(ip), port))
         return len(self._peers) - 1
+
+    def _addr_key(self, name: np.ndarray) -> bytes:
+        """The address bytes of a sockaddr row (what ``_match`` compares; ports are not)."""
+        return name[8:24].tobytes() if self.family == socket.AF_INET6 else name[4:8].tobytes()
 
     # ---- receive -------------------------------------------------------
 
@@ -338,6 +352,8 @@ class UdpTransport(Transport):
         sizes are re-cut from the bytes received.
         """
         peer = self._match(k)
+        if k <= SMALL:
+            return self._unmerge_few(into, row0, k, peer)
         total, g = self._gso_sizes(k)
         nseg = np.maximum(-(-total // g), 1)
         row = wire.HEADER_LEN + into.maxlen
@@ -365,6 +381,52 @@ class UdpTransport(Transport):
         order = np.empty(n, np.int64)
         order[at - row0] = np.arange(n)
         return plen[order], peer[order], lost
+
+    def _unmerge_few(self, into: Batch, row0: int, k: int, peer: np.ndarray):
+        """``_unmerge`` for a few messages: the same rows and results, in Python ints and slices."""
+        m = self._rx_mmsg[:k]
+        total, clen, gso = m["len"].tolist(), m["controllen"].tolist(), self._rx_cmsg["gso"][:k].tolist()
+        row = wire.HEADER_LEN + into.maxlen
+        span = k * GRO_SEGS
+        plen = np.empty(span, np.int64)  # per slot row, then moved with the rows
+        pids = np.empty(span, np.int32)
+        nseg, lost = [], 0
+        for i in range(k):
+            t = total[i]
+            g = max(gso[i] if clen[i] >= CMSG_LEN4 else t, 1)
+            c = max(-(-t // g), 1)
+            r = i * GRO_SEGS
+            if c > 1 and g != row:  # rare: merged datagrams of another size
+                c, drop = self._recut(into, row0 + r, i, t, g)
+                lost += drop
+            if c:
+                plen[r: r + c] = g
+                plen[r + c - 1] = min(g, t - (c - 1) * g)  # the last may be shorter
+                pids[r: r + c] = peer[i]
+            if c > 1:
+                self._c["rx_gro_packets"] += c
+            nseg.append(c)
+        n = sum(nseg)
+        # fill the gaps below n with the rows above it, run by run (datagrams are unordered)
+        gaps = [(i * GRO_SEGS + c, min((i + 1) * GRO_SEGS, n)) for i, c in enumerate(nseg)
+                if i * GRO_SEGS + c < min((i + 1) * GRO_SEGS, n)]
+        tails = [(max(i * GRO_SEGS, n), i * GRO_SEGS + c) for i, c in enumerate(nseg) if i * GRO_SEGS + c > n]
+        hv = into.headers[row0: row0 + span]
+        pay = into.payload[row0: row0 + span]
+        while gaps:
+            (g0, g1), (t0, t1) = gaps[-1], tails[-1]
+            w = min(g1 - g0, t1 - t0)
+            wire.move(hv, slice(g0, g0 + w), slice(t1 - w, t1))
+            pay[g0: g0 + w] = pay[t1 - w: t1]
+            plen[g0: g0 + w] = plen[t1 - w: t1]
+            pids[g0: g0 + w] = pids[t1 - w: t1]
+            gaps[-1] = (g0 + w, g1)
+            tails[-1] = (t0, t1 - w)
+            if g0 + w == g1:
+                gaps.pop()
+            if t1 - w == t0:
+                tails.pop()
+        return plen[:n], pids[:n], lost
 
     def _recut(self, into: Batch, r0: int, slot: int, total: int, g: int) -> tuple[int, int]:
         """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream over rows
@@ -437,8 +499,12 @@ class UdpTransport(Transport):
         return into.view(0, k)
 
     def _match(self, k: int) -> np.ndarray:
+        """Peer id of each of the first ``k`` messages read, from its source address (-1: unknown)."""
+        if k <= SMALL:  # a few messages (merged ones, control packets): a dict beats numpy's per-call cost
+            get, key, names = self._peer_key.get, self._addr_key, self._rx_name
+            return np.array([get(key(names[i]), -1) for i in range(k)], np.int32)
         out = np.full(k, -1, np.int32)
-        if not self._peers or k == 0:
+        if not self._peers:
             return out
         names = self._rx_name[:k]
         for pid in range(len(self._peers)):
@@ -457,6 +523,8 @@ class UdpTransport(Transport):
         n = len(batch)
         if n == 0:
             return 0
+        if n <= FEW_SEND:
+            return self._send_few(batch, n, timeout)
         peer = np.asarray(batch.peer[:n], np.int64)
         if peer.min() < 0 or peer.max() >= len(self._peers):
             raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
@@ -530,6 +598,37 @@ class UdpTransport(Transport):
             sent += pk
             if done < nm and not fallback:  # blocked past the deadline
                 break
+        return sent
+
+    def _send_few(self, batch: Batch, n: int, timeout: float | None) -> int:
+        """``send`` for a few packets (control packets): one sendmsg each, no vectorised set-up."""
+        peer, lens = batch.peer[:n].tolist(), batch.lengths[:n].tolist()
+        if min(peer) < 0 or max(peer) >= len(self._peers):
+            raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
+        if max(lens) > batch.payload.shape[1]:
+            raise ValueError(f"lengths exceed the payload width {batch.payload.shape[1]}")
+        hb = np.ascontiguousarray(batch.headers[:n]).view(np.uint8).reshape(n, wire.HEADER_LEN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent = 0
+        while sent < n:
+            i = sent
+            try:
+                self._sock.sendmsg([hb[i], np.ascontiguousarray(batch.payload[i, : lens[i]])], (), MSG_DONTWAIT,
+                                   self._addrs[peer[i]])
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
+                    self._c["tx_errors"] += 1  # this packet failed (unreachable, refused...): count it, skip it
+                    sent += 1
+                    continue
+                self._c["tx_blocked"] += 1
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
+                continue
+            self._c["tx_packets"] += 1
+            self._c["tx_bytes"] += lens[i] + wire.HEADER_LEN
+            sent += 1
         return sent
 
     def _messages(self, peer: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

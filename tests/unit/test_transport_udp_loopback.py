@@ -234,11 +234,16 @@ def _gro_pair(**kw):
     return a, b
 
 
+@pytest.mark.parametrize("few", [0, 10**6], ids=["numpy", "python"])
 @pytest.mark.parametrize("width", [1400, 900, 600, 200])
-def test_udp_gro_merged_datagrams_bit_exact(width):
+def test_udp_gro_merged_datagrams_bit_exact(width, few, monkeypatch):
     """Merged runs come back one datagram per row, bit-exact: datagrams of the row's size (1400),
     of other sizes (re-cut from the stream), longer than a row (cut to it, counted), and rows of
-    a batch narrower than one merged message (spill) over several calls."""
+    a batch narrower than one merged message (spill) over several calls; both the vectorised
+    unmerge and the per-message one for reads of a few messages (``few``: its threshold)."""
+    from pydblp.transport import udp
+
+    monkeypatch.setattr(udp, "SMALL", few)
     a, b = _gro_pair()
     with a, b:
         pb = a.add_peer("127.0.0.1", b.port)
@@ -258,3 +263,26 @@ def test_udp_gro_merged_datagrams_bit_exact(width):
         s = b.stats()
         assert s["rx_packets"] == n and s["rx_invalid"] == 0 and s["rx_gro_packets"] > 1000
         assert s["rx_truncated"] == int((sent.lengths[:n] > width).sum())
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+def test_udp_few_packets_bit_exact(addr):
+    """Batches of 1..4 packets (one sendmsg each: control packets) to two peers arrive bit-exact."""
+    if addr == "::1" and not _have_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with UdpTransport(port=0) as a, UdpTransport(port=0) as b, UdpTransport(port=0) as c:
+        pb, pc = a.add_peer(addr, b.port), a.add_peer(addr, c.port)
+        into = Batch.empty(64, 1400)
+        start = 0
+        for n in (1, 2, 3, 4):
+            sent = make_batch(n, start, peer=pb)
+            sent.peer[:n] = np.where(np.arange(n) % 2, pc, pb)
+            assert a.send(sent) == n
+            for t, pid in ((b, pb), (c, pc)):
+                mine = sent.peer[:n] == pid
+                exp = Batch(sent.headers[mine], sent.payload[mine], sent.lengths[mine], sent.peer[mine],
+                            int(mine.sum()))
+                if exp.n:
+                    check_same(exp, _recv_all(t, exp.n, into, pid))
+            start += n
+        assert a.stats()["tx_packets"] == 10 and a.stats()["tx_errors"] == 0
