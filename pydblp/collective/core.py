@@ -37,8 +37,9 @@ receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 ``DEAD_TICK``).  A transport that paces itself to a line rate
 (:meth:`Transport.tx_backlog`) is handed no more data while it holds
 ``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog; while
-``LINGER_WANT`` data packets are still due, a receive waits up to
-``LINGER`` for that many (a stream at line rate arrives in slices).
+16 or more data packets are still due, a receive waits up to ``LINGER``
+for them (at most ``LINGER_WANT``): a stream at line rate arrives in
+slices, and each receive has a fixed cost.
 
 Failure semantics:
 
@@ -407,15 +408,15 @@ class Collective:
                 self._timers(st, now)
 
     def _expected(self, st: _Round) -> int:
-        """How many packets a receive may wait for: LINGER_WANT while at least that many data
-        packets are still due, else 1 (a control packet or a message's last chunks go at once)."""
+        """How many packets a receive may wait for: the data packets still due, at most LINGER_WANT;
+        1 when fewer than 16 are due (a control packet or a message's last chunks go at once)."""
         due = 0
         for inn in st.ins.values():
             if not inn.done and (inn.ag or not st.reduced):
                 due += inn.need - inn.count
                 if due >= LINGER_WANT:
                     return LINGER_WANT
-        return 1
+        return due if due >= 16 else 1
 
     def _complete(self, st: _Round) -> bool:
         return (st.reduced and all(o.done for o in st.outs.values())
