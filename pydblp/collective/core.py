@@ -217,6 +217,8 @@ class Collective:
                 self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
         self._rx = Batch.empty(RECV_BATCH, max(c.chunk_bytes, 64))
         self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
+        self._txh = wire.empty_batch(0)
+        self._txlens = self._txpeer = np.empty(0, np.int32)
         self.round = 0
         self.index = 0
         self.records: list[RoundRecord] = []
@@ -488,12 +490,16 @@ class Collective:
         if k == 0:
             return
         width = self.C * 4
-        if self._txbuf.shape[0] < k:
+        if self._txbuf.shape[0] < k:  # kept across calls: the transport's set-up for them is reused too
             self._txbuf = np.empty((k, width), np.uint8)
+            self._txh = wire.empty_batch(k)
+            self._txlens = np.empty(k, np.int32)
+            self._txpeer = np.empty(k, np.int32)
         payload = self._txbuf[:k]  # the transport copies it out before send() returns
-        h = wire.empty_batch(k)
-        lens = np.full(k, width, np.int32)
-        peer = np.empty(k, np.int32)
+        h = self._txh[:k]  # every field but magic and version is written below
+        lens = self._txlens[:k]
+        lens[:] = width
+        peer = self._txpeer[:k]
         for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
             h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
                     RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)

@@ -142,7 +142,12 @@ class UdpTransport(Transport):
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
         self._tx_iov = np.zeros((cap, 2), IOV_DTYPE)
         self._tx_mmsg["iov"] = self._tx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
+        self._tx_iov["len"][:, 0] = wire.HEADER_LEN
+        self._tx_off = np.arange(cap, dtype=np.uint64)
+        self._tx_iov_at = self._tx_iov.ctypes.data + self._tx_off * np.uint64(2 * IOV_DTYPE.itemsize)
+        self._tx_bound = (None, 0)  # ((headers ptr, payload ptr, row stride), rows) the transmit iovecs point at
         self._tx_cmsg = np.zeros(cap, CMSG_DTYPE)
+        self._tx_cmsg_at = self._tx_cmsg.ctypes.data + self._tx_off * np.uint64(CMSG_DTYPE.itemsize)
         self._tx_cmsg["len"] = 18
         self._tx_cmsg["level"] = SOL_UDP
         self._tx_cmsg["type"] = UDP_SEGMENT
@@ -179,6 +184,7 @@ class UdpTransport(Transport):
                 except OSError as e:
                     raise TransportError(e.errno, f"bind UDP {host} port {port}: {os.strerror(e.errno)}") from None
                 self.port = s.getsockname()[1]
+                self._tx_mmsg["namelen"] = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
                 if gso is not False:
                     try:  # 0: no segmentation unless a message asks for it; refused before 4.18
                         s.setsockopt(SOL_UDP, UDP_SEGMENT, 0)
@@ -535,30 +541,29 @@ class UdpTransport(Transport):
         lens = np.asarray(batch.lengths[:n], np.int64)
         if lens.max() > pay.shape[1]:
             raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
-        names = self._names  # keep alive for the call
+        names = self._names  # keep alive for the call (the messages point into it)
         deadline = None if timeout is None else time.monotonic() + timeout
-        v6 = self.family == socket.AF_INET6
         sent = 0
         while sent < n:
             m = min(n - sent, self.max_batch)
-            i = np.arange(m, dtype=np.uint64)
             rows = slice(sent, sent + m)
             iov = self._tx_iov
-            iov["base"][:m, 0] = np.uint64(hdrs.ctypes.data) + (i + np.uint64(sent)) * np.uint64(wire.HEADER_LEN)
-            iov["len"][:m, 0] = wire.HEADER_LEN
-            iov["base"][:m, 1] = np.uint64(pay.ctypes.data) + (i + np.uint64(sent)) * np.uint64(pay.strides[0])
+            key = (hdrs.ctypes.data + sent * wire.HEADER_LEN, pay.ctypes.data + sent * pay.strides[0],
+                   pay.strides[0])
+            if key != self._tx_bound[0] or m > self._tx_bound[1]:  # else they point at these rows already
+                iov["base"][:m, 0] = np.uint64(key[0]) + self._tx_off[:m] * np.uint64(wire.HEADER_LEN)
+                iov["base"][:m, 1] = np.uint64(key[1]) + self._tx_off[:m] * np.uint64(key[2])
+                self._tx_bound = (key, m)
             iov["len"][:m, 1] = lens[rows]
             first, count = self._messages(peer[rows], lens[rows])
             nm = len(first)
             mm = self._tx_mmsg[:nm]
-            mm["iov"] = np.uint64(iov.ctypes.data) + first.astype(np.uint64) * np.uint64(2 * IOV_DTYPE.itemsize)
+            mm["iov"] = self._tx_iov_at[first]
             mm["iovlen"] = 2 * count
             mm["name"] = np.uint64(names.ctypes.data) + peer[rows][first].astype(np.uint64) * np.uint64(SOCKADDR_LEN)
-            mm["namelen"] = SOCKADDR_LEN if v6 else 16
             seg = count > 1  # a message of several datagrams carries their size in a UDP_SEGMENT cmsg
-            mm["control"] = np.where(seg, np.uint64(self._tx_cmsg.ctypes.data)
-                                     + np.arange(nm, dtype=np.uint64) * np.uint64(CMSG_DTYPE.itemsize), 0)
-            mm["controllen"] = np.where(seg, CMSG_DTYPE.itemsize, 0)
+            mm["control"] = self._tx_cmsg_at[:nm] * seg
+            mm["controllen"] = seg * CMSG_DTYPE.itemsize
             self._tx_cmsg["gso"][:nm] = lens[rows][first] + wire.HEADER_LEN
             done = errs = pk = 0  # messages done, packets failed, packets done
             fallback = False
@@ -642,17 +647,26 @@ class UdpTransport(Transport):
         if not self.gso or m == 1:
             return np.arange(m), np.ones(m, np.int64)
         size = lens + wire.HEADER_LEN
+        key = peer * 65536 + size  # a run: one peer, one size
         brk = np.empty(m, bool)
         brk[0] = True
-        np.not_equal(peer[1:], peer[:-1], out=brk[1:])
-        brk[1:] |= size[1:] != size[:-1]
-        run0 = np.flatnonzero(brk)
-        if len(run0) < m:  # cut runs longer than one message may carry
-            runs = np.cumsum(brk) - 1
-            per = np.minimum(GSO_MAX_SEGS, GSO_MAX_BYTES // size)
-            brk |= (np.arange(m) - run0[runs]) % per == 0
+        np.not_equal(key[1:], key[:-1], out=brk[1:])
         first = np.flatnonzero(brk)
-        return first, np.diff(first, append=m)
+        if len(first) <= SMALL:  # a few runs: cut them in Python
+            starts, counts = [], []
+            for r0, r1, sz in zip(first.tolist(), first[1:].tolist() + [m], size[first].tolist()):
+                per = min(GSO_MAX_SEGS, GSO_MAX_BYTES // sz)
+                starts.extend(range(r0, r1, per))
+                counts.extend(min(per, r1 - x) for x in range(r0, r1, per))
+            return np.array(starts, np.int64), np.array(counts, np.int64)
+        runs = np.cumsum(brk) - 1  # cut runs longer than one message may carry
+        per = np.minimum(GSO_MAX_SEGS, GSO_MAX_BYTES // size)
+        brk |= (np.arange(m) - first[runs]) % per == 0
+        first = np.flatnonzero(brk)
+        count = np.empty(len(first), np.int64)
+        count[:-1] = first[1:] - first[:-1]
+        count[-1] = m - first[-1]
+        return first, count
 
     def stats(self) -> dict:
         s = dict(self._c)

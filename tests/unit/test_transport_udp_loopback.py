@@ -179,11 +179,16 @@ def _recv_all(t, n, into, peer_of):
     return Batch(np.concatenate(hs), np.concatenate(ps), np.concatenate(ls), np.concatenate(pe), k)
 
 
+@pytest.mark.parametrize("few", [0, 10**6], ids=["numpy", "python"])
 @pytest.mark.parametrize("gso", [None, False])
-def test_udp_gso_runs_bit_exact(gso):
+def test_udp_gso_runs_bit_exact(gso, few, monkeypatch):
     """Runs of equal-length packets to one peer go as GSO messages (runs longer than a message may
     carry are cut, peers interleave in runs, odd lengths break runs); every datagram arrives whole,
-    and the same stream without GSO arrives the same."""
+    and the same stream without GSO arrives the same.  ``few``: the run count up to which runs are
+    cut in Python rather than numpy."""
+    from pydblp.transport import udp
+
+    monkeypatch.setattr(udp, "SMALL", few)
     with UdpTransport(port=0, gso=gso) as a, UdpTransport(port=0) as b, UdpTransport(port=0) as c:
         if gso is None and not a.gso:
             pytest.skip("kernel without UDP_SEGMENT (UDP GSO, Linux 4.18+)")
