@@ -263,6 +263,28 @@ def decode_batch(frames: np.ndarray, offset: int | np.ndarray = 0) -> np.ndarray
     return raw.view(HEADER_DTYPE).reshape(n)
 
 
+_W0_MIN = (MAGIC << 16) | (VERSION << 8) | min(_KINDS)  # first header word: magic, version, kind
+_W0_SPAN = max(_KINDS) - min(_KINDS)
+_U4 = np.dtype("<u4")
+assert sorted(_KINDS) == list(range(min(_KINDS), max(_KINDS) + 1)) and Flag.TAG == 4 and TAG_LEN == 16
+
+
+def _all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
+    """True when every header passes :func:`validate_batch`'s checks (no rank checks), computed on
+    big-endian 32-bit words of the records: a third of the numpy calls of the labelled path."""
+    if not (h.dtype == HEADER_DTYPE and h.flags.c_contiguous) or len(h) == 0:
+        return len(h) == 0
+    w = h.view(_U4).reshape(-1, 8).byteswap()  # one swap; the checks then run on native words
+    n_ch = w[:, 6]
+    w7 = w[:, 7]  # len, tol, flags
+    bad = (w[:, 0] - np.uint32(_W0_MIN)) > _W0_SPAN  # magic, version, kind (wraps below the range)
+    bad |= w[:, 1] == 0  # job
+    bad |= (n_ch - np.uint32(1)) >= MAX_NCHUNKS  # nchunks 1..MAX_NCHUNKS
+    bad |= w[:, 5] >= n_ch  # chunk
+    bad |= (w7 >> 16) + ((w7 & Flag.TAG) << 2) + HEADER_LEN != plen  # len (tag included); so plen >= 32 too
+    return not bad.any()
+
+
 def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
                    world_size: int | None = None, rank: int | None = None) -> np.ndarray:
     """Vectorised :func:`validate` without the tag check: a uint8 array of :class:`Reason`.
@@ -272,6 +294,8 @@ def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
     """
     h = headers
     plen = np.asarray(payload_lens, dtype=np.int64)
+    if world_size is None and rank is None and _all_valid(h, plen):  # the usual case, in few numpy calls
+        return np.zeros(len(h), np.uint8)
     taglen = np.where(h["flags"] & Flag.TAG, TAG_LEN, 0)
     nch = h["nchunks"].astype(np.int64)
     checks = [
