@@ -91,6 +91,17 @@ def _sockaddr(family: int, ip, port: int) -> bytes:
     return (socket.AF_INET.to_bytes(2, "little") + port.to_bytes(2, "big") + ip.packed).ljust(SOCKADDR_LEN, b"\0")
 
 
+def _offload(sock: socket.socket, opt: int, value: int, required: bool | None, what: str) -> bool:
+    """Turn on a UDP offload option; False where the kernel refuses it, unless ``required``."""
+    try:
+        sock.setsockopt(SOL_UDP, opt, value)
+        return True
+    except OSError as e:
+        if required:
+            raise TransportError(e.errno, f"{what}: {os.strerror(e.errno)}") from None
+        return False
+
+
 def _rows_ok(batch: Batch) -> bool:
     h, p = batch.headers, batch.payload
     return (h.dtype == wire.HEADER_DTYPE and h.strides[0] == wire.HEADER_LEN and p.dtype == np.uint8
@@ -185,28 +196,15 @@ class UdpTransport(Transport):
                     raise TransportError(e.errno, f"bind UDP {host} port {port}: {os.strerror(e.errno)}") from None
                 self.port = s.getsockname()[1]
                 self._tx_mmsg["namelen"] = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
-                if gso is not False:
-                    try:  # 0: no segmentation unless a message asks for it; refused before 4.18
-                        s.setsockopt(SOL_UDP, UDP_SEGMENT, 0)
-                        self.gso = True
-                    except OSError as e:
-                        if gso:
-                            raise TransportError(e.errno, f"UDP_SEGMENT (UDP GSO, Linux 4.18+): "
-                                                          f"{os.strerror(e.errno)}") from None
+                # 0: no segmentation unless a message asks for it; refused before 4.18
+                self.gso = gso is not False and _offload(s, UDP_SEGMENT, 0, gso, "UDP_SEGMENT (UDP GSO, Linux 4.18+)")
                 want_gro = gro
                 if gro is None:  # merging happens only where the device does GRO
                     try:
                         want_gro = bool(ifname) and bool(net.ethtool_value(ifname, net.ETHTOOL_GGRO))
                     except OSError:
                         want_gro = False
-                if want_gro:
-                    try:
-                        s.setsockopt(SOL_UDP, UDP_GRO, 1)
-                        self.gro = True
-                    except OSError as e:
-                        if gro:
-                            raise TransportError(e.errno, f"UDP_GRO (UDP receive offload, Linux 5.0+): "
-                                                          f"{os.strerror(e.errno)}") from None
+                self.gro = bool(want_gro) and _offload(s, UDP_GRO, 1, gro, "UDP_GRO (UDP receive offload, Linux 5.0+)")
                 if self.gro:  # each message may be GRO_SEGS datagrams: it gets that many rows + an overflow
                     mm = self._rx_mmsg
                     slots = cap // GRO_SEGS
@@ -578,11 +576,8 @@ class UdpTransport(Transport):
                     continue
                 e = ctypes.get_errno()
                 if e in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
-                    self._c["tx_blocked"] += 1
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    if not self._wait_room(deadline):
                         break
-                    self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
                     continue
                 if seg[done] and e in (errno.EINVAL, errno.EIO, errno.EOPNOTSUPP):
                     # the kernel will not segment this (no checksum offload on the route, a segment
@@ -605,6 +600,15 @@ class UdpTransport(Transport):
                 break
         return sent
 
+    def _wait_room(self, deadline: float | None) -> bool:
+        """The socket buffer is full: wait (<= 5 ms at a time) for room; False once ``deadline`` passed."""
+        self._c["tx_blocked"] += 1
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
+        return True
+
     def _send_few(self, batch: Batch, n: int, timeout: float | None) -> int:
         """``send`` for a few packets (control packets): one sendmsg each, no vectorised set-up."""
         peer, lens = batch.peer[:n].tolist(), batch.lengths[:n].tolist()
@@ -624,12 +628,8 @@ class UdpTransport(Transport):
                 if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
                     self._c["tx_errors"] += 1  # this packet failed (unreachable, refused...): count it, skip it
                     sent += 1
-                    continue
-                self._c["tx_blocked"] += 1
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                elif not self._wait_room(deadline):
                     break
-                self._wpoll.poll(5 if left is None else max(1, min(5, int(left * 1000))))
                 continue
             self._c["tx_packets"] += 1
             self._c["tx_bytes"] += lens[i] + wire.HEADER_LEN
