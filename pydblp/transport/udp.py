@@ -26,6 +26,12 @@ GRO merges), its datagrams land row by row when they are a row's size
 (header + the batch's payload width; the collective's data packets are) and
 are re-cut otherwise, and the rows are packed; a batch narrower than 64 rows
 reads through an internal spill batch and gets the rest on the next calls.
+Each message also gets a 64 KiB overflow buffer (datagrams wider than a row
+still arrive whole, then cut to the row and counted in ``rx_truncated``):
+4 MiB for the default ``max_batch`` of 4096, touched only when used.
+Counters of their own: ``tx_gso_packets`` (sent inside multi-datagram
+messages), ``tx_gso_off``, ``rx_gro_packets`` (received merged),
+``tx_blocked`` (waits for send-buffer room).
 
 One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
 (IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
