@@ -18,7 +18,10 @@ NAPI placement (``--napi``): by default the receiving veth's NAPI runs in a
 kthread pinned to the receiver's CPU (``threaded``), so the receive side's
 kernel work (XDP, the AF_XDP copy, the UDP stack) lands on the receiver's
 CPU, as a NIC's interrupt work does on the receiving host, and the sender's
-CPU only transmits: every configuration is offered the same load.  With
+CPU only transmits: every configuration is offered the same load.  The
+kthread runs SCHED_FIFO (``--napi-prio fifo``, the default): like a NIC's
+softirq it preempts the receiving application rather than sharing the CPU
+with it by fairness (``--napi-prio other``).  With
 ``--napi inline`` (veth's own default) that work runs in the sender's
 softirq on the sender's CPU instead, so a costlier receive path lowers the
 offered rate of its own run.  The table prints each run's offered rate and
@@ -179,12 +182,16 @@ def drain_loop(t, into, finished):
                 return got
 
 
-def threaded_napi(ns: str, ifname: str, cpu: int) -> list[int]:
+def threaded_napi(ns: str, ifname: str, cpu: int, fifo: bool = True) -> list[int]:
     """Run the receiving veth's NAPI in a kthread pinned to the receiver's CPU.
 
     On veth the receive side's kernel work (XDP, the AF_XDP copy, the UDP
     stack) otherwise runs in the *sender's* softirq, on the sender's CPU;
     threaded NAPI on the receiver's CPU makes the pair behave like two hosts.
+    ``fifo``: the kthread runs SCHED_FIFO (priority 1), so, like a NIC's
+    softirq, it preempts the receiving application instead of sharing the CPU
+    with it by CFS's fairness (which wakes the application for every few
+    packets and cuts the NAPI thread's batches short).
     """
     import subprocess
 
@@ -198,6 +205,8 @@ def threaded_napi(ns: str, ifname: str, cpu: int) -> list[int]:
                 continue
             if comm.startswith(f"napi/{ifname}-"):
                 os.sched_setaffinity(int(d), {cpu})
+                if fifo:
+                    os.sched_setscheduler(int(d), os.SCHED_FIFO, os.sched_param(1))
                 pids.append(int(d))
     return pids
 
@@ -218,6 +227,9 @@ def main(argv=None) -> int:
                     help="receiver veth NAPI: a kthread pinned to the receiver CPU (default: receive work on the "
                          "receiver's CPU, as on a NIC) or inline in the sender's softirq (veth's default: the "
                          "receive side's kernel work is charged to the sender's CPU)")
+    ap.add_argument("--napi-prio", choices=("fifo", "other"), default="fifo",
+                    help="threaded NAPI kthread's scheduling: SCHED_FIFO 1, preempting the receiver as a NIC's "
+                         "softirq does (default), or SCHED_OTHER, sharing the CPU with it fairly")
     ap.add_argument("--spin", type=float, default=None,
                     help="receivers' busy-poll seconds before sleeping in poll(2) (default: 0 with threaded NAPI, "
                          "which needs the receiver CPU; 200e-6, the transports' own, inline)")
@@ -244,7 +256,7 @@ def main(argv=None) -> int:
         os.sched_setaffinity(0, {args.cpus[1]})
         if args.napi == "threaded":
             net.xdp_attach(VB, drop_fd, net.Mode.NATIVE, ns_b)  # veth has NAPI once XDP is on
-            if not threaded_napi(ns_b, VB, args.cpus[1]):
+            if not threaded_napi(ns_b, VB, args.cpus[1], fifo=args.napi_prio == "fifo"):
                 print(f"bench/transport.py: no NAPI thread appeared for {VB} (threaded NAPI unsupported?); "
                       "rerun with --napi inline", file=sys.stderr)
                 return 2
@@ -290,9 +302,10 @@ def main(argv=None) -> int:
         vals = [(got if what == "rx" else sent) / el for got, sent, el in rows]
         return statistics.median(vals), min(vals), max(vals)
 
-    out = {"napi": args.napi, "spin_s": spin, "payload": args.payload, "duration_s": args.duration, "repeats": args.repeats, "batch": args.batch,
+    out = {"napi": args.napi, "napi_prio": args.napi_prio, "spin_s": spin, "payload": args.payload, "duration_s": args.duration, "repeats": args.repeats, "batch": args.batch,
            "cpus": args.cpus, "ncpu": os.cpu_count(), "kernel": os.uname().release, "figures": {}}
-    print(f"\n{args.payload}-byte payloads, {args.duration:.1f} s x {args.repeats} repeats, NAPI {args.napi}, "
+    napi = f"{args.napi} ({args.napi_prio})" if args.napi == "threaded" else args.napi
+    print(f"\n{args.payload}-byte payloads, {args.duration:.1f} s x {args.repeats} repeats, NAPI {napi}, "
           f"receiver spin {spin * 1e6:.0f} us, "
           f"sender CPU {args.cpus[0]}, receiver CPU {args.cpus[1]}; medians (min-max):")
     print(f"{'config':<10} {'Mpps':>8} {'Gbit/s':>8}  {'range Mpps':>15}  {'delivered':>9}  {'offered Mpps':>12}")
