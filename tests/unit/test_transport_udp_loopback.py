@@ -294,3 +294,22 @@ def test_udp_few_packets_bit_exact(addr):
                     check_same(exp, _recv_all(t, exp.n, into, pid))
             start += n
         assert a.stats()["tx_packets"] == 10 and a.stats()["tx_errors"] == 0
+
+
+def test_udp_gso_refused_falls_back_to_datagrams():
+    """A kernel that refuses a GSO message (here: checksums off, SO_NO_CHECK) turns GSO off for the
+    socket, counts it, and the rest of the batch goes datagram by datagram: nothing is lost."""
+    with UdpTransport(port=0) as a, UdpTransport(port=0) as b:
+        if not a.gso:
+            pytest.skip("kernel without UDP_SEGMENT (UDP GSO, Linux 4.18+)")
+        a._sock.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK: udp_send_skb refuses GSO (EINVAL)
+        pb = a.add_peer("127.0.0.1", b.port)
+        n = 300
+        sent = make_batch(n, 0, peer=pb)
+        sent.lengths[:n] = 1000
+        sent.headers["len"] = 1000
+        assert a.send(sent) == n
+        s = a.stats()
+        assert not a.gso and s["tx_gso_off"] == 1 and s["tx_gso_packets"] == 0
+        assert s["tx_packets"] == n and s["tx_errors"] == 0
+        check_same(sent, _recv_all(b, n, Batch.empty(512, 1400), pb))
