@@ -11,7 +11,10 @@ import contextlib
 import ctypes
 import enum
 import errno
+import fcntl
 import os
+import socket
+import struct
 
 from pyroute2 import IPRoute
 from pyroute2 import netns as _netns
@@ -188,10 +191,6 @@ def ethtool_value(ifname: str, cmd: int, value: int | None = None, netns: str | 
 
     Raises OSError from the ioctl (ENODEV: no such interface; EOPNOTSUPP: the driver lacks it).
     """
-    import fcntl
-    import socket
-    import struct
-
     val = ctypes.create_string_buffer(struct.pack("=II", cmd, value or 0), 8)
     ifr = struct.pack("16sP", ifname.encode(), ctypes.addressof(val))
     with in_netns(netns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

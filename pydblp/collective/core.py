@@ -37,8 +37,8 @@ receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 ``DEAD_TICK``).  A transport that paces itself to a line rate
 (:meth:`Transport.tx_backlog`) is handed no more data while it holds
 ``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog; while
-16 or more data packets are still due, a receive waits up to ``LINGER``
-for them (at most ``LINGER_WANT``): a stream at line rate arrives in
+``LINGER_MIN`` or more data packets are still due, a receive waits up to
+``LINGER`` for them (at most ``LINGER_WANT``): a stream at line rate arrives in
 slices, and each receive has a fixed cost.
 
 Failure semantics:
@@ -82,6 +82,7 @@ RECV_BATCH = 2048  # packets taken from the transport per receive call
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
+LINGER_MIN = 16  # fewer data packets due than this: a receive takes what is there
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
@@ -411,14 +412,14 @@ class Collective:
 
     def _expected(self, st: _Round) -> int:
         """How many packets a receive may wait for: the data packets still due, at most LINGER_WANT;
-        1 when fewer than 16 are due (a control packet or a message's last chunks go at once)."""
+        1 when fewer than LINGER_MIN are due (a control packet or a message's last chunks go at once)."""
         due = 0
         for inn in st.ins.values():
             if not inn.done and (inn.ag or not st.reduced):
                 due += inn.need - inn.count
                 if due >= LINGER_WANT:
                     return LINGER_WANT
-        return due if due >= 16 else 1
+        return due if due >= LINGER_MIN else 1
 
     def _complete(self, st: _Round) -> bool:
         return (st.reduced and all(o.done for o in st.outs.values())

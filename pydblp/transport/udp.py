@@ -377,7 +377,8 @@ class UdpTransport(Transport):
         n = int(nseg.sum())
         ends = np.cumsum(nseg)
         plen = np.repeat(g, nseg)
-        plen[ends - 1] = last
+        some = nseg > 0  # a message whose re-cut kept nothing adds no rows
+        plen[ends[some] - 1] = last[some]
         peer = np.repeat(peer, nseg)
         at = row0 + np.repeat(np.arange(k) * GRO_SEGS - (ends - nseg), nseg) + np.arange(n)  # row of each
         tail = at >= row0 + n
