@@ -152,8 +152,9 @@ class UdpTransport(Transport):
         self._rx_mmsg["name"] = self._rx_name.ctypes.data + np.arange(cap, dtype=np.uint64) * SOCKADDR_LEN
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
-        self._rx_bound = None  # (headers ptr, payload ptr, row stride, width) the iovecs point at
+        self._rx_bound = None  # (headers ptr, payload ptr, row stride, width, rows) the iovecs point at
         self._rx_cmsg = np.zeros(cap, CMSG_DTYPE)
+        self._rx_slots = (None, 0)  # ((rows bound, first row), messages) the GRO slot iovecs point at
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
         self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
@@ -251,10 +252,11 @@ class UdpTransport(Transport):
     # ---- receive -------------------------------------------------------
 
     def _point_rx(self, into: Batch) -> None:
-        key = (into.headers.ctypes.data, into.payload.ctypes.data, into.payload.strides[0], into.maxlen)
+        """Point the receive iovecs at ``into``'s rows (unless they point there already)."""
+        n = min(into.cap, self.max_batch)
+        key = (into.headers.ctypes.data, into.payload.ctypes.data, into.payload.strides[0], into.maxlen, n)
         if self._rx_bound == key:
             return
-        n = min(into.cap, self.max_batch)
         i = np.arange(n, dtype=np.uint64)
         self._rx_iov["base"][:n, 0] = np.uint64(key[0]) + i * np.uint64(wire.HEADER_LEN)
         self._rx_iov["len"][:n, 0] = wire.HEADER_LEN
@@ -326,7 +328,10 @@ class UdpTransport(Transport):
         mm["namelen"][:nmsg] = SOCKADDR_LEN
         if self.gro:  # message i: GRO_SEGS rows from row0 + i * GRO_SEGS, then its overflow buffer
             mm["controllen"][:nmsg] = CMSG_DTYPE.itemsize
-            self._rx_slot_iov[:nmsg, :-1] = self._rx_iov[row0: row0 + nmsg * GRO_SEGS].reshape(nmsg, -1)
+            key = (self._rx_bound, row0)
+            if key != self._rx_slots[0] or nmsg > self._rx_slots[1]:  # else they point at these rows already
+                self._rx_slot_iov[:nmsg, :-1] = self._rx_iov[row0: row0 + nmsg * GRO_SEGS].reshape(nmsg, -1)
+                self._rx_slots = (key, nmsg)
         ptr = mm.ctypes.data
         k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         if k < 0:

@@ -313,3 +313,21 @@ def test_udp_gso_refused_falls_back_to_datagrams():
         assert not a.gso and s["tx_gso_off"] == 1 and s["tx_gso_packets"] == 0
         assert s["tx_packets"] == n and s["tx_errors"] == 0
         check_same(sent, _recv_all(b, n, Batch.empty(512, 1400), pb))
+
+
+@pytest.mark.parametrize("gro", [False, True])
+def test_udp_recv_into_a_taller_view_of_the_same_rows(gro):
+    """A receive batch that is a taller view of the rows the last one used gets all its rows
+    pointed at (the iovecs are re-pointed when the row count grows, not only when the address moves)."""
+    a, b = UdpTransport(port=0), UdpTransport(port=0, gro=gro)
+    with a, b:
+        pb = a.add_peer("127.0.0.1", b.port)
+        big = Batch.empty(1024, 1400)
+        small = Batch(big.headers[:64], big.payload[:64], big.lengths[:64], big.peer[:64], 0)
+        assert a.send(make_batch(10, 0, peer=pb)) == 10
+        assert len(_recv_all(b, 10, small, pb)) == 10
+        sent = make_batch(800, 10, peer=pb)
+        sent.lengths[:] = 1400
+        sent.headers["len"] = 1400
+        assert a.send(sent) == 800
+        check_same(sent, _recv_all(b, 800, big, pb))
