@@ -57,7 +57,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--transport", choices=["xsk", "udp", "gloo"], required=True)
+    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "gloo"], required=True)
     p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
     p.add_argument("--iface", default="eth0")
     p.add_argument("--job", type=int, default=31)
@@ -82,7 +82,7 @@ class Pydblp:
         peers = [tuple(p) for p in json.loads(a.peers)]
         self.host = None
         port = peers[a.rank][1]
-        if a.transport == "xsk":
+        if a.transport in ("xsk", "xsk-ktx"):
             from pydblp.host import HostProgram
             from pydblp.transport.xsk import XskTransport
 
@@ -90,7 +90,7 @@ class Pydblp:
             self.host.register_job(a.job, a.world, a.rank, "xsk")
             big = (a.chunk_bytes or 0) + 128 > 2048  # headers + payload past a 2 KiB frame
             t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048, spin=a.spin,
-                             rate=a.rate)
+                             rate=a.rate, tx="kernel" if a.transport == "xsk-ktx" else "xsk")
         else:
             from pydblp.transport.udp import UdpTransport
 

@@ -8,6 +8,8 @@ processes (``bench/_allreduce_worker.py``, one per worker namespace) that
 stays up for all of that transport's blocks:
 
   ``xsk``   pydblp Collective over XskTransport (host XDP program on eth0)
+  ``xsk-ktx`` the same, transmitting through a kernel UDP socket (``XskTransport(tx="kernel")``:
+            GSO, the NIC's TBF paces) instead of the AF_XDP tx ring and a Python pacer
   ``udp``   pydblp Collective over UdpTransport (no XDP on the worker)
   ``gloo``  ``torch.distributed.all_reduce`` on a gloo process group (TCP over eth0), then /world
 
@@ -64,7 +66,7 @@ block.  A default run (3 transports x 3 sizes x 3 conditions) takes about
 2-4 minutes on 2 vCPUs (142 s today); at worst ~27 block timeouts.  Needs root.
 
     .venv/bin/python bench/allreduce.py [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
-                                        [--transports xsk,udp,gloo] [--conditions clean,loss,burst]
+                                        [--transports xsk,xsk-ktx,udp,gloo] [--conditions clean,loss,burst]
                                         [--json out.json]
 """
 
@@ -93,7 +95,7 @@ from pydblp.testbed import Testbed  # noqa: E402
 WORLD = 4
 MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
-TRANSPORTS = ("xsk", "udp", "gloo")
+TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo")
 CONDITIONS = ("clean", "loss", "burst")
 
 
@@ -207,7 +209,7 @@ class WorkerSet:
                 p.wait(timeout=5)
         for f in self.errs:
             f.close()
-        if self.transport == "xsk":  # a killed rank leaves its host program attached
+        if self.transport.startswith("xsk"):  # a killed rank leaves its host program attached
             for r in range(WORLD):
                 with contextlib.suppress(Exception):
                     net.xdp_detach("eth0", netns=self.tb.ns(r))

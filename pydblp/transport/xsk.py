@@ -32,6 +32,14 @@ goes on), and ``send`` blocks only when the ring is full.  Frames count
 with their Ethernet header, as the TBF counts them.  Frames still waiting at
 ``close`` are dropped.
 
+``tx="kernel"`` transmits through a UDP socket on the same device instead
+(:class:`pydblp.transport.udp.UdpTransport` on an ephemeral port, with UDP
+GSO): the stack builds the frames, the device's qdisc sees and paces them,
+and only receive is AF_XDP.  Meant for devices where AF_XDP transmit is copy
+mode and cannot be paced by the qdisc (veth, the testbed): there copy-mode
+transmit builds one skb per frame, while a GSO send hands the stack ~45
+datagrams at a time.  ``rate`` does not apply then.
+
 The XDP program decides what reaches the socket: it redirects packets with
 ``bpf_redirect_map(&xskmap, ctx->rx_queue_index, ...)``.  This transport
 inserts its socket at its queue after bind and fill, and removes it on close,
@@ -159,9 +167,15 @@ class XskTransport(Transport):
                  rx_frames: int = 16384, tx_frames: int = 4096, rx_ring: int | None = None,
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
-                 spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None):
+                 spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk"):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
         self.spin = spin
+        if tx not in ("xsk", "kernel"):
+            raise ValueError(f"tx={tx!r}: 'xsk' (the AF_XDP tx ring) or 'kernel' (a UDP socket on the device)")
+        if tx == "kernel" and rate:
+            raise ValueError("rate paces the AF_XDP tx ring; with tx='kernel' the device's qdisc paces (drop rate)")
+        self.tx = tx
+        self._ktx = None
         if rate < 0 or (rate_burst is not None and rate_burst < 4 * frame_size):
             raise ValueError(f"rate must be >= 0 bits/s and rate_burst at least 4 frames ({4 * frame_size} bytes)")
         self.rate = float(rate)
@@ -264,6 +278,10 @@ class XskTransport(Transport):
             self._insert()
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
+            if tx == "kernel":  # its own ephemeral port: it must not take this port's traffic
+                from pydblp.transport.udp import UdpTransport
+
+                self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096)
         except BaseException:
             self.close()
             raise
@@ -361,6 +379,8 @@ class XskTransport(Transport):
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
         self._sources.add(dst)
+        if self._ktx is not None:
+            self._ktx.add_peer(dst, port)
         return pid
 
     # ---- receive -------------------------------------------------------
@@ -768,6 +788,8 @@ class XskTransport(Transport):
 
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
         self._check_open()
+        if self._ktx is not None:
+            return self._ktx.send(batch, timeout)
         n = len(batch)
         if n == 0:
             return 0
@@ -967,12 +989,17 @@ class XskTransport(Transport):
             s["tx_waiting"] = (self._wprod - int(self._tx.prod[0])) & 0xFFFFFFFF  # paced, not yet handed over
             s["pressure"] = max(self._pressure, 0)
             s["zerocopy"] = self.zerocopy
+        if self._ktx is not None:
+            s.update((k, v) for k, v in self._ktx.stats().items() if k.startswith("tx_"))
         return s
 
     def fileno(self) -> int:
         return self._fd
 
     def close(self) -> None:
+        if self._ktx is not None:
+            self._ktx.close()
+            self._ktx = None
         if self._sock is None:
             return
         try:

@@ -47,8 +47,9 @@ def hosts(tb):
 
 
 def transports(tb, kind, hosts=None):
-    if kind == "xsk":
-        return [XskTransport("eth0", netns=tb.ns(r), host=hosts[r]) for r in range(WORLD)]
+    if kind in ("xsk", "xsk-ktx"):
+        tx = "kernel" if kind == "xsk-ktx" else "xsk"
+        return [XskTransport("eth0", netns=tb.ns(r), host=hosts[r], tx=tx) for r in range(WORLD)]
     return [UdpTransport("eth0", netns=tb.ns(r)) for r in range(WORLD)]
 
 
@@ -79,7 +80,7 @@ def run_ranks(tb, ts, fn, **cfg):
     return res, cols
 
 
-@pytest.fixture(params=["xsk", "udp"])
+@pytest.fixture(params=["xsk", "xsk-ktx", "udp"])
 def kind(request, hosts):
     return request.param
 

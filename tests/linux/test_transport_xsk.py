@@ -323,6 +323,28 @@ def test_open_close_20x_leaks_nothing(pair):
     assert c1["nosock"] == c0["nosock"] + 1 and c1["redirect"] == c0["redirect"]
 
 
+@pytest.mark.parametrize("family", [4, 6])
+def test_kernel_transmit_to_af_xdp_receive(pair, family):
+    """tx="kernel": the AF_XDP socket receives, a UDP socket on the same device transmits;
+    both directions bit-exact, counters from both sockets; the UDP socket closes with the transport
+    and a rate for the tx ring is refused."""
+    with pytest.raises(ValueError, match="qdisc paces"):
+        xsk(pair, 0, tx="kernel", rate=1e9)
+    fds = _fds()
+    with xsk(pair, 0, tx="kernel") as ta, xsk(pair, 1, tx="kernel") as tb:
+        pb, pa = ta.add_peer(ADDR[family][1]), tb.add_peer(ADDR[family][0])
+        into = Batch.empty(4096, MAXLEN)
+        transfer(ta, tb, pb, 20_000, src=0, dst=1, into=into)
+        assert (into.peer[: into.n] == pa).all()
+        transfer(tb, ta, pa, 20_000, src=1, dst=0)
+        for t in (ta, tb):
+            s = t.stats()
+            assert s["tx_packets"] == s["rx_packets"] == 20_000, s
+            assert s["tx_kicks"] == 0 and s["tx_outstanding"] == 0, s  # the AF_XDP tx ring stayed idle
+            assert s["rx_dropped"] == s["rx_invalid"] == 0, s
+    assert _fds() == fds
+
+
 def test_errors_are_clear(pair):
     a, b = pair["ns"]
     with pytest.raises(OSError, match="no interface 'nope'"):
