@@ -41,7 +41,8 @@ buffer, 32 MiB (the kernel doubles it for its accounting), holds about what
 the AF_XDP transport's 16384-frame ring does: a received datagram costs the
 socket a whole 4 KiB page on veth, and a rank of a 32 MiB allreduce may have
 three senders' 8 MiB each coming in at once (with 8 MiB, 32 MiB blocks in the
-testbed counted 5-398 overflows each, in four full runs; with 32 MiB, none).
+testbed counted 5-398 overflows each in four full runs; with 32 MiB none in
+a clean and a lossy block).
 """
 
 from __future__ import annotations
