@@ -38,7 +38,8 @@ GSO): the stack builds the frames, the device's qdisc sees and paces them,
 and only receive is AF_XDP.  Meant for devices where AF_XDP transmit is copy
 mode and cannot be paced by the qdisc (veth, the testbed): there copy-mode
 transmit builds one skb per frame, while a GSO send hands the stack ~45
-datagrams at a time.  ``rate`` does not apply then.
+datagrams at a time.  ``rate`` does not apply then, and the UMEM keeps
+only 64 transmit frames (the tx ring is never used).
 
 The XDP program decides what reaches the socket: it redirects packets with
 ``bpf_redirect_map(&xskmap, ctx->rx_queue_index, ...)``.  This transport
@@ -176,6 +177,8 @@ class XskTransport(Transport):
             raise ValueError("rate paces the AF_XDP tx ring; with tx='kernel' the device's qdisc paces (drop rate)")
         self.tx = tx
         self._ktx = None
+        if tx == "kernel":  # the tx ring stays idle: a token UMEM share, not 8 MiB populated for nothing
+            tx_frames = min(tx_frames, 64)
         if rate < 0 or (rate_burst is not None and rate_burst < 4 * frame_size):
             raise ValueError(f"rate must be >= 0 bits/s and rate_burst at least 4 frames ({4 * frame_size} bytes)")
         self.rate = float(rate)

@@ -20,7 +20,7 @@ from pydblp import bpf, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, Checker, host_pair, packets, transfer
+from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, Checker, both_ways, host_pair, packets, transfer
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -58,12 +58,8 @@ def xsk(p, side: int, **kw) -> XskTransport:
 def test_jumbo_bit_exact_both_directions(jpair, family):
     ha, hb = jpair["host"]
     with xsk(jpair, 0) as ta, xsk(jpair, 1) as tb:
-        pb, pa = ta.add_peer(ADDR[family][1]), tb.add_peer(ADDR[family][0])
         c0 = (ha.counters(), hb.counters())
-        into = Batch.empty(4096, JUMBO)
-        transfer(ta, tb, pb, N, 0, 1, into=into, maxlen=JUMBO)
-        assert (into.peer[: into.n] == pa).all()
-        transfer(tb, ta, pa, N, 1, 0, maxlen=JUMBO)
+        pa, pb, into = both_ways(ta, tb, family, N, maxlen=JUMBO)
         # copy=False cannot lend a frame spread over several UMEM frames: the payload is copied, intact
         transfer(ta, tb, pb, N // 4, 0, 1, into=into, maxlen=JUMBO, copy=False)
         assert ta.flush() and tb.flush()

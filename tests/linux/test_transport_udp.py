@@ -16,7 +16,7 @@ import pytest
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 # `pair`: two namespaces, a native-mode host program on each with a udp job (shared fixture)
-from tests.linux.test_transport_xsk import ADDR, JOB_UDP, MAXLEN, N, packets, pair, transfer  # noqa: F401
+from tests.linux.test_transport_xsk import ADDR, JOB_UDP, MAXLEN, N, both_ways, packets, pair  # noqa: F401
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -29,12 +29,8 @@ def udp(p, side: int, **kw) -> UdpTransport:
 def test_udp_bit_exact_both_directions(pair, family):
     ha, hb = pair["host"]
     with udp(pair, 0) as ua, udp(pair, 1) as ub:
-        pb, pa = ua.add_peer(ADDR[family][1]), ub.add_peer(ADDR[family][0])
         c0 = (ha.counters(), hb.counters())
-        into = Batch.empty(4096, MAXLEN)
-        transfer(ua, ub, pb, N, src=0, dst=1, job=JOB_UDP, into=into)
-        assert (into.peer[: into.n] == pa).all()
-        transfer(ub, ua, pa, N, src=1, dst=0, job=JOB_UDP)
+        both_ways(ua, ub, family, N, job=JOB_UDP)
         c1 = (ha.counters(), hb.counters())
         for t in (ua, ub):
             s = t.stats()
