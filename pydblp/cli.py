@@ -361,7 +361,8 @@ def _add_experiment(sub):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--transports", default=",".join(("gloo", "static", "dblp")),
                    help="comma-separated subset of gloo,static,dblp (in this order of runs)")
-    p.add_argument("--net", choices=["xsk", "udp"], default="xsk", help="pydblp data plane (default AF_XDP)")
+    p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"], default="xsk",
+                   help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
     p.add_argument("--bursts", type=int, default=30, help="microbursts over the run (0: none)")
     p.add_argument("--burst-ms", type=float, help="burst length (default: one median Gloo round)")
     p.add_argument("--loss", type=float, default=0.0, help="background random loss on every port")

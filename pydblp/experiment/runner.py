@@ -29,7 +29,7 @@ class Options:
     model: str = "digits"
     steps: int = 300
     transports: tuple = TRANSPORTS
-    net: str = "xsk"                # pydblp data plane: xsk (AF_XDP) or udp
+    net: str = "xsk"                # pydblp data plane: xsk (AF_XDP), xsk-ktx (AF_XDP receive, kernel transmit) or udp
     seed: int = 0
     bursts: int = 30                # microbursts over the run (0: none)
     burst_ratio: tuple = (0.6, 0.9)

@@ -32,7 +32,7 @@ def parse(argv=None):
     p.add_argument("--master", default=f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
                                        f"{os.environ.get('MASTER_PORT', '29500')}")
     p.add_argument("--transport", choices=["gloo", "static", "dblp"], default="dblp")
-    p.add_argument("--net", choices=["udp", "xsk"], default="udp", help="pydblp data plane")
+    p.add_argument("--net", choices=["udp", "xsk", "xsk-ktx"], default="udp", help="pydblp data plane")
     p.add_argument("--iface", help="data-plane interface (pydblp)")
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
     p.add_argument("--model", choices=["digits", "text"], default="digits")

@@ -56,51 +56,60 @@ class State:
                            rate: float = 0) -> "State":
         """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
 
-        ``transport``: ``udp`` (any user) or ``xsk`` (AF_XDP: root; attaches
-        the host XDP program to ``iface`` unless ``dblp load`` already did).
+        ``transport``: ``udp`` (any user), ``xsk`` (AF_XDP: root; attaches
+        the host XDP program to ``iface`` unless ``dblp load`` already did) or
+        ``xsk-ktx`` (AF_XDP receive, transmit through a kernel UDP socket on
+        ``iface``: ``XskTransport(tx="kernel")``, paced by ``iface``'s qdisc;
+        on veth the fastest of the three, see bench/README.md).
         ``addr`` overrides the address published to peers (default: the
         first IPv4 address of ``iface``).  ``spin``: seconds the receiver
         busy-polls before sleeping; 0 (default) suits ranks that share cores,
         a few hundred microseconds suits a dedicated core.  ``rate`` (bits/s,
         0: none) paces the xsk transport at a link's line rate: AF_XDP transmit
-        bypasses qdiscs, so a TBF on ``iface`` does not limit it (the udp
-        transport goes through the qdisc and ignores ``rate``).
+        bypasses qdiscs, so a TBF on ``iface`` does not limit it (``udp`` and
+        ``xsk-ktx`` transmit through the qdisc and ignore ``rate``).
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
         cfg = config or Config()
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
-        owned = []
+        if transport not in ("udp", "xsk", "xsk-ktx"):
+            raise ValueError(f"transport {transport!r}: use udp, xsk or xsk-ktx")
+        if transport != "udp" and not iface:
+            raise ValueError(f"the {transport} transport needs iface=")
         me = {"addr": addr or (_iface_addr(iface, netns) if iface else "127.0.0.1"),
               "mac": _iface_mac(iface, netns) if iface else None, "queue": queue}
-        if transport == "xsk":
-            if not iface:
-                raise ValueError("the xsk transport needs iface=")
-            from pydblp import host
-            from pydblp.transport.xsk import XskTransport
-            try:
-                maps = host.open_pinned(iface, netns)
-            except host.HostError:
-                maps = host.HostProgram(iface, netns=netns)
-            owned.append(maps)
-            maps.register_job(cfg.job, world, rank, "xsk")
-            t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin, rate=rate)
-        elif transport == "udp":
-            from pydblp.transport.udp import UdpTransport
-            t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)
-        else:
-            raise ValueError(f"transport {transport!r}: use udp or xsk")
-        me["port"] = t.port
-        store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
-        peers = []
-        for r in range(world):
-            p = json.loads(store.get(f"pydblp/{cfg.job}/{r}"))
-            peers.append((p["addr"], p["port"], p["mac"]))
+        owned, t = [], None
         try:
+            if transport == "udp":
+                from pydblp.transport.udp import UdpTransport
+                t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)
+            else:
+                from pydblp import host
+                from pydblp.transport.xsk import XskTransport
+                try:
+                    maps = host.open_pinned(iface, netns)
+                except host.HostError:
+                    maps = host.HostProgram(iface, netns=netns)
+                owned.append(maps)
+                maps.register_job(cfg.job, world, rank, "xsk")
+                # xsk-ktx: the qdisc paces kernel transmit, so rate does not apply
+                t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
+                                 rate=rate if transport == "xsk" else 0,
+                                 tx="xsk" if transport == "xsk" else "kernel")
+            me["port"] = t.port
+            store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
+            peers = []
+            for r in range(world):
+                p = json.loads(store.get(f"pydblp/{cfg.job}/{r}"))
+                peers.append((p["addr"], p["port"], p["mac"]))
             col = Collective(t, rank, world, peers, cfg)
-        except BaseException:
-            t.close()
+        except BaseException:  # nothing this call opened outlives it
+            if t is not None:
+                t.close()
+            for o in owned:
+                o.close()
             raise
         return cls(col, owned=[col, *owned])
 

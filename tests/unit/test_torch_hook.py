@@ -66,3 +66,17 @@ def test_hook_matches_gloo_gradients_and_training_curve(tmp_path):
         assert log["loss_ours"] == pytest.approx(log["loss_gloo"], abs=1e-4)
         assert log["rounds"] > STEPS  # more than one bucket per step went through pydblp
     assert logs[0]["loss_ours"][-1] < logs[0]["loss_ours"][0]  # it trained
+
+
+def test_from_process_group_rejects_bad_arguments_before_opening_anything(tmp_path):
+    import pydblp.torch as ptorch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="use udp, xsk or xsk-ktx"):
+            ptorch.State.from_process_group("tcp")
+        for kind in ("xsk", "xsk-ktx"):
+            with pytest.raises(ValueError, match=f"the {kind} transport needs iface="):
+                ptorch.State.from_process_group(kind)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""``pydblp.torch.State.from_process_group`` over a testbed, one process per worker namespace.
+
+Each rank is a real process in its worker's namespace: Gloo (the control
+plane) rendezvouses over the workers' links, then the state opens its data
+plane on eth0 (``xsk``/``xsk-ktx`` attach the host XDP program themselves)
+and the DDP hook runs a step.  Afterwards nothing may be left attached.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pydblp import host
+from pydblp.testbed import Testbed
+from tests.conftest import unique_name
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+WORLD = 2
+
+RANK = r"""
+import datetime, sys
+import numpy as np, torch, torch.distributed as dist
+import pydblp.torch as ptorch
+from pydblp.collective import Config
+
+rank, kind, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://198.18.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+state = ptorch.State.from_process_group(kind, iface="eth0", config=Config(job=7, peer_timeout=20.0))
+try:
+    # 300k floats: ~850 packets a rank and round, both ways
+    x = np.arange(300_000, dtype=np.float32) * (rank + 1)
+    got = state.submit(lambda col: col.allreduce(x)).wait()
+    assert np.array_equal(got, np.arange(300_000, dtype=np.float32) * 1.5), got[:4]
+    # the DDP hook: one step, gradients equal Gloo's mean
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, ptorch.hook)
+    inp = torch.full((8, 64), float(rank + 1))
+    ddp(inp).sum().backward()
+    ref = torch.nn.Linear(64, 4)
+    ref.load_state_dict(model.state_dict())
+    ref(torch.full((8, 64), 1.5)).sum().backward()  # the loss is linear in the input: mean of ranks' grads
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-5), (p.grad - q.grad).abs().max()
+    recs = state.collective.records
+    assert recs and all(r.min_delivered == 1.0 and not r.below_bound for r in recs)
+    print(f"ok {rank} rounds {len(recs)} transport {type(state.collective.t).__name__}", flush=True)
+finally:
+    state.close()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def tb(bpf_xdp):
+    with Testbed(workers=WORLD, name=unique_name("tt")) as t:
+        yield t
+
+
+@pytest.mark.parametrize("kind", ["udp", "xsk", "xsk-ktx"])
+def test_state_from_process_group_in_the_testbed(tb, kind):
+    port = 29600 + ["udp", "xsk", "xsk-ktx"].index(kind)
+    procs = [tb.popen(w, [sys.executable, "-c", RANK, str(r), kind, str(port)], env=ENV,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r, w in enumerate(tb.workers)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{kind}: a rank hung: {p.communicate()[0][-3000:]}")
+        outs.append(out)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
+    # the state attached the host program (xsk, xsk-ktx) and detached it on close
+    for r in range(WORLD):
+        assert host.attached_program("eth0", tb.ns(r)) is None
+    if kind != "udp":
+        assert "XskTransport" in outs[0]
