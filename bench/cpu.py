@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Software cost of an allreduce round: pydblp over UDP against Gloo, on one loopback.
+
+``--world`` ranks (processes, default 4) in one private namespace talk over
+its loopback (198.18.0.1/32 on ``lo``): no links, no TBF, no fabric XDP, no
+loss.  What is left is each stack's own work per round, user and system
+CPU, which on this machine kind (2 shared vCPUs for 4 ranks) is what bounds
+`allreduce.py`'s small rounds.  pydblp: ``Collective`` (``tar``, ``unbiased``,
+``static:0.05``) over ``UdpTransport("lo")`` (GSO and GRO: loopback keeps a
+GSO message whole, so a receive takes it merged); Gloo: ``all_reduce`` in
+place, then divided by the world size, as in `allreduce.py`.
+
+Each repeat runs every size for pydblp, then for Gloo (interleaved: a, b, a,
+b, ...), ``--rounds`` measured rounds after 10 warm-up ones; CPU is
+``os.times()`` of each rank over the measured rounds, divided by their
+number and averaged over ranks; wall is the slowest rank's.  Figures are
+medians over repeats (min-max), and the headline is pydblp's CPU per rank
+and round over Gloo's.  Ranks are not pinned (4 on 2 CPUs: they share, as
+in the testbed).  Needs root (a namespace).  Bounded: about ``repeats *
+(2 * 3 s + rounds * (0.05 + 0.3 * MiB) s)`` per size, plus ~10 s of start-up
+(under a minute with the defaults).
+
+    .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pydblp import net  # noqa: E402
+
+ADDR = "198.18.0.1"
+PORT0 = 47900  # rank r listens on PORT0 + r
+WARMUP = 10
+
+
+def rank_main(a) -> int:
+    """One rank: read '<bytes> <rounds>' lines, answer each with one JSON line of figures."""
+    import numpy as np
+
+    if a.impl == "gloo":
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank,
+                                world_size=a.world, timeout=datetime.timedelta(seconds=60))
+
+        def round_(x):
+            t = torch.from_numpy(x)
+            dist.all_reduce(t)
+            t.div_(a.world)
+            return x
+    else:
+        from pydblp.collective import Collective, Config
+        from pydblp.transport.udp import UdpTransport
+
+        t = UdpTransport("lo", port=PORT0 + a.rank, spin=0.0)
+        col = Collective(t, a.rank, a.world, [(ADDR, PORT0 + r) for r in range(a.world)],
+                         Config(job=9, phase="static:0.05", peer_timeout=30.0))
+
+        def round_(x):
+            return col.allreduce(x)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        size, rounds = (int(v) for v in line.split())
+        base = np.random.default_rng(size).standard_normal(size // 4).astype(np.float32)
+        x = base + np.float32(a.rank + 1)
+        for _ in range(WARMUP):
+            round_(x.copy())
+        c0, t0 = os.times(), time.monotonic()
+        for _ in range(rounds):
+            out = round_(x.copy())  # Gloo reduces in place: both get a fresh input
+        c1, t1 = os.times(), time.monotonic()
+        want = base + np.float32((a.world + 1) / 2)
+        print(json.dumps({"cpu": (c1.user + c1.system - c0.user - c0.system) / rounds,
+                          "sys": (c1.system - c0.system) / rounds, "wall": (t1 - t0) / rounds,
+                          "exact": bool(np.allclose(out, want, rtol=1e-5, atol=1e-5))}), flush=True)
+    if a.impl == "gloo":
+        dist.destroy_process_group()
+    else:
+        time.sleep(0.5)  # late probes of the last round get their answer
+        col.close()
+    return 0
+
+
+class Ranks:
+    """``world`` rank processes of one implementation inside the namespace."""
+
+    def __init__(self, impl: str, ns: str, world: int, store: Path):
+        argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of", impl, "--world", str(world),
+                "--store", str(store)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        self.impl = impl
+        self.procs = [subprocess.Popen(["nsenter", f"--net={net.NETNS_RUN_DIR}/{ns}", "--", *argv,
+                                        "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True, env=env) for r in range(world)]
+        self.replies(60)
+
+    def replies(self, timeout: float) -> list[dict]:
+        out = []
+        deadline = time.monotonic() + timeout
+        for r, p in enumerate(self.procs):
+            if not select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise RuntimeError(f"{self.impl} rank {r}: no answer in {timeout:.0f} s")
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.impl} rank {r} exited with status {p.wait()}")
+            out.append(json.loads(line))
+        return out
+
+    def block(self, size: int, rounds: int) -> dict:
+        for p in self.procs:
+            p.stdin.write(f"{size} {rounds}\n")
+            p.stdin.flush()
+        got = self.replies(60 + rounds * (0.05 + 0.5 * size / (1 << 20)))
+        return {"cpu": statistics.mean(g["cpu"] for g in got), "sys": statistics.mean(g["sys"] for g in got),
+                "wall": max(g["wall"] for g in got), "exact": all(g["exact"] for g in got)}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()  # the rank itself (nsenter execs it), by pid
+                p.wait(timeout=5)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,8", help="tensor sizes in MiB, comma-separated (default 1,8)")
+    ap.add_argument("--rounds", type=int, default=100, help="measured rounds per size and repeat (default 100)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--json", help="write figures and every repeat here")
+    ap.add_argument("--rank-of", choices=["pydblp", "gloo"], dest="impl", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.impl:
+        return rank_main(a)
+    try:
+        sizes = [float(s) for s in a.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes {a.sizes!r}: use MiB, comma-separated, e.g. 1,8")
+    if any(s <= 0 for s in sizes) or a.rounds < 1 or a.repeats < 1 or not 2 <= a.world <= 8:
+        ap.error("sizes and rounds must be positive, repeats >= 1, world 2..8")
+    if os.geteuid() != 0:
+        print("bench/cpu.py: needs root (a network namespace)", file=sys.stderr)
+        return 2
+    ns = f"dblpbench-cpu{os.getpid()}"
+    tmp = Path(f"/tmp/{ns}")
+    tmp.mkdir()
+    net.netns_add(ns)
+    sets = []
+    runs: dict = {}
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", ns, "addr", "add", f"{ADDR}/32", "dev", "lo"], check=True)
+        for impl in ("pydblp", "gloo"):
+            sets.append(Ranks(impl, ns, a.world, tmp / f"store-{impl}"))
+        print(f"bench/cpu.py: {a.world} ranks on one namespace's loopback, {a.rounds} rounds x {a.repeats} "
+              f"repeats, {os.cpu_count()} CPUs (ranks not pinned)", flush=True)
+        for rep in range(a.repeats):
+            for mib in sizes:
+                for s in sets:
+                    r = s.block(int(mib * (1 << 20)) // 4 * 4, a.rounds)
+                    runs.setdefault(f"{s.impl}/{mib:g}", []).append(r)
+                    print(f"  repeat {rep + 1} {s.impl:<6} {mib:g} MiB: CPU/rank/round {r['cpu'] * 1e3:.2f} ms "
+                          f"(sys {r['sys'] * 1e3:.2f}), wall/round {r['wall'] * 1e3:.2f} ms, exact {r['exact']}",
+                          flush=True)
+    finally:
+        for s in sets:
+            s.stop()
+        net.netns_del(ns)
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("cpu", "sys", "wall")} for k, v in runs.items()}
+    print(f"\n{'MiB':>5} {'pydblp CPU':>10} {'(sys)':>6} {'gloo CPU':>8} {'(sys)':>6} {'CPU ratio':>9} "
+          f"{'min-max':>11} {'wall ratio':>10}   (ms per rank and round, medians over {a.repeats})")
+    ratios = {}
+    for mib in sizes:
+        p, g = med[f"pydblp/{mib:g}"], med[f"gloo/{mib:g}"]
+        each = [rp["cpu"] / rg["cpu"] for rp, rg in zip(runs[f"pydblp/{mib:g}"], runs[f"gloo/{mib:g}"])]
+        ratios[f"{mib:g}"] = {"cpu": p["cpu"] / g["cpu"], "wall": p["wall"] / g["wall"], "cpu_each": each}
+        print(f"{mib:>5g} {p['cpu'] * 1e3:>10.2f} {p['sys'] * 1e3:>6.2f} {g['cpu'] * 1e3:>8.2f} {g['sys'] * 1e3:>6.2f} "
+              f"{p['cpu'] / g['cpu']:>8.2f}x {min(each):>5.2f}-{max(each):<5.2f} {p['wall'] / g['wall']:>9.2f}x")
+    inexact = [k for k, v in runs.items() if not all(r["exact"] for r in v)]
+    if inexact:
+        print(f"NOT EXACT: {', '.join(inexact)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "ratios": ratios, "options": vars(a),
+                                            "kernel": platform.release(), "cpus": os.cpu_count()}, indent=1))
+    return 1 if inexact else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
