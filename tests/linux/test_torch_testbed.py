@@ -89,3 +89,23 @@ def test_state_from_process_group_in_the_testbed(tb, kind):
         assert host.attached_program("eth0", tb.ns(r)) is None
     if kind != "udp":
         assert "XskTransport" in outs[0]
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_a_failed_open_detaches_what_it_attached(tb, kind, tmp_path):
+    """The AF_XDP socket cannot bind (no queue 99 on a veth): the call raises, and the host
+    program it had attached for that socket is gone again at once, not when the garbage
+    collector gets to it (the caught exception's traceback still holds the call's frame)."""
+    import torch.distributed as dist
+
+    import pydblp.torch as ptorch
+
+    assert host.attached_program("eth0", tb.ns(0)) is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(Exception, match="queue|bind|Invalid") as caught:
+            ptorch.State.from_process_group(kind, iface="eth0", netns=tb.ns(0), queue=99)
+        assert caught.tb is not None  # alive: the frames (and what they hold) too
+        assert host.attached_program("eth0", tb.ns(0)) is None
+    finally:
+        dist.destroy_process_group()
