@@ -23,7 +23,7 @@ import pytest
 from pydblp import bpf, net, wire
 from pydblp.testbed import Testbed, TestbedError, core
 from pydblp.testbed import fabric as fb
-from tests.conftest import unique_name
+from tests.conftest import run_in_workers, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -302,19 +302,7 @@ print(f"ok {rank} {time.monotonic() - t0:.2f}", flush=True)
 def test_gloo_allreduce_4_workers(clean):
     tb = clean
     env = {**ENV, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-    procs = [tb.popen(w, [sys.executable, "-c", GLOO, str(i)], env=env, stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, text=True) for i, w in enumerate(tb.workers)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("gloo all_reduce through the testbed timed out")
-        outs.append(out)
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"ok {i}" in out, out[-2000:]
+    run_in_workers(tb, lambda r: [sys.executable, "-c", GLOO, str(r)], env, 90, "gloo all_reduce through the testbed")
     assert tb.stats()["w0"]["pass"]["packets"] > 0
 
 

@@ -9,7 +9,6 @@ and the DDP hook runs a step.  Afterwards nothing may be left attached.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from pydblp import host
 from pydblp.testbed import Testbed
-from tests.conftest import unique_name
+from tests.conftest import run_in_workers, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -70,20 +69,8 @@ def tb(bpf_xdp):
 @pytest.mark.parametrize("kind", ["udp", "xsk", "xsk-ktx"])
 def test_state_from_process_group_in_the_testbed(tb, kind):
     port = 29600 + ["udp", "xsk", "xsk-ktx"].index(kind)
-    procs = [tb.popen(w, [sys.executable, "-c", RANK, str(r), kind, str(port)], env=ENV,
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r, w in enumerate(tb.workers)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{kind}: a rank hung: {p.communicate()[0][-3000:]}")
-        outs.append(out)
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
+    outs = run_in_workers(tb, lambda r: [sys.executable, "-c", RANK, str(r), kind, str(port)], ENV, 120,
+                          f"State.from_process_group({kind!r})")
     # the state attached the host program (xsk, xsk-ktx) and detached it on close
     for r in range(WORLD):
         assert host.attached_program("eth0", tb.ns(r)) is None
