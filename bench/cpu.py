@@ -108,7 +108,11 @@ class Ranks:
         self.procs = [subprocess.Popen(["nsenter", f"--net={net.NETNS_RUN_DIR}/{ns}", "--", *argv,
                                         "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        text=True, env=env) for r in range(world)]
-        self.replies(60)
+        try:
+            self.replies(60)
+        except BaseException:  # a rank that did not come up: end the others too
+            self.stop()
+            raise
 
     def replies(self, timeout: float) -> list[dict]:
         out = []
