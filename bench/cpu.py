@@ -17,8 +17,9 @@ number and averaged over ranks; wall is the slowest rank's.  Figures are
 medians over repeats (min-max), and the headline is pydblp's CPU per rank
 and round over Gloo's.  Ranks are not pinned (4 on 2 CPUs: they share, as
 in the testbed).  Needs root (a namespace).  Bounded: about ``repeats *
-(2 * 3 s + rounds * (0.05 + 0.3 * MiB) s)`` per size, plus ~10 s of start-up
-(under a minute with the defaults).
+rounds * (0.03 + 0.017 * MiB)`` seconds per size plus ~10 s of start-up (~65 s
+with the defaults); a block that takes more than ``60 + rounds * (0.05 + 0.5 *
+MiB)`` seconds ends the run with an error.
 
     .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--json out.json]
 """
