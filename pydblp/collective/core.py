@@ -805,7 +805,7 @@ class Collective:
                 st.y[missing] = last[missing]
             else:
                 st.y[missing] = st.x[missing]
-        if st.reduce:
+        if st.reduce and self.cfg.fill == "stale":  # only the stale fill reads it
             last = self._last.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
             if last is None or last.shape != st.y.shape:
                 last = self._last[st.tensor] = np.empty_like(st.y)

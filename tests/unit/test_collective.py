@@ -132,6 +132,7 @@ def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
     xs = inputs(3, 30_000, rounds=2, seed=3)
     first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
+    assert bool(rk.cols[0]._last) == (fill == "stale")  # the local fill keeps no copy of each result
     kept = {r: f.copy() for r, f in first.items()}
     for f in first.values():  # the caller owns a result: changing it must not change the stale fill
         f[:] = np.nan
