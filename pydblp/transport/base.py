@@ -86,7 +86,7 @@ class Batch:
             payload = payload.reshape(n, -1)
         lengths = np.full(n, payload.shape[1], np.int32) if lengths is None else np.asarray(lengths, np.int32)
         hdr = np.array(headers, dtype=wire.HEADER_DTYPE, copy=True)
-        tag = np.where(hdr["flags"] & int(wire.Flag.TAG), wire.TAG_LEN, 0)
+        tag = np.where(hdr["flags"] & wire.Flag.TAG, wire.TAG_LEN, 0)
         hdr["len"] = lengths - tag
         return cls(hdr, payload, lengths, np.broadcast_to(np.asarray(peer, np.int32), (n,)).copy(), n)
 

@@ -53,7 +53,8 @@ try:
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-5), (p.grad - q.grad).abs().max()
     recs = state.collective.records
     assert recs and all(r.min_delivered == 1.0 and not r.below_bound for r in recs)
-    print(f"ok {rank} rounds {len(recs)} transport {type(state.collective.t).__name__}", flush=True)
+    t = state.collective.t
+    print(f"ok {rank} rounds {len(recs)} transport {type(t).__name__}:{getattr(t, 'tx', '-')}", flush=True)
 finally:
     state.close()
     dist.destroy_process_group()
@@ -74,8 +75,8 @@ def test_state_from_process_group_in_the_testbed(tb, kind):
     # the state attached the host program (xsk, xsk-ktx) and detached it on close
     for r in range(WORLD):
         assert host.attached_program("eth0", tb.ns(r)) is None
-    if kind != "udp":
-        assert "XskTransport" in outs[0]
+    want = {"udp": "UdpTransport:-", "xsk": "XskTransport:xsk", "xsk-ktx": "XskTransport:kernel"}[kind]
+    assert all(f"transport {want}" in out for out in outs), outs
 
 
 @pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
