@@ -12,7 +12,9 @@ Parameter server (``mode="ps"``): one shard, owned by rank 0.
 
 Completion (DBLP): a message of n chunks with tolerance ``tol`` (1/255
 units in the header) is done once ``n - floor(n * tol / 255)`` chunks have
-arrived; the receiver then sends STOP.  A sender that has sent everything
+arrived; the receiver then sends STOP.  Nothing is waited for past the
+bound, but chunks already received when the owner reduces or the round ends
+are used too (a receive without waiting takes them in first).  A sender that has sent everything
 and heard no STOP within the probe timeout sends PROBE (then backs off:
 2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
@@ -79,6 +81,7 @@ RETX = int(wire.Flag.RETX)
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
+DRAIN_READS = 8  # receives at most when taking in what has already arrived (a bound was reached)
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
 IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
@@ -393,13 +396,14 @@ class Collective:
             late = cfg.deadline is not None and now - st.t0 > cfg.deadline / 2
             if not st.reduced and (late or all(st.ins[(False, s)].done for s in range(self.world)
                                                if (False, s) in st.ins)):
+                self._drain(st)
                 self._reduce(st)  # with a deadline, owners stop waiting at half of it
             busy = self._send_some(st, now)
             self._flush_ctrl()
-            if self._complete(st):
+            if self._complete(st) or (cfg.deadline is not None and now - st.t0 > cfg.deadline):
+                self._drain(st)  # (past the deadline: below the bound; _finish fills the gaps and reports it)
+                self._flush_ctrl()
                 return
-            if cfg.deadline is not None and now - st.t0 > cfg.deadline:
-                return  # below the bound: _finish fills the gaps and reports it
             want = 1 if busy else self._expected(st)
             b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002,
                             want=want, linger=LINGER if want > 1 else 0.0, copy=False)
@@ -409,6 +413,20 @@ class Collective:
             if now - st.t_timers >= TIMER_TICK:  # timeouts are milliseconds: no need to check every turn
                 st.t_timers = now
                 self._timers(st, now)
+
+    def _drain(self, st: _Round) -> None:
+        """Take in what has already arrived, without waiting (at most DRAIN_READS receives).
+
+        A message is done at its bound, and nothing is waited for past it,
+        but chunks that are already here when the owner reduces or the round
+        ends still count: the estimate and the all-gather use every chunk
+        received, not just the first ``need``.
+        """
+        for _ in range(DRAIN_READS):
+            b = self.t.recv(self._rx, timeout=0.0, copy=False)
+            if not b.n:
+                return
+            self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
 
     def _expected(self, st: _Round) -> int:
         """How many packets a receive may wait for: the data packets still due, at most LINGER_WANT;

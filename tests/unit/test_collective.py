@@ -16,6 +16,7 @@ import pytest
 
 from pydblp import wire
 from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedule, Static, estimators
+from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
 
 
@@ -315,6 +316,32 @@ def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
     assert rank0.sent() == []  # 4 ms after the first NACK, not 2
     rank0.col._nacks(rank0.st, t + 0.007)
     assert len(rank0.sent()) == 1 and rank0.st.nacks == 2
+
+
+def test_chunks_already_received_count_past_the_bound():
+    """A message is done at its bound, but chunks already in the socket when the owner reduces
+    still count: rank 1's chunks 60..99 (the bound was reached at 60 of 100, tol 0.5) are queued;
+    the round (ending at its deadline: rank 1 is not there to all-gather) reduces with them."""
+    r = Rank0(tol=0.5)
+    try:
+        st, inn = r.st, r.st.ins[(False, 1)]
+        r.data(list(range(60)), time.monotonic())  # payload zeros
+        assert inn.done and inn.count == 60
+        C, n = r.col.C, 40
+        h = wire.empty_batch(n)
+        h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.DATA, 1, st.round, 1, 0
+        h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = np.arange(60, 100), 100, st.tol8, C * 4, wire.Dtype.F32
+        vals = np.arange(n * C, dtype=np.float32).reshape(n, C) + 1
+        with UdpTransport(port=0) as tx:
+            peer = tx.add_peer("127.0.0.1", r.t.port)
+            assert tx.send(Batch(h, vals.view(np.uint8), np.full(n, C * 4, np.int32), np.full(n, peer, np.int32), n)) == n
+        r.col.cfg.deadline = 0.05
+        r.col._run(st)
+        assert inn.count == 100
+        np.testing.assert_array_equal(st.y[60:100], vals / 2)  # (rank 0's zeros + rank 1's) / 2 arrived
+        np.testing.assert_array_equal(st.y[:60], 0)
+    finally:
+        r.close()
 
 
 def test_receiver_never_nacks_loss_within_the_bound(rank0):
