@@ -318,6 +318,47 @@ def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
     assert len(rank0.sent()) == 1 and rank0.st.nacks == 2
 
 
+def test_a_lost_stop_costs_no_probe(ranks):
+    """Every STOP goes out twice: with the first copy of each lost (dropped at the sender, as the
+    wire would), no sender waits for its probe timeout (fixed at 0.5 s here, so a round that waited
+    shows), and every round is exact."""
+    rk = ranks(2, phase="static:0", probe_min=0.5, probe_max=0.5)
+    for c in rk.cols:
+        c._probe_timeout = 0.5
+    dropped = set()  # (sender, round, dst, flags) of the STOPs whose first copy was lost
+
+    def lossy(r, t):
+        send = t.send
+
+        def first_stop_lost(batch, timeout=1.0):
+            n = len(batch)
+            h = batch.headers[:n]
+            keep = np.ones(n, bool)
+            for i in np.flatnonzero(h["kind"] == wire.Kind.STOP):
+                key = (r, int(h["round"][i]), int(h["dst"][i]), int(h["flags"][i]))
+                if key not in dropped:
+                    dropped.add(key)
+                    keep[i] = False
+            if keep.all():
+                return send(batch, timeout)
+            return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
+                              int(keep.sum())), timeout) + int(n - keep.sum())
+
+        t.send = first_stop_lost
+
+    for r, t in enumerate(rk.ts):
+        lossy(r, t)
+    xs = inputs(2, 30_000, rounds=4)
+    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(4)])
+    assert not errs
+    for i in range(4):
+        for r in range(2):
+            np.testing.assert_allclose(res[r][i], (xs[i][0] + xs[i][1]) / 2, rtol=1e-6)
+    assert len(dropped) >= 8  # at least the all-gather STOP of every rank and round
+    assert [rec.probes for c in rk.cols for rec in c.records] == [0] * 8
+    assert max(rec.latency for c in rk.cols for rec in c.records) < 0.25
+
+
 def test_chunks_already_received_count_past_the_bound():
     """A message is done at its bound, but chunks already in the socket when the owner reduces
     still count: rank 1's chunks 60..99 (the bound was reached at 60 of 100, tol 0.5) are queued;
@@ -353,7 +394,7 @@ def test_receiver_never_nacks_loss_within_the_bound(rank0):
     assert rank0.sent() == []
     rank0.data([c for c in range(50, 100) if c not in (70, 71)], t + 2.0)  # 4 lost: the bound allows 4
     rank0.col._nacks(rank0.st, t + 3.0)
-    assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] and rank0.st.nacks == 0
+    assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] * 2 and rank0.st.nacks == 0  # STOP_COPIES
 
 
 def test_sender_retransmits_only_what_has_gone_out(rank0):
