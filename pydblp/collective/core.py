@@ -16,10 +16,10 @@ arrived; the receiver then sends STOP, twice, back to back (a lost STOP
 costs its sender a probe timeout, tens of ms: at 1 % random loss a round of
 four ranks loses one of its twelve all-gather STOPs about one time in nine;
 with two copies one time in 800, while a burst that eats both is repaired
-like any other loss).  Nothing is waited for past the
-bound, but chunks already received when the owner reduces or the round ends
-are used too (a receive without waiting takes them in first).  A sender that has sent everything
-and heard no STOP within the probe timeout sends PROBE (then backs off:
+like any other loss).  Nothing is waited for past the bound, but chunks
+already received when the owner reduces or the round ends are used too (a
+receive without waiting takes them in first).  A sender that has sent
+everything and heard no STOP within the probe timeout sends PROBE (then backs off:
 2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
 what is missing.  Receivers do not wait for the probe when they already know
