@@ -64,7 +64,8 @@ Bounded: each block has a timeout (``--block-timeout`` or 30 s + 3 s per
 round per 8 MiB); a worker set that fails or overruns is killed by pid,
 the block is reported as failed, and a fresh set continues with the next
 block.  A default run (4 transports x 3 sizes x 3 conditions) takes about
-3-4 minutes on 2 vCPUs (213 s today); at worst ~36 block timeouts.  Needs root.
+3-4 minutes on 2 vCPUs (184-213 s; ``--workers 2``: ~90 s); at worst ~36 block
+timeouts.  Needs root.
 
     .venv/bin/python bench/allreduce.py [--workers 4] [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
                                         [--transports xsk,xsk-ktx,udp,gloo] [--conditions clean,loss,burst]
