@@ -409,7 +409,7 @@ class Collective:
                 self._drain(st)  # (past the deadline: below the bound; _finish fills the gaps and reports it)
                 self._flush_ctrl()
                 return
-            want = 1 if busy else self._expected(st)
+            want = 1 if busy else self._expected(st, now)
             b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002,
                             want=want, linger=LINGER if want > 1 else 0.0, copy=False)
             if b.n:
@@ -420,28 +420,42 @@ class Collective:
                 self._timers(st, now)
 
     def _drain(self, st: _Round) -> None:
-        """Take in what has already arrived, without waiting (at most DRAIN_READS receives).
+        """Take in what has already arrived, without waiting.
 
         A message is done at its bound, and nothing is waited for past it,
         but chunks that are already here when the owner reduces or the round
         ends still count: the estimate and the all-gather use every chunk
-        received, not just the first ``need``.
+        received, not just the first ``need``.  One receive takes what is
+        queued; another follows only while they come back at least half full
+        (a queue longer than a batch), at most DRAIN_READS: a stream still
+        arriving at line rate is not waited for.
         """
         for _ in range(DRAIN_READS):
             b = self.t.recv(self._rx, timeout=0.0, copy=False)
-            if not b.n:
+            if b.n:
+                self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+            if b.n < RECV_BATCH // 2:
                 return
-            self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
 
-    def _expected(self, st: _Round) -> int:
-        """How many packets a receive may wait for: the data packets still due, at most LINGER_WANT;
-        1 when fewer than LINGER_MIN are due (a control packet or a message's last chunks go at once)."""
+    def _expected(self, st: _Round, now: float) -> int:
+        """How many packets a receive may wait for: the data packets on their way, at most
+        LINGER_WANT; 1 when fewer than LINGER_MIN are (a control packet or a message's last chunks
+        go at once, and so do the replies to a NACK or a STOP).
+
+        On their way: the rest of a stream that has begun and still flows (a chunk within
+        ``NACK_QUIET``), and the repair a NACK asked for within ``NACK_QUIET``.  A message not
+        begun (an all-gather before its owner has reduced) or stalled below its bound waits for
+        someone to act, not for data: lingering for it would only hold back this rank's own next
+        step (its reduce once its reduce-scatter is in, its answers).
+        """
         due = 0
         for inn in st.ins.values():
-            if not inn.done and (inn.ag or not st.reduced):
-                due += inn.need - inn.count
-                if due >= LINGER_WANT:
-                    return LINGER_WANT
+            if inn.done or not (inn.ag or not st.reduced) or now - max(inn.t_data, inn.t_nack) >= NACK_QUIET:
+                continue
+            coming = (inn.n - inn.hi if inn.hi else 0) + max(0, inn.asked - (inn.count - inn.count_nack))
+            due += min(coming, inn.need - inn.count)
+            if due >= LINGER_WANT:
+                return LINGER_WANT
         return due if due >= LINGER_MIN else 1
 
     def _complete(self, st: _Round) -> bool:

@@ -385,6 +385,17 @@ def test_chunks_already_received_count_past_the_bound():
         r.close()
 
 
+def test_a_receive_lingers_only_for_data_on_its_way(rank0):
+    """A receive may wait for the rest of a stream that flows, not for an all-gather that has not
+    begun (its owner is still reducing) nor for a stream silent past NACK_QUIET (stalled)."""
+    t = 100.0
+    rank0.data(list(range(60)), t)
+    inn = rank0.st.ins[(False, 1)]
+    assert (True, 1) in rank0.st.ins and rank0.st.ins[(True, 1)].count == 0
+    assert rank0.col._expected(rank0.st, t + 0.001) == inn.need - 60  # 36: the all-gather is not counted
+    assert rank0.col._expected(rank0.st, t + 0.0025) == 1
+
+
 def test_receiver_never_nacks_loss_within_the_bound(rank0):
     """A sender half-way through its message (chunks 0..49 seen, 2 of them lost, 50..99 still
     coming) leaves the bound within reach: no NACK however long it stays silent."""
