@@ -43,9 +43,10 @@ receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 ``DEAD_TICK``).  A transport that paces itself to a line rate
 (:meth:`Transport.tx_backlog`) is handed no more data while it holds
 ``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog; while
-``LINGER_MIN`` or more data packets are still due, a receive waits up to
-``LINGER`` for them (at most ``LINGER_WANT``): a stream at line rate arrives in
-slices, and each receive has a fixed cost.
+``LINGER_MIN`` or more data packets are on their way (the rest of a stream
+that flows, a repair asked for), a receive waits up to ``LINGER`` for them (at
+most ``LINGER_WANT``): a stream at line rate arrives in slices, and each
+receive has a fixed cost.  A message not begun or stalled is not waited for.
 
 Failure semantics:
 
