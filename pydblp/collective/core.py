@@ -14,8 +14,8 @@ Completion (DBLP): a message of n chunks with tolerance ``tol`` (1/255
 units in the header) is done once ``n - floor(n * tol / 255)`` chunks have
 arrived; the receiver then sends STOP, twice, back to back (a lost STOP
 costs its sender a probe timeout, tens of ms: at 1 % random loss a round of
-four ranks loses one of its twelve all-gather STOPs about one time in nine;
-with two copies one time in 800, while a burst that eats both is repaired
+four ranks loses one of its twelve all-gather STOPs about one time in nine (1 - 0.99^12);
+with two copies one time in 800 (12 x 0.01^2), while a burst that eats both is repaired
 like any other loss).  Nothing is waited for past the bound, but chunks
 already received when the owner reduces or the round ends are used too (a
 receive without waiting takes them in first).  A sender that has sent
