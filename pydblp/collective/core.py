@@ -319,10 +319,7 @@ class Collective:
             with self._poll_lock:
                 if self._closing or not self._idle.is_set():
                     continue
-                b = self.t.recv(self._rx, timeout=0.001)
-                if b.n:
-                    self._process(None, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n],
-                                  time.monotonic())
+                self._take(None, 0.001)
                 self._flush_ctrl()
 
     # ---- round set-up ----------------------------------------------------
@@ -411,10 +408,7 @@ class Collective:
                 self._flush_ctrl()
                 return
             want = 1 if busy else self._expected(st, now)
-            b = self.t.recv(self._rx, timeout=0.0 if busy else self._tx_wait or 0.002,
-                            want=want, linger=LINGER if want > 1 else 0.0, copy=False)
-            if b.n:
-                self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+            self._take(st, 0.0 if busy else self._tx_wait or 0.002, want, LINGER if want > 1 else 0.0)
             now = time.monotonic()
             if now - st.t_timers >= TIMER_TICK:  # timeouts are milliseconds: no need to check every turn
                 st.t_timers = now
@@ -432,11 +426,19 @@ class Collective:
         arriving at line rate is not waited for.
         """
         for _ in range(DRAIN_READS):
-            b = self.t.recv(self._rx, timeout=0.0, copy=False)
-            if b.n:
-                self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
-            if b.n < RECV_BATCH // 2:
+            if self._take(st, 0.0) < RECV_BATCH // 2:
                 return
+
+    def _take(self, st: _Round | None, timeout: float, want: int = 1, linger: float = 0.0) -> int:
+        """Receive one batch and handle it (``st`` None: between rounds); how many packets came.
+
+        The transport may lend its own buffers (``copy=False``): ``_process``
+        is done with them before the next receive (the stash copies what it keeps).
+        """
+        b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
+        if b.n:
+            self._process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+        return b.n
 
     def _expected(self, st: _Round, now: float) -> int:
         """How many packets a receive may wait for: the data packets on their way, at most
