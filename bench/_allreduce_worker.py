@@ -57,7 +57,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "gloo"], required=True)
+    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "gloo", "floor"], required=True)
     p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
     p.add_argument("--iface", default="eth0")
     p.add_argument("--job", type=int, default=31)
@@ -159,6 +159,143 @@ class Gloo:
         self.dist.destroy_process_group()
 
 
+class Floor:
+    """The least a Python transpose allreduce over UDP sockets does on this testbed.
+
+    The same chunks (``--chunk-bytes``, default pydblp's 1408 bytes of float32), shards and
+    schedule as pydblp's ``tar`` mode: every rank sends shard k straight to rank k (one GSO
+    message per ~45 datagrams), owner k takes the mean and sends it to every rank; receives take
+    GRO-merged runs.  Nothing else: an 8-byte header (round, chunk, source, phase), no loss
+    handling (a lost datagram fails the round after ``--peer-timeout``; run it on a clean
+    fabric only), no validation, priorities or records.  A peer for pydblp, not a transport:
+    what pydblp's protocol costs above it, and what Python and this testbed's kernel path cost
+    against Gloo, show separately.
+    """
+
+    GRO_MAX = 65536  # bytes of one merged receive
+
+    def __init__(self, a):
+        import select
+        import socket
+
+        peers = json.loads(a.peers)
+        self.rank, self.world, self.timeout = a.rank, a.world, a.peer_timeout
+        self.C = (a.chunk_bytes or 1408) // 4
+        self.dt = np.dtype([("round", "<u4"), ("chunk", "<u2"), ("src", "u1"), ("ag", "u1"),
+                            ("pay", "<f4", (self.C,))])
+        self.seg = self.dt.itemsize
+        self.per = min(64, (self.GRO_MAX - 1024) // self.seg)  # datagrams per GSO message
+        self.addrs = [(p[0], p[1]) for p in peers]
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        from pydblp.transport.udp import SO_RCVBUFFORCE, SO_SNDBUFFORCE
+
+        s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
+        s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 2 << 20)  # as pydblp's UDP transport
+        s.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
+        s.bind(self.addrs[a.rank])
+        s.setblocking(False)
+        self.sock, self.socket = s, socket
+        self.poll = select.poll()
+        self.POLLIN, self.POLLOUT = select.POLLIN, select.POLLOUT
+        self.gso = [(socket.SOL_UDP, 103, self.seg.to_bytes(2, sys.byteorder))]  # UDP_SEGMENT
+        self.anc = socket.CMSG_SPACE(4)
+        self.rx = bytearray(self.GRO_MAX)
+        self.r = 0
+        self.early: list[np.ndarray] = []  # records of the next round, from a faster peer
+
+    def prepare(self, x: np.ndarray):
+        return x
+
+    def _frames(self, rows: np.ndarray, ag: int) -> np.ndarray:
+        rec = np.empty(len(rows), self.dt)
+        rec["round"], rec["chunk"], rec["src"], rec["ag"] = self.r, np.arange(len(rows)), self.rank, ag
+        rec["pay"] = rows
+        return rec
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        W, C, me = self.world, self.C, self.rank
+        self.r += 1
+        T = -(-x.size // C)
+        xs = np.zeros((T, C), np.float32)
+        xs.reshape(-1)[: x.size] = x
+        bounds = [(k * T // W, (k + 1) * T // W) for k in range(W)]
+        a, b = bounds[me]
+        self.y = np.empty((T, C), np.float32)
+        self.rbuf = np.empty((W, b - a, C), np.float32)
+        self.rbuf[me] = xs[a:b]
+        self.first = np.array([lo for lo, _ in bounds])
+        self.left_rs, self.left_ag = (W - 1) * (b - a), T - (b - a)
+        self.out = [(self._frames(xs[lo:hi], 0), dst) for dst, (lo, hi) in enumerate(bounds) if dst != me and hi > lo]
+        early, self.early = self.early, []
+        for rec in early:
+            self._take(rec)
+        reduced, t_heard = False, time.monotonic()
+        while True:
+            if not reduced and self.left_rs == 0:
+                self.y[a:b] = self.rbuf.sum(axis=0) / np.float32(W)
+                self.out += [(self._frames(self.y[a:b], 1), dst) for dst in range(W) if dst != me and b > a]
+                reduced = True
+            self._send()
+            if reduced and self.left_ag == 0 and not self.out:
+                return self.y.reshape(-1)[: x.size]
+            self.poll.register(self.sock, self.POLLIN | (self.POLLOUT if self.out else 0))
+            if self.poll.poll(1000) and self._recv():
+                t_heard = time.monotonic()
+            elif time.monotonic() - t_heard > self.timeout:
+                raise RuntimeError(f"round {self.r}: nothing for {self.timeout:.0f} s (the floor repairs no loss)")
+
+    def _send(self) -> None:
+        while self.out:
+            rec, dst = self.out[0]
+            k = min(len(rec), self.per)
+            try:
+                self.sock.sendmsg([rec[:k].view(np.uint8)], self.gso if k > 1 else [], 0, self.addrs[dst])
+            except BlockingIOError:
+                return
+            if k == len(rec):
+                self.out.pop(0)
+            else:
+                self.out[0] = (rec[k:], dst)
+
+    def _recv(self) -> int:
+        got = 0
+        while True:
+            try:
+                n, anc, _, _ = self.sock.recvmsg_into([self.rx], self.anc)
+            except BlockingIOError:
+                return got
+            got += n
+            rec = np.frombuffer(self.rx, self.dt, count=n // self.seg)
+            cur = rec["round"] == self.r
+            if not cur.all():
+                self.early.append(rec[rec["round"] == self.r + 1].copy())
+                rec = rec[cur]
+            self._take(rec)
+
+    def _take(self, rec: np.ndarray) -> None:
+        ag = rec["ag"] != 0
+        if not ag.all():
+            rs = rec[~ag]
+            self.rbuf[rs["src"], rs["chunk"]] = rs["pay"]
+            self.left_rs -= len(rs)
+            rec = rec[ag]
+        if len(rec):
+            self.y[self.first[rec["src"]] + rec["chunk"]] = rec["pay"]
+            self.left_ag -= len(rec)
+
+    def record(self) -> dict:
+        return {}
+
+    def flush(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 _inputs: dict[int, tuple] = {}
 
 
@@ -227,7 +364,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     impl = fab = None
     try:
-        impl = Gloo(a) if a.transport == "gloo" else Pydblp(a)
+        impl = Gloo(a) if a.transport == "gloo" else Floor(a) if a.transport == "floor" else Pydblp(a)
         if a.fabric and a.sync:
             from pydblp.testbed.fabric import Fabric
 

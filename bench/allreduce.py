@@ -12,6 +12,10 @@ stays up for all of that transport's blocks:
             GSO, the NIC's TBF paces) instead of the AF_XDP tx ring and a Python pacer
   ``udp``   pydblp Collective over UdpTransport (no XDP on the worker)
   ``gloo``  ``torch.distributed.all_reduce`` on a gloo process group (TCP over eth0), then /world
+  ``floor`` the least a Python allreduce over plain UDP sockets does here: pydblp's chunks,
+            shards and schedule, GSO sends and GRO receives, an 8-byte header and nothing else
+            (no loss handling: clean blocks only).  A peer, not a transport: pydblp / floor is
+            what the protocol costs, floor / Gloo what Python and this testbed's kernel path do
 
 A block is one (size, condition): float32 tensors of ``--sizes`` MiB
 (default 1, 8, 32) under
@@ -68,7 +72,7 @@ block.  A default run (4 transports x 3 sizes x 3 conditions) takes about
 timeouts.  Needs root.
 
     .venv/bin/python bench/allreduce.py [--workers 4] [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
-                                        [--transports xsk,xsk-ktx,udp,gloo] [--conditions clean,loss,burst]
+                                        [--transports xsk,xsk-ktx,udp,gloo,floor] [--conditions clean,loss,burst]
                                         [--json out.json]
 """
 
@@ -96,7 +100,7 @@ from pydblp.testbed import Testbed  # noqa: E402
 
 MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
-TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo")
+TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo", "floor")
 CONDITIONS = ("clean", "loss", "burst")
 
 
@@ -390,6 +394,8 @@ def main(argv=None) -> int:
                         key = f"{mib:g}"
                         res[tr][key] = {}
                         for cond in conds:
+                            if tr == "floor" and cond != "clean":
+                                continue  # the floor repairs no loss
                             if ws is None:
                                 gen += 1
                                 ws = WorkerSet(tb, tr, args, tmp, gen)
@@ -474,9 +480,11 @@ def main(argv=None) -> int:
                 r99 = s["p99"] / g["p99"] if tr != "gloo" and "p99" in g else None
                 rb = (g["burst_med"] / s["burst_med"] if tr != "gloo" and "burst_med" in g
                       and "burst_med" in s else None)
-                if tr != "gloo":
+                if tr not in ("gloo", "floor"):
+                    f = res.get("floor", {}).get(key, {}).get(cond, {})
                     ratios[f"{tr}/{key}/{cond}"] = {"p50_vs_gloo": r50, "p99_vs_gloo": r99,
-                                                    "burst_gloo_over_pydblp": rb}
+                                                    "burst_gloo_over_pydblp": rb,
+                                                    "p50_vs_floor": s["p50"] / f["p50"] if "p50" in f else None}
                 c50 = "-" if r50 is None else f"{r50:.2f}"
                 c99 = "-" if r99 is None else f"{r99:.2f}"
                 cb = "-" if rb is None else f"{rb:.2f}x"
@@ -487,7 +495,7 @@ def main(argv=None) -> int:
         print()
 
     targets = {}
-    for tr in [t for t in transports if t != "gloo"]:
+    for tr in [t for t in transports if t not in ("gloo", "floor")]:
         for key in [f"{m:g}" for m in sizes]:
             r = ratios.get(f"{tr}/{key}/clean", {}).get("p50_vs_gloo")
             if r is not None:
@@ -500,6 +508,18 @@ def main(argv=None) -> int:
                                      f" (stated for 4 workers; this run has {args.workers})") + ":")
         for k, (v, ok) in targets.items():
             print(f"  {k:<48} {v:6.2f}  {'met' if ok else 'MISSED'}")
+    floor = {key: res.get("floor", {}).get(key, {}).get("clean", {}) for key in [f"{m:g}" for m in sizes]}
+    if any("p50" in f for f in floor.values()):
+        print("floor (plain UDP sockets: pydblp's chunks and schedule, GSO/GRO, no loss handling), clean p50:")
+        for key, f in floor.items():
+            if "p50" not in f:
+                continue
+            g = res.get("gloo", {}).get(key, {}).get("clean", {})
+            over = ", ".join(f"{tr} {ratios[f'{tr}/{key}/clean']['p50_vs_floor']:.2f}x" for tr in transports
+                             if (ratios.get(f"{tr}/{key}/clean") or {}).get("p50_vs_floor"))
+            print(f"  {key:>4} MiB: floor {fmt_ms(f['p50'])} ms"
+                  + (f" = {f['p50'] / g['p50']:.2f}x gloo" if "p50" in g else "")
+                  + (f"; pydblp / floor: {over}" if over else ""))
     print("p50/p99 over the measured rounds of each block; 'burst med': median over the rounds each burst "
           "overlapped most; 'burst gloo/x': Gloo's burst med / this transport's; Gb/s: a rank's "
           "allreduce data (2 (W-1)/W x tensor: (W-1)/W out, as much back) per round time; 'exact': share of the last "
