@@ -20,15 +20,15 @@ one datagram per message.
 Receive can take datagrams merged by GRO (``UDP_GRO``, 5.0+; on by default
 when the socket is bound to a device with GRO on): a run of equal-sized
 datagrams of one flow reaches the socket as one message, so the IP and UDP
-receive path, the socket queue and ``recvmmsg`` handle each run once.  Each
-message read then gets 64 rows of the caller's batch (the most datagrams
-GRO merges), its datagrams land row by row when they are a row's size
-(header + the batch's payload width; the collective's data packets are) and
-are re-cut otherwise, and the rows are packed; a batch narrower than 64 rows
-reads through an internal spill batch and gets the rest on the next calls.
-Each message also gets a 64 KiB overflow buffer (datagrams wider than a row
-still arrive whole, then cut to the row and counted in ``rx_truncated``):
-4 MiB for the default ``max_batch`` of 4096, touched only when used.
+receive path, the socket queue and the read handle each run once.  Messages
+are read one at a time, each into the rows right after the last one's
+datagrams, with 64 rows to fill (the most datagrams GRO merges) and then a
+64 KiB overflow buffer (datagrams wider than a row still arrive whole, then
+are cut to the row and counted in ``rx_truncated``): datagrams of a row's size
+(header + the batch's payload width; the collective's data packets are) land
+row by row, other sizes are re-cut in place, and no row ever moves.  A batch
+narrower than 64 rows reads through an internal spill batch and gets the rest
+on the next calls.
 Counters of their own: ``tx_gso_packets`` (sent inside multi-datagram
 messages), ``tx_gso_off``, ``rx_gro_packets`` (received merged),
 ``tx_blocked`` (waits for send-buffer room).
@@ -86,6 +86,19 @@ GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a 
 FEW_SEND = 4             # packets per send up to which each goes by its own sendmsg
 SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
 CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
+
+class _MMsg(ctypes.Structure):  # the fields of MMSG_DTYPE a GRO read sets and reads, without numpy's per-call cost
+    _fields_ = [("name", ctypes.c_uint64), ("namelen", ctypes.c_uint32), ("_p0", ctypes.c_uint32),
+                ("iov", ctypes.c_uint64), ("iovlen", ctypes.c_uint64), ("control", ctypes.c_uint64),
+                ("controllen", ctypes.c_uint64), ("flags", ctypes.c_int32), ("_p1", ctypes.c_uint32),
+                ("len", ctypes.c_uint32), ("_p2", ctypes.c_uint32)]
+
+
+class _Cmsg(ctypes.Structure):  # a cmsghdr with an int: UDP_GRO's datagram size
+    _fields_ = [("len", ctypes.c_uint64), ("level", ctypes.c_int32), ("type", ctypes.c_int32), ("size", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(_MMsg) == MMSG_DTYPE.itemsize
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
@@ -159,8 +172,8 @@ class UdpTransport(Transport):
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
         self._rx_bound = None  # (headers ptr, payload ptr, row stride, width, rows) the iovecs point at
-        self._rx_cmsg = np.zeros(cap, CMSG_DTYPE)
-        self._rx_slots = (None, 0)  # ((rows bound, first row), messages) the GRO slot iovecs point at
+        self._rx_cmsg = np.zeros(1, CMSG_DTYPE)  # a GRO read's UDP_GRO cmsg
+        self._gro_at = None  # (rows bound, first row) the GRO read's iovecs point at
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
         self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
@@ -218,18 +231,21 @@ class UdpTransport(Transport):
                     except OSError:
                         want_gro = False
                 self.gro = bool(want_gro) and _offload(s, UDP_GRO, 1, gro, "UDP_GRO (UDP receive offload, Linux 5.0+)")
-                if self.gro:  # each message may be GRO_SEGS datagrams: it gets that many rows + an overflow
-                    mm = self._rx_mmsg
-                    slots = cap // GRO_SEGS
-                    self._rx_slot_iov = np.zeros((slots, 2 * GRO_SEGS + 1), IOV_DTYPE)
-                    self._rx_over = np.zeros((slots, GRO_OVERFLOW), np.uint8)
-                    self._rx_slot_iov["base"][:, -1] = self._rx_over.ctypes.data + np.arange(
-                        slots, dtype=np.uint64) * GRO_OVERFLOW
-                    self._rx_slot_iov["len"][:, -1] = GRO_OVERFLOW
-                    mm["iov"][:slots] = self._rx_slot_iov.ctypes.data + np.arange(slots, dtype=np.uint64) * (
-                        self._rx_slot_iov.strides[0])
-                    mm["iovlen"] = 2 * GRO_SEGS + 1
-                    mm["control"] = self._rx_cmsg.ctypes.data + np.arange(cap, dtype=np.uint64) * CMSG_DTYPE.itemsize
+                if self.gro:  # a message read may be GRO_SEGS datagrams: that many rows + an overflow buffer
+                    self._gro_iov = np.zeros(2 * GRO_SEGS + 1, IOV_DTYPE)
+                    self._rx_over = np.zeros(GRO_OVERFLOW, np.uint8)
+                    self._gro_iov["base"][-1] = self._rx_over.ctypes.data
+                    self._gro_iov["len"][-1] = GRO_OVERFLOW
+                    self._gro_msg = np.zeros(1, MMSG_DTYPE)  # one message a read (struct fields via ctypes)
+                    self._gro_msg["name"] = self._rx_name.ctypes.data
+                    self._gro_msg["iov"] = self._gro_iov.ctypes.data
+                    self._gro_msg["iovlen"] = 2 * GRO_SEGS + 1
+                    self._gro_msg["control"] = self._rx_cmsg.ctypes.data
+                    self._gro_mm_at = self._gro_msg.ctypes.data
+                    self._gro_mm = _MMsg.from_address(self._gro_mm_at)
+                    self._gro_cm = _Cmsg.from_address(self._rx_cmsg.ctypes.data)
+                    self._rx_name_at = self._rx_name.ctypes.data
+                    self._key_off, self._key_len = (8, 16) if self.family == socket.AF_INET6 else (4, 4)
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
             self._wpoll = select.poll()
@@ -300,45 +316,65 @@ class UdpTransport(Transport):
         return self._deliver(into, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
 
     def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float) -> Batch:
-        """``recv`` on a GRO socket: every message read gets GRO_SEGS rows (it may hold that many
-        datagrams); messages are unmerged and packed after each read, and reads go on while the
-        queue yields full reads and GRO_SEGS rows are left."""
+        """``recv`` on a GRO socket: one message a read, each into the rows right after the last
+        one's datagrams (a merged run of row-sized datagrams lands row by row; other sizes are
+        re-cut in place), so rows never need packing; reads go on while messages are queued and
+        GRO_SEGS rows are left."""
         used, lost, lingered = 0, 0, False
-        plens, peers = [], []
+        runs = []  # per message: (datagrams, size, last one's size, peer)
+        row = wire.HEADER_LEN + into.maxlen
+        wait = timeout
         while cap - used >= GRO_SEGS:
-            slots = (cap - used) // GRO_SEGS
-            k = self._read(slots, timeout if used == 0 and not lingered else 0, row0=used)
-            if k > 0:
-                plen, peer, lo = self._unmerge(into, used, k)
-                plens.append(plen)
-                peers.append(peer)
-                used += len(plen)
-                lost += lo
-            if k == slots:
+            got = self._read_gro(used, wait)
+            wait = 0
+            if got is not None:
+                total, g, peer = got
+                c = max(-(-total // g), 1)
+                last = total - (c - 1) * g
+                if c > 1 and g != row:  # merged datagrams of another size than a row
+                    c, drop, last = self._recut(into, used, total, g)
+                    lost += drop
+                if c > 1:
+                    self._c["rx_gro_packets"] += c
+                if c:
+                    runs.append((c, g, last, peer))
+                    used += c
                 continue
-            if (used == 0 and not lingered) or used >= min(want, cap) or linger <= 0 or lingered:
+            if used == 0 or used >= min(want, cap) or linger <= 0 or lingered:
                 break
-            time.sleep(linger)  # coalesce: read once more after the linger
+            time.sleep(linger)  # coalesce: read on after the linger
             lingered = True
-        if not plens:
+        if not runs:
             into.n = 0
             return into.view(0, 0)
-        return self._deliver(into, np.concatenate(plens), np.concatenate(peers), lost)
+        if len(runs) == 1:
+            c, g, last, peer = runs[0]
+            plen = np.full(c, g, np.int64)
+            plen[-1] = last
+            return self._deliver(into, plen, np.full(c, peer, np.int32), lost)
+        cs, gs, lasts, ps = zip(*runs)
+        plen = np.repeat(np.array(gs, np.int64), cs)
+        plen[np.cumsum(cs) - 1] = lasts
+        return self._deliver(into, plen, np.repeat(np.array(ps, np.int32), cs), lost)
 
-    def _read(self, nmsg: int, timeout: float | None, row0: int = 0) -> int:
-        """recvmmsg of up to ``nmsg`` messages, waiting up to ``timeout``; the count (<= 0: none).
+    def _read_gro(self, row0: int, timeout: float | None):
+        """One message into rows ``row0``.. (GRO_SEGS of them, then the overflow buffer), waiting up
+        to ``timeout``: (bytes, datagram size, peer id), or None when none is queued."""
+        at = (self._rx_bound, row0)
+        if self._gro_at != at:  # point the message's iovecs at these rows
+            self._gro_iov[:-1] = self._rx_iov[row0: row0 + GRO_SEGS].reshape(-1)
+            self._gro_at = at
+        mm, cm = self._gro_mm, self._gro_cm
+        mm.namelen, mm.controllen = SOCKADDR_LEN, CMSG_DTYPE.itemsize
+        if self._recvmmsg(self._gro_mm_at, 1, timeout) <= 0:
+            return None
+        total = mm.len
+        merged = mm.controllen >= CMSG_LEN4 and cm.level == SOL_UDP and cm.type == UDP_GRO
+        key = ctypes.string_at(self._rx_name_at + self._key_off, self._key_len)
+        return total, max(cm.size if merged else total, 1), self._peer_key.get(key, -1)
 
-        GRO: message i goes to rows ``row0 + i * GRO_SEGS`` on.
-        """
-        mm = self._rx_mmsg
-        mm["namelen"][:nmsg] = SOCKADDR_LEN
-        if self.gro:  # message i: GRO_SEGS rows from row0 + i * GRO_SEGS, then its overflow buffer
-            mm["controllen"][:nmsg] = CMSG_DTYPE.itemsize
-            key = (self._rx_bound, row0)
-            if key != self._rx_slots[0] or nmsg > self._rx_slots[1]:  # else they point at these rows already
-                self._rx_slot_iov[:nmsg, :-1] = self._rx_iov[row0: row0 + nmsg * GRO_SEGS].reshape(nmsg, -1)
-                self._rx_slots = (key, nmsg)
-        ptr = mm.ctypes.data
+    def _recvmmsg(self, ptr: int, nmsg: int, timeout: float | None) -> int:
+        """recvmmsg of up to ``nmsg`` messages at ``ptr``, waiting up to ``timeout``; the count (<= 0: none)."""
         k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         if k < 0:
             e = ctypes.get_errno()
@@ -355,126 +391,38 @@ class UdpTransport(Transport):
                 k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         return k
 
-    def _gso_sizes(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(message length, datagram size) of the first ``k`` messages read; merged ones say their size."""
-        m = self._rx_mmsg[:k]
-        total = m["len"].astype(np.int64)
-        c = self._rx_cmsg[:k]
-        merged = (m["controllen"] >= CMSG_LEN4) & (c["level"] == SOL_UDP) & (c["type"] == UDP_GRO)
-        return total, np.where(merged, np.maximum(c["gso"].astype(np.int64), 1), np.maximum(total, 1))
+    def _read(self, nmsg: int, timeout: float | None) -> int:
+        """recvmmsg of up to ``nmsg`` messages (one datagram each: no GRO) into rows 0..; the count."""
+        self._rx_mmsg["namelen"][:nmsg] = SOCKADDR_LEN
+        return self._recvmmsg(self._rx_mmsg.ctypes.data, nmsg, timeout)
 
-    def _unmerge(self, into: Batch, row0: int, k: int):
-        """Split the ``k`` messages read (each in its own GRO_SEGS rows from ``row0``) into one row per datagram.
-
-        Returns (UDP payload length per datagram, peer per datagram, datagrams lost), the
-        datagrams in rows [row0, row0 + n): the rows above it fill the gaps messages left, so
-        only those move.  A datagram of a row's size (header + ``into.maxlen``) fills its
-        row exactly, so a merged message of such datagrams lands row by row as it is; other
-        sizes are re-cut from the bytes received.
-        """
-        peer = self._match(k)
-        if k <= SMALL:
-            return self._unmerge_few(into, row0, k, peer)
-        total, g = self._gso_sizes(k)
-        nseg = np.maximum(-(-total // g), 1)
-        row = wire.HEADER_LEN + into.maxlen
-        lost = 0
-        for i in np.flatnonzero((nseg > 1) & (g != row)):  # rare: merged datagrams of another size
-            got, drop = self._recut(into, row0 + int(i) * GRO_SEGS, int(i), int(total[i]), int(g[i]))
-            nseg[i] = got
-            lost += drop
-        last = np.minimum(g, total - (nseg - 1) * g)  # the last datagram of a message may be shorter
-        self._c["rx_gro_packets"] += int(nseg[nseg > 1].sum())
-        n = int(nseg.sum())
-        ends = np.cumsum(nseg)
-        plen = np.repeat(g, nseg)
-        some = nseg > 0  # a message whose re-cut kept nothing adds no rows
-        plen[ends[some] - 1] = last[some]
-        peer = np.repeat(peer, nseg)
-        at = row0 + np.repeat(np.arange(k) * GRO_SEGS - (ends - nseg), nseg) + np.arange(n)  # row of each
-        tail = at >= row0 + n
-        if tail.any():  # fill the gaps below row0 + n with the rows above it (datagrams are unordered)
-            held = np.zeros(n, bool)
-            held[at[~tail] - row0] = True
-            gaps = row0 + np.flatnonzero(~held)
-            wire.move(into.headers, gaps, at[tail])
-            into.payload[gaps] = into.payload[at[tail]]
-            at[tail] = gaps
-        order = np.empty(n, np.int64)
-        order[at - row0] = np.arange(n)
-        return plen[order], peer[order], lost
-
-    def _unmerge_few(self, into: Batch, row0: int, k: int, peer: np.ndarray):
-        """``_unmerge`` for a few messages: the same rows and results, in Python ints and slices."""
-        m = self._rx_mmsg[:k]
-        total, clen, gso = m["len"].tolist(), m["controllen"].tolist(), self._rx_cmsg["gso"][:k].tolist()
-        row = wire.HEADER_LEN + into.maxlen
-        span = k * GRO_SEGS
-        plen = np.empty(span, np.int64)  # per slot row, then moved with the rows
-        pids = np.empty(span, np.int32)
-        nseg, lost = [], 0
-        for i in range(k):
-            t = total[i]
-            g = max(gso[i] if clen[i] >= CMSG_LEN4 else t, 1)
-            c = max(-(-t // g), 1)
-            r = i * GRO_SEGS
-            if c > 1 and g != row:  # rare: merged datagrams of another size
-                c, drop = self._recut(into, row0 + r, i, t, g)
-                lost += drop
-            if c:
-                plen[r: r + c] = g
-                plen[r + c - 1] = min(g, t - (c - 1) * g)  # the last may be shorter
-                pids[r: r + c] = peer[i]
-            if c > 1:
-                self._c["rx_gro_packets"] += c
-            nseg.append(c)
-        n = sum(nseg)
-        # fill the gaps below n with the rows above it, run by run (datagrams are unordered)
-        gaps = [(i * GRO_SEGS + c, min((i + 1) * GRO_SEGS, n)) for i, c in enumerate(nseg)
-                if i * GRO_SEGS + c < min((i + 1) * GRO_SEGS, n)]
-        tails = [(max(i * GRO_SEGS, n), i * GRO_SEGS + c) for i, c in enumerate(nseg) if i * GRO_SEGS + c > n]
-        hv = into.headers[row0: row0 + span]
-        pay = into.payload[row0: row0 + span]
-        while gaps:
-            (g0, g1), (t0, t1) = gaps[-1], tails[-1]
-            w = min(g1 - g0, t1 - t0)
-            wire.move(hv, slice(g0, g0 + w), slice(t1 - w, t1))
-            pay[g0: g0 + w] = pay[t1 - w: t1]
-            plen[g0: g0 + w] = plen[t1 - w: t1]
-            pids[g0: g0 + w] = pids[t1 - w: t1]
-            gaps[-1] = (g0 + w, g1)
-            tails[-1] = (t0, t1 - w)
-            if g0 + w == g1:
-                gaps.pop()
-            if t1 - w == t0:
-                tails.pop()
-        return plen[:n], pids[:n], lost
-
-    def _recut(self, into: Batch, r0: int, slot: int, total: int, g: int) -> tuple[int, int]:
+    def _recut(self, into: Batch, r0: int, total: int, g: int) -> tuple[int, int, int]:
         """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream over rows
-        ``r0``.. (each row: its header bytes, then its payload bytes; then overflow ``slot``), into
-        one datagram per row.
+        ``r0``.. (each row: its header bytes, then its payload bytes; then the overflow buffer),
+        into one datagram per row from ``r0``.
 
-        Returns (datagrams kept, datagrams lost).  A datagram is kept when every byte a row can
-        take of it arrived (it may still be cut to the row's width: counted as truncated).
+        Returns (datagrams kept, datagrams lost, the last kept one's size).  A datagram wider
+        than a row keeps what the row takes (counted as truncated by ``_deliver``).
         """
-        rows = slice(r0, r0 + GRO_SEGS)
-        hb = into.headers[rows].view(np.uint8).reshape(GRO_SEGS, wire.HEADER_LEN)
-        stream = np.concatenate([np.concatenate([hb, into.payload[rows]], axis=1).reshape(-1),
-                                 self._rx_over[slot]])[:total]
-        starts = np.arange(0, total, g)
-        size = np.minimum(g, total - starts)
-        keep = starts + np.minimum(size, wire.HEADER_LEN + into.maxlen) <= len(stream)
-        n = int(keep.sum())  # kept ones come first: the stream is cut at its end only
-        if n:
-            padded = np.zeros(n * g, np.uint8)
-            m = min(len(stream), n * g)
-            padded[:m] = stream[:m]
-            segs = padded.reshape(n, g)
-            w = min(g - wire.HEADER_LEN, into.maxlen)
-            hb[:n] = segs[:, : wire.HEADER_LEN]
+        row = wire.HEADER_LEN + into.maxlen
+        nrows = min(GRO_SEGS, -(-total // row))
+        hb = into.headers[r0: r0 + GRO_SEGS].view(np.uint8).reshape(-1, wire.HEADER_LEN)
+        stream = np.concatenate([hb[:nrows], into.payload[r0: r0 + nrows]], axis=1).reshape(-1)
+        if total > len(stream):
+            stream = np.concatenate([stream, self._rx_over[: total - len(stream)]])
+        c = -(-total // g)
+        n = min(c, GRO_SEGS)  # rows for at most GRO_SEGS (what UDP_GRO merges)
+        segs = np.zeros(n * g, np.uint8)
+        m = min(total, n * g)
+        segs[:m] = stream[:m]
+        segs = segs.reshape(n, g)
+        h = min(g, wire.HEADER_LEN)
+        hb[:n, :h] = segs[:, :h]
+        hb[:n, h:] = 0  # a datagram shorter than a header: no magic, rejected as invalid
+        w = min(g - wire.HEADER_LEN, into.maxlen)
+        if w > 0:
             into.payload[r0: r0 + n, :w] = segs[:, wire.HEADER_LEN: wire.HEADER_LEN + w]
-        return n, len(starts) - n
+        return n, c - n, min(g, total - (n - 1) * g)
 
     def _recv_spill(self, into: Batch, cap: int, timeout, want, linger) -> Batch:
         """A batch narrower than one merged message: read into the spill batch, hand out ``cap`` rows."""
