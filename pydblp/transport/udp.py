@@ -405,12 +405,20 @@ class UdpTransport(Transport):
         than a row keeps what the row takes (counted as truncated by ``_deliver``).
         """
         row = wire.HEADER_LEN + into.maxlen
-        nrows = min(GRO_SEGS, -(-total // row))
         hb = into.headers[r0: r0 + GRO_SEGS].view(np.uint8).reshape(-1, wire.HEADER_LEN)
+        c = -(-total // g)
+        if total <= row and total - (c - 1) * g >= wire.HEADER_LEN:  # a few small ones (STOP copies) in one row
+            pay = into.payload
+            for i in range(1, c):  # datagram i starts i * g bytes into the row: i * g - 32 into its payload
+                o = i * g - wire.HEADER_LEN
+                hb[i] = pay[r0, o: o + wire.HEADER_LEN]
+                w = min(g, total - i * g) - wire.HEADER_LEN
+                pay[r0 + i, :w] = pay[r0, o + wire.HEADER_LEN: o + wire.HEADER_LEN + w]
+            return c, 0, total - (c - 1) * g
+        nrows = min(GRO_SEGS, -(-total // row))
         stream = np.concatenate([hb[:nrows], into.payload[r0: r0 + nrows]], axis=1).reshape(-1)
         if total > len(stream):
             stream = np.concatenate([stream, self._rx_over[: total - len(stream)]])
-        c = -(-total // g)
         n = min(c, GRO_SEGS)  # rows for at most GRO_SEGS (what UDP_GRO merges)
         segs = np.zeros(n * g, np.uint8)
         m = min(total, n * g)

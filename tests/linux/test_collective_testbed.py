@@ -193,8 +193,9 @@ def test_jumbo_mtu_exact_and_repaired_over_af_xdp(bpf_xdp):
 
 def test_udp_gso_and_gro_over_the_fabric(clean, hosts):
     """On the testbed's NICs (GRO on, the host program attached) the UDP transport's GSO runs are
-    merged again on receive: 3000 packets of full-row, other-size and odd lengths from two senders
-    arrive bit-exact with their senders' peer ids, most of them through merged messages."""
+    merged again on receive: 3000 packets of full-row, other-size, odd and tiny (control-sized:
+    several fit one row) lengths from two senders arrive bit-exact with their senders' peer ids,
+    most of them through merged messages."""
     from pydblp import wire
     from pydblp.transport import Batch
 
@@ -213,6 +214,7 @@ def test_udp_gso_and_gro_over_the_fabric(clean, hosts):
             h["chunk"] = s * n + np.arange(n)
             i = np.arange(n)
             lens = np.where(i < 900, 1400, np.where(i % 7 == 0, 1 + i % 1400, 700)).astype(np.int32)
+            lens[-20:] = 2  # a STOP's size: 20 of them merge into 680 bytes
             pay = np.random.default_rng(s).integers(0, 256, (n, 1400), dtype=np.uint8)
             b = Batch.fill(h, pay, lens, pid)
             assert ts[s].send(b) == n
