@@ -128,7 +128,20 @@ class Pydblp:
             self.host.close()
 
 
-class Gloo:
+class _Peer:
+    """A comparator: its rounds keep no records, flush nothing and count nothing."""
+
+    def record(self) -> dict:
+        return {}
+
+    def flush(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
+
+
+class Gloo(_Peer):
     def __init__(self, a):
         import torch
         import torch.distributed as dist
@@ -146,20 +159,11 @@ class Gloo:
         buf.div_(self.world)
         return buf.numpy()
 
-    def record(self) -> dict:
-        return {}
-
-    def flush(self) -> None:
-        pass
-
-    def counters(self) -> dict:
-        return {}
-
     def close(self) -> None:
         self.dist.destroy_process_group()
 
 
-class Floor:
+class Floor(_Peer):
     """The least a Python transpose allreduce over UDP sockets does on this testbed.
 
     The same chunks (``--chunk-bytes``, default pydblp's 1408 bytes of float32), shards and
@@ -282,15 +286,6 @@ class Floor:
         if len(rec):
             self.y[self.first[rec["src"]] + rec["chunk"]] = rec["pay"]
             self.left_ag -= len(rec)
-
-    def record(self) -> dict:
-        return {}
-
-    def flush(self) -> None:
-        pass
-
-    def counters(self) -> dict:
-        return {}
 
     def close(self) -> None:
         self.sock.close()
