@@ -659,24 +659,23 @@ class Collective:
         # reduce-scatter contributions to my shard
         if st.my_shard is not None and not st.reduced and nag < len(ag):
             n = st.rmask.shape[1]
-            sel = np.flatnonzero(~ag & (chunk < n) & (hh["nchunks"] == n))
+            sel = (~ag & (chunk < n) & (hh["nchunks"] == n)).nonzero()[0]
             s, c = src[sel], chunk[sel]
             new = ~st.rmask[s, c]
             sn, cn = s[new], c[new]
             st.rbuf[sn, cn] = _payload_rows(pay, rows[sel[new]], width)
             st.rmask[sn, cn] = True
             per_src = np.bincount(s, minlength=W)
-            for r in np.flatnonzero(per_src):
-                inn = st.ins[(False, int(r))]
+            for r in per_src.nonzero()[0].tolist():
+                inn = st.ins[(False, r)]
                 if inn.tol8 is None:
-                    inn.tol8 = int(hh["tol"][sel[int(np.argmax(s == r))]])
+                    inn.tol8 = int(hh["tol"][sel[int((s == r).argmax())]])
                 self._arrived(inn, int(per_src[r]), now)
                 touched.append(inn)
         # all-gather results from shard owners
         if nag:
             per_src = np.bincount(src[ag], minlength=W)
-            for k in np.flatnonzero(per_src):
-                k = int(k)
+            for k in per_src.nonzero()[0].tolist():
                 inn = st.ins.get((True, k))
                 if inn is None:
                     continue
@@ -684,7 +683,7 @@ class Collective:
                 if rs_out is not None and not rs_out.done:
                     rs_out.done = True  # owner k is all-gathering: it is done with our contribution
                 a, _ = st.bounds[k]
-                sel = np.flatnonzero(ag & (src == k) & (chunk < inn.n))
+                sel = (ag & (src == k) & (chunk < inn.n)).nonzero()[0]
                 c = chunk[sel]
                 new = ~inn.mask[c]
                 cn = c[new]
@@ -706,7 +705,7 @@ class Collective:
         self.counters["duplicate"] += got - (count - inn.count)
         if count > inn.count:
             inn.count = count
-            inn.hi = inn.n - int(np.argmax(inn.mask[::-1]))  # 1 + the highest chunk seen
+            inn.hi = inn.n - int(inn.mask[::-1].argmax())  # 1 + the highest chunk seen
             inn.t_data = now
             if 2 * (count - inn.count_nack) >= inn.asked:  # the repair got through: NACK at once again
                 inn.nacks = 0
