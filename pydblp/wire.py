@@ -270,9 +270,10 @@ _TAG = int(Flag.TAG)  # a plain int: numpy takes an IntFlag operand ~5x slower
 assert sorted(_KINDS) == list(range(min(_KINDS), max(_KINDS) + 1)) and Flag.TAG == 4 and TAG_LEN == 16
 
 
-def _all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
+def all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
     """True when every header passes :func:`validate_batch`'s checks (no rank checks), computed on
-    big-endian 32-bit words of the records: a third of the numpy calls of the labelled path."""
+    big-endian 32-bit words of the records: a third of the numpy calls of the labelled path.
+    ``plen``: the UDP payload lengths (header included), int64."""
     if not (h.dtype == HEADER_DTYPE and h.flags.c_contiguous) or len(h) == 0:
         return len(h) == 0
     w = h.view(_U4).reshape(-1, 8).byteswap()  # one swap; the checks then run on native words
@@ -295,7 +296,7 @@ def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
     """
     h = headers
     plen = np.asarray(payload_lens, dtype=np.int64)
-    if world_size is None and rank is None and _all_valid(h, plen):  # the usual case, in few numpy calls
+    if world_size is None and rank is None and all_valid(h, plen):  # the usual case, in few numpy calls
         return np.zeros(len(h), np.uint8)
     taglen = np.where(h["flags"] & _TAG, TAG_LEN, 0)
     nch = h["nchunks"].astype(np.int64)

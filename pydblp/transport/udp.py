@@ -171,9 +171,9 @@ class UdpTransport(Transport):
         self._rx_mmsg["name"] = self._rx_name.ctypes.data + np.arange(cap, dtype=np.uint64) * SOCKADDR_LEN
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
-        self._rx_bound = None  # (headers ptr, payload ptr, row stride, width, rows) the iovecs point at
+        self._rx_bound = None  # (headers, payload, rows): the arrays the iovecs point into
         self._rx_cmsg = np.zeros(1, CMSG_DTYPE)  # a GRO read's UDP_GRO cmsg
-        self._gro_at = None  # (rows bound, first row) the GRO read's iovecs point at
+        self._gro_at = None  # the first row the GRO read's iovecs point at (None: rebind)
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
         self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
@@ -276,15 +276,16 @@ class UdpTransport(Transport):
     def _point_rx(self, into: Batch) -> None:
         """Point the receive iovecs at ``into``'s rows (unless they point there already)."""
         n = min(into.cap, self.max_batch)
-        key = (into.headers.ctypes.data, into.payload.ctypes.data, into.payload.strides[0], into.maxlen, n)
-        if self._rx_bound == key:
+        h, p, b = into.headers, into.payload, self._rx_bound
+        if b is not None and b[0] is h and b[1] is p and b[2] == n:  # the same arrays (held: no reuse of ids)
             return
         i = np.arange(n, dtype=np.uint64)
-        self._rx_iov["base"][:n, 0] = np.uint64(key[0]) + i * np.uint64(wire.HEADER_LEN)
+        self._rx_iov["base"][:n, 0] = np.uint64(h.ctypes.data) + i * np.uint64(wire.HEADER_LEN)
         self._rx_iov["len"][:n, 0] = wire.HEADER_LEN
-        self._rx_iov["base"][:n, 1] = np.uint64(key[1]) + i * np.uint64(key[2])
+        self._rx_iov["base"][:n, 1] = np.uint64(p.ctypes.data) + i * np.uint64(p.strides[0])
         self._rx_iov["len"][:n, 1] = into.maxlen
-        self._rx_bound = key
+        self._rx_bound = (h, p, n)
+        self._gro_at = None
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
              *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
@@ -360,10 +361,9 @@ class UdpTransport(Transport):
     def _read_gro(self, row0: int, timeout: float | None):
         """One message into rows ``row0``.. (GRO_SEGS of them, then the overflow buffer), waiting up
         to ``timeout``: (bytes, datagram size, peer id), or None when none is queued."""
-        at = (self._rx_bound, row0)
-        if self._gro_at != at:  # point the message's iovecs at these rows
+        if self._gro_at != row0:  # point the message's iovecs at these rows
             self._gro_iov[:-1] = self._rx_iov[row0: row0 + GRO_SEGS].reshape(-1)
-            self._gro_at = at
+            self._gro_at = row0
         mm, cm = self._gro_mm, self._gro_cm
         mm.namelen, mm.controllen = SOCKADDR_LEN, CMSG_DTYPE.itemsize
         if self._recvmmsg(self._gro_mm_at, 1, timeout) <= 0:
@@ -455,14 +455,16 @@ class UdpTransport(Transport):
         """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``), count, return them."""
         k = len(plen)
         hdrs = into.headers[:k]
-        ok = wire.validate_batch(hdrs, plen) == 0
         lens = plen - wire.HEADER_LEN
-        trunc = lens > into.maxlen
         self._c["rx_truncated"] += lost
-        if trunc.any():
-            self._c["rx_truncated"] += int((trunc & ok).sum())
+        ok = None  # None: all valid (the usual case, checked in few numpy calls)
+        if int(lens.max()) > into.maxlen:
+            ok = wire.validate_batch(hdrs, plen) == 0
+            self._c["rx_truncated"] += int(((lens > into.maxlen) & ok).sum())
             lens = np.minimum(lens, into.maxlen)
-        if not ok.all():  # rare: compact the valid rows to the front
+        elif not wire.all_valid(hdrs, plen):
+            ok = wire.validate_batch(hdrs, plen) == 0
+        if ok is not None and not ok.all():  # rare: compact the valid rows to the front
             sel = np.flatnonzero(ok)
             self._c["rx_invalid"] += k - len(sel)
             wire.put(into.headers[: len(sel)], wire.take(hdrs, sel))
