@@ -198,7 +198,7 @@ class Floor(_Peer):
         s.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
         s.bind(self.addrs[a.rank])
         s.setblocking(False)
-        self.sock, self.socket = s, socket
+        self.sock = s
         self.poll = select.poll()
         self.POLLIN, self.POLLOUT = select.POLLIN, select.POLLOUT
         self.gso = [(socket.SOL_UDP, 103, self.seg.to_bytes(2, sys.byteorder))]  # UDP_SEGMENT

@@ -87,18 +87,19 @@ FEW_SEND = 4             # packets per send up to which each goes by its own sen
 SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
 CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
 
-class _MMsg(ctypes.Structure):  # the fields of MMSG_DTYPE a GRO read sets and reads, without numpy's per-call cost
+class _MMsg(ctypes.Structure):  # one MMSG_DTYPE record as a ctypes struct: a GRO read's fields without numpy's per-call cost
     _fields_ = [("name", ctypes.c_uint64), ("namelen", ctypes.c_uint32), ("_p0", ctypes.c_uint32),
                 ("iov", ctypes.c_uint64), ("iovlen", ctypes.c_uint64), ("control", ctypes.c_uint64),
                 ("controllen", ctypes.c_uint64), ("flags", ctypes.c_int32), ("_p1", ctypes.c_uint32),
                 ("len", ctypes.c_uint32), ("_p2", ctypes.c_uint32)]
 
 
-class _Cmsg(ctypes.Structure):  # a cmsghdr with an int: UDP_GRO's datagram size
-    _fields_ = [("len", ctypes.c_uint64), ("level", ctypes.c_int32), ("type", ctypes.c_int32), ("size", ctypes.c_int32)]
+class _Cmsg(ctypes.Structure):  # CMSG_SPACE(sizeof(int)): UDP_GRO's datagram size
+    _fields_ = [("len", ctypes.c_uint64), ("level", ctypes.c_int32), ("type", ctypes.c_int32), ("size", ctypes.c_int32),
+                ("_pad", ctypes.c_int32)]
 
 
-assert ctypes.sizeof(_MMsg) == MMSG_DTYPE.itemsize
+assert ctypes.sizeof(_MMsg) == MMSG_DTYPE.itemsize and ctypes.sizeof(_Cmsg) == 24
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
@@ -172,7 +173,6 @@ class UdpTransport(Transport):
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
         self._rx_bound = None  # (headers, payload, rows): the arrays the iovecs point into
-        self._rx_cmsg = np.zeros(1, CMSG_DTYPE)  # a GRO read's UDP_GRO cmsg
         self._gro_at = None  # the first row the GRO read's iovecs point at (None: rebind)
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
         self.gro = False
@@ -236,14 +236,10 @@ class UdpTransport(Transport):
                     self._rx_over = np.zeros(GRO_OVERFLOW, np.uint8)
                     self._gro_iov["base"][-1] = self._rx_over.ctypes.data
                     self._gro_iov["len"][-1] = GRO_OVERFLOW
-                    self._gro_msg = np.zeros(1, MMSG_DTYPE)  # one message a read (struct fields via ctypes)
-                    self._gro_msg["name"] = self._rx_name.ctypes.data
-                    self._gro_msg["iov"] = self._gro_iov.ctypes.data
-                    self._gro_msg["iovlen"] = 2 * GRO_SEGS + 1
-                    self._gro_msg["control"] = self._rx_cmsg.ctypes.data
-                    self._gro_mm_at = self._gro_msg.ctypes.data
-                    self._gro_mm = _MMsg.from_address(self._gro_mm_at)
-                    self._gro_cm = _Cmsg.from_address(self._rx_cmsg.ctypes.data)
+                    self._gro_cm = _Cmsg()  # one message a read, with its UDP_GRO cmsg
+                    self._gro_mm = _MMsg(name=self._rx_name.ctypes.data, iov=self._gro_iov.ctypes.data,
+                                         iovlen=2 * GRO_SEGS + 1, control=ctypes.addressof(self._gro_cm))
+                    self._gro_mm_at = ctypes.addressof(self._gro_mm)
                     self._rx_name_at = self._rx_name.ctypes.data
                     self._key_off, self._key_len = (8, 16) if self.family == socket.AF_INET6 else (4, 4)
             self._poll = select.poll()
@@ -365,7 +361,7 @@ class UdpTransport(Transport):
             self._gro_iov[:-1] = self._rx_iov[row0: row0 + GRO_SEGS].reshape(-1)
             self._gro_at = row0
         mm, cm = self._gro_mm, self._gro_cm
-        mm.namelen, mm.controllen = SOCKADDR_LEN, CMSG_DTYPE.itemsize
+        mm.namelen, mm.controllen = SOCKADDR_LEN, ctypes.sizeof(_Cmsg)
         if self._recvmmsg(self._gro_mm_at, 1, timeout) <= 0:
             return None
         total = mm.len
