@@ -266,6 +266,8 @@ def decode_batch(frames: np.ndarray, offset: int | np.ndarray = 0) -> np.ndarray
 _W0_MIN = (MAGIC << 16) | (VERSION << 8) | min(_KINDS)  # first header word: magic, version, kind
 _W0_SPAN = max(_KINDS) - min(_KINDS)
 _U4 = np.dtype("<u4")
+_KIND_MIN, _KIND_MAX = min(_KINDS), max(_KINDS)
+_FEW = 8  # headers up to which all_valid checks them in Python
 _TAG = int(Flag.TAG)  # a plain int: numpy takes an IntFlag operand ~5x slower
 assert sorted(_KINDS) == list(range(min(_KINDS), max(_KINDS) + 1)) and Flag.TAG == 4 and TAG_LEN == 16
 
@@ -276,6 +278,13 @@ def all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
     ``plen``: the UDP payload lengths (header included), int64."""
     if not (h.dtype == HEADER_DTYPE and h.flags.c_contiguous) or len(h) == 0:
         return len(h) == 0
+    if len(h) <= _FEW:  # a few packets (control packets): Python on the fields beats numpy's per-call cost
+        for f, pl in zip(h.tolist(), plen.tolist()):
+            if (f[0] != MAGIC or f[1] != VERSION or not _KIND_MIN <= f[2] <= _KIND_MAX or f[3] == 0
+                    or not 1 <= f[11] <= MAX_NCHUNKS or f[10] >= f[11]
+                    or f[12] + (TAG_LEN if f[14] & _TAG else 0) + HEADER_LEN != pl):
+                return False
+        return True
     w = h.view(_U4).reshape(-1, 8).byteswap()  # one swap; the checks then run on native words
     n_ch = w[:, 6]
     w7 = w[:, 7]  # len, tol, flags

@@ -83,6 +83,12 @@ DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, w
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
+TAG = int(wire.Flag.TAG)
+# positions of header fields in a record's tuple (ndarray.tolist())
+F_KIND, F_JOB, F_ROUND, F_TENSOR, F_SRC, F_DST, F_DTYPE, F_CHUNK, F_LEN, F_TOL, F_FLAGS = (
+    [name for name, _ in wire.FIELDS].index(n) for n in
+    ("kind", "job", "round", "tensor", "src", "dst", "dtype", "chunk", "len", "tol", "flags"))
+FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
@@ -95,15 +101,6 @@ STOP_COPIES = 2  # a STOP goes out this many times: a lost one costs its sender 
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
-
-
-def _payload_rows(pay: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
-    """Payload rows as float32 chunks: a view when ``rows`` are consecutive, else one gather."""
-    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
-        block = pay[int(rows[0]): int(rows[-1]) + 1, :width]
-    else:
-        block = pay[rows, :width]
-    return block.view(np.float32)  # rows need not be contiguous, only each row's bytes
 
 
 class CollectiveError(RuntimeError):
@@ -242,6 +239,7 @@ class Collective:
         self._tx_wait = None                      # s to wait for the transport's queue to drain
         self._timeouts: list = [None] * world     # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
+        self._qmask = self._qtmp = None           # _match's header word mask and scratch (made once)
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._idle = threading.Event()       # set while no round runs
@@ -341,7 +339,7 @@ class Collective:
         me = self.rank
         st.my_shard = me if me < nsh else None
         st.y = np.empty_like(st.x)  # every row is written: own shard, all-gather, or _finish's fill
-        st.have = np.zeros(T, bool)
+        st.have = np.zeros(T, bool)  # result rows in (own shard, all-gather); the all-gather masks are its slices
         st.ins: dict[tuple[bool, int], _In] = {}
         st.outs: dict[tuple[bool, int], _Out] = {}
         st.reduced = st.my_shard is None
@@ -355,14 +353,20 @@ class Collective:
             st.rmask = np.zeros((self.world, b - a), bool)
             st.rbuf[me] = st.x[a:b]
             st.rmask[me] = True
+            st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row src * n + chunk
             for src in range(self.world):
                 if src != me:
                     inn = st.ins[(False, src)] = _In(False, src, b - a)
                     inn.mask = st.rmask[src]  # arrivals are marked in the reduce buffer's mask
+        st.hi = np.zeros((2, self.world), np.intp)  # [all-gather?, src]: 1 + the highest chunk seen
+        st.ag_first = np.zeros(self.world, np.intp)  # owner k's first result row
+        st.ag_n = np.full(self.world, -1, np.int64)  # chunks in owner k's all-gather message to me (-1: none)
         for k, (a, b) in enumerate(st.bounds):
             if k == st.my_shard:
                 continue
-            st.ins[(True, k)] = _In(True, k, b - a)
+            inn = st.ins[(True, k)] = _In(True, k, b - a)
+            inn.mask = st.have[a:b]  # arrivals are marked in the result's mask
+            st.ag_first[k], st.ag_n[k] = a, b - a
             if not reduce:
                 continue
             rows = st.x[a:b]
@@ -370,6 +374,7 @@ class Collective:
         for key, inn in list(st.ins.items()):
             if inn.n == 0:
                 del st.ins[key]
+        st.qval = self._qval(st)
         st.t0 = time.monotonic()
         st.t_timers = st.t_alive = st.t0
         st.nacks = 0
@@ -591,44 +596,105 @@ class Collective:
             self._send_batch(None, [])
 
     # ---- receiving -------------------------------------------------------
+    def _qval(self, st: _Round) -> np.ndarray:
+        """What every DATA packet of round ``st`` for this rank has in its header under
+        ``_qmask`` (magic, version, kind, job, round, tensor, destination, dtype, payload length,
+        no tag), as native 64-bit words, four per packet, for ``RECV_BATCH`` packets."""
+        if self._qmask is None:
+            m = np.zeros(1, wire.HEADER_DTYPE)
+            for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
+                m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
+            m["flags"] = int(wire.Flag.TAG)
+            self._qmask = np.tile(m.view(np.uint64), RECV_BATCH)
+            self._qtmp = np.empty_like(self._qmask)
+        v = np.zeros(1, wire.HEADER_DTYPE)
+        v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, self.cfg.job
+        v["round"], v["tensor"], v["dst"], v["dtype"], v["len"] = st.round, st.tensor, self.rank, F32, self.C * 4
+        return np.tile(v.view(np.uint64), RECV_BATCH)
+
+    def _match(self, st: _Round, h: np.ndarray):
+        """Which packets of ``h`` are DATA of round ``st`` for this rank (of this job, tensor,
+        dtype and chunk size; sources unchecked): True for all of them (the usual batch, in three
+        numpy calls on the headers' 64-bit words), else a bool per packet (None: ``h`` is not
+        laid out for it)."""
+        k = 4 * len(h)
+        if k > len(self._qmask) or not h.flags.c_contiguous:
+            return None
+        t = self._qtmp[:k]
+        np.bitwise_and(h.view(np.uint64), self._qmask[:k], out=t)
+        eq = t == st.qval[:k]
+        return True if eq.all() else eq.reshape(-1, 4).all(axis=1)
+
     def _process(self, st: _Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray,
                  now: float) -> None:
-        """Handle received packets; ``st`` None means between rounds (idle responder)."""
-        me, W = self.rank, self.world
-        mine = (h["job"] == self.cfg.job) & (h["dst"] == me) & (h["src"] < W) & (h["src"] != me)
-        self.counters["foreign"] += int(np.count_nonzero(~mine))
-        rnd = h["round"]
-        kind = h["kind"]
-        if st is None:  # the finished round is self.round; the next one is self.round + 1
-            nxt = mine & (rnd == ((self.round + 1) & MASK32))
-            self._keep(h, pay, lens, nxt)
-            done_round = mine & (rnd == self.round)
-            for i in np.flatnonzero(done_round & (kind == PROBE)):
-                self._control(None, h[i], pay[i, : lens[i]], now, current=False)
-            self.counters["late"] += int(np.count_nonzero(done_round & (kind == DATA)))
-            return
-        src_all = h["src"].astype(np.int64)
-        cur = mine & (rnd == st.round)
-        data = cur & (kind == DATA)
-        if np.count_nonzero(data) == len(h):  # the usual batch: DATA of this round, for this rank
-            st.heard[src_all] = now
-            self._absorb(st, h, pay, lens, np.arange(len(h)), now)
-            return
-        st.heard[src_all[mine]] = now
-        nxt = mine & (rnd == ((st.round + 1) & MASK32))
-        prev = mine & (rnd == ((st.round - 1) & MASK32))
-        self._keep(h, pay, lens, nxt)
-        if data.any():
-            self._absorb(st, h, pay, lens, np.flatnonzero(data), now)
-        self.counters["late"] += int(np.count_nonzero(prev & (kind == DATA)))
-        for i in np.flatnonzero((cur | prev) & (kind != DATA)):
-            self._control(st, h[i], pay[i, : lens[i]], now, current=bool(cur[i]))
+        """Handle received packets; ``st`` None means between rounds (idle responder).
 
-    def _keep(self, h, pay, lens, sel) -> None:
-        """Stash packets of the next round (bounded: beyond it the loss machinery repairs)."""
-        if not sel.any():
-            return
-        rows = np.flatnonzero(sel)
+        This round's DATA for this rank is matched in numpy and absorbed; a few packets, and
+        whatever else a batch holds (control packets, other rounds, other jobs), are sorted
+        one by one in Python.
+        """
+        rest = None  # rows for the one-by-one path (None: all)
+        if st is not None and len(h) > FEW:
+            m = self._match(st, h)
+            if m is True:
+                self._absorb(st, h, pay, None, now)
+                return
+            if m is not None:
+                rows = m.nonzero()[0]
+                if len(rows):
+                    self._absorb(st, wire.take(h, rows), pay, rows, now)
+                rest = (~m).nonzero()[0]
+        self._sort(st, h, pay, lens, rest, now)
+
+    def _sort(self, st: _Round | None, h, pay, lens, rows, now: float) -> None:
+        """``_process`` packet by packet for rows ``rows`` of a batch (None: all of them)."""
+        fields = (h if rows is None else wire.take(h, rows)).tolist()
+        rows = range(len(h)) if rows is None else rows.tolist()
+        me, W, job, width = self.rank, self.world, self.cfg.job, self.C * 4
+        base = self.round if st is None else st.round  # between rounds: the finished one
+        nxt, prev = (base + 1) & MASK32, (base - 1) & MASK32
+        data, keep, ctrl = [], [], []
+        foreign = late = bad = 0
+        for i, f in zip(rows, fields):
+            kind, rnd, src = f[F_KIND], f[F_ROUND], f[F_SRC]
+            if f[F_JOB] != job or f[F_DST] != me or src >= W or src == me:
+                foreign += 1
+            elif rnd == nxt:
+                keep.append(i)
+            elif st is None:
+                if rnd == base and kind == PROBE:
+                    ctrl.append((f, i, False))
+                elif rnd == base and kind == DATA:
+                    late += 1
+            elif rnd == base:
+                st.heard[src] = now
+                if kind != DATA:
+                    ctrl.append((f, i, True))
+                elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
+                      and not f[F_FLAGS] & TAG):
+                    data.append(i)
+                else:
+                    bad += 1
+            elif rnd == prev:
+                st.heard[src] = now
+                if kind == DATA:
+                    late += 1
+                else:
+                    ctrl.append((f, i, False))
+        c = self.counters
+        c["foreign"] += foreign
+        c["late"] += late
+        c["bad_payload"] += bad
+        if keep:
+            self._keep(h, pay, lens, np.array(keep))
+        if data:
+            rows = np.array(data)
+            self._absorb(st, wire.take(h, rows), pay, rows, now)
+        for f, i, current in ctrl:
+            self._control(st, f, pay[i, : lens[i]], now, current)
+
+    def _keep(self, h, pay, lens, rows) -> None:
+        """Stash packets ``rows`` of the next round (bounded: beyond it the loss machinery repairs)."""
         room = STASH_MAX - sum(len(x[0]) for x in self._stash)
         if room < len(rows):
             self.counters["stash_full"] += len(rows) - max(room, 0)
@@ -637,84 +703,116 @@ class Collective:
             self._stash.append((wire.take(h, rows), pay[rows].copy(), lens[rows].copy()))
             self.counters["stashed"] += len(rows)
 
-    def _absorb(self, st: _Round, h, pay, lens, rows, now: float) -> None:
-        """Take DATA packets ``rows`` of a received batch into the round.
+    def _absorb(self, st: _Round, h, pay, prow, now: float) -> None:
+        """Take DATA packets of this round for this rank into the round: headers ``h``, payloads
+        ``pay[prow]`` (``chunk_bytes`` each; ``prow`` None: ``pay``'s first rows).  A packet
+        from no peer rank (this one, or past the world) is counted in ``foreign``.
 
-        Header fields decide which packets are new; payload bytes are read
-        once, straight into the reduce buffer or the result.  Arrival counts
-        come from the masks (a chunk twice in one batch is written twice,
-        with the same bytes, and counted once), so no per-batch dedup pass.
+        Payload bytes are read once, straight into the reduce buffer or the result, at the rows
+        the header names (a duplicate writes the same bytes again); arrival counts come from the
+        masks.  A packet whose chunk count does not match its message's (a rank with another
+        tensor size) is dropped and counted in ``bad_payload``.
         """
-        width, W = self.C * 4, self.world
-        bad = lens[rows] != width
-        if bad.any():
-            self.counters["bad_payload"] += int(np.count_nonzero(bad))
-            rows = rows[~bad]
-        hh = h if len(rows) == len(h) else wire.take(h, rows)  # (rows are increasing)
-        src = hh["src"].astype(np.int64)
-        chunk = hh["chunk"].astype(np.int64)
-        ag = (hh["flags"] & AG) != 0
+        W = self.world
+        src = h["src"].astype(np.intp)
+        per = np.bincount(src, minlength=W)
+        if len(per) > W or per[self.rank]:
+            ok = (src < W) & (src != self.rank)
+            self.counters["foreign"] += int(np.count_nonzero(~ok))
+            prow = (np.arange(len(h)) if prow is None else prow)[ok]
+            h, src = h[ok], src[ok]
+            per = np.bincount(src, minlength=W)
+        chunk = h["chunk"].astype(np.intp)
+        ag = h["flags"] & AG
         nag = int(np.count_nonzero(ag))
         touched = []
-        # reduce-scatter contributions to my shard
-        if st.my_shard is not None and not st.reduced and nag < len(ag):
-            n = st.rmask.shape[1]
-            sel = (~ag & (chunk < n) & (hh["nchunks"] == n)).nonzero()[0]
-            s, c = src[sel], chunk[sel]
-            new = ~st.rmask[s, c]
-            sn, cn = s[new], c[new]
-            st.rbuf[sn, cn] = _payload_rows(pay, rows[sel[new]], width)
-            st.rmask[sn, cn] = True
-            per_src = np.bincount(s, minlength=W)
-            for r in per_src.nonzero()[0].tolist():
-                inn = st.ins[(False, r)]
-                if inn.tol8 is None:
-                    inn.tol8 = int(hh["tol"][sel[int((s == r).argmax())]])
-                self._arrived(inn, int(per_src[r]), now)
-                touched.append(inn)
-        # all-gather results from shard owners
-        if nag:
-            per_src = np.bincount(src[ag], minlength=W)
-            for k in per_src.nonzero()[0].tolist():
-                inn = st.ins.get((True, k))
-                if inn is None:
+        if nag and nag < len(h) and prow is None:
+            prow = np.arange(len(h))
+        if nag < len(h) and st.my_shard is not None and not st.reduced:  # contributions to my shard
+            if nag:
+                rs = (ag == 0).nonzero()[0]
+                self._absorb_rs(st, h[rs], pay, prow[rs], src[rs], chunk[rs], np.bincount(src[rs], minlength=W),
+                                now, touched)
+            else:
+                self._absorb_rs(st, h, pay, prow, src, chunk, per, now, touched)
+        if nag:  # all-gather results from shard owners
+            if nag < len(h):
+                sel = ag.nonzero()[0]
+                h, prow, src, chunk = h[sel], prow[sel], src[sel], chunk[sel]
+                per = np.bincount(src, minlength=W)
+            ok = h["nchunks"] == st.ag_n[src]  # (-1 for a rank that owns no shard for me)
+            if not ok.all():
+                h, prow, src, chunk, per = self._drop_bad(h, prow, src, chunk, ok)
+            row = st.ag_first[src] + chunk
+            st.y[row] = self._chunks(pay, prow)
+            st.have[row] = True
+            np.maximum.at(st.hi[1], src, chunk + 1)
+            hi = st.hi[1].tolist()
+            for k, got in enumerate(per.tolist()):
+                if not got:
                     continue
+                inn = st.ins[(True, k)]
                 rs_out = st.outs.get((False, k))
                 if rs_out is not None and not rs_out.done:
                     rs_out.done = True  # owner k is all-gathering: it is done with our contribution
-                a, _ = st.bounds[k]
-                sel = (ag & (src == k) & (chunk < inn.n)).nonzero()[0]
-                c = chunk[sel]
-                new = ~inn.mask[c]
-                cn = c[new]
-                inn.mask[cn] = True
-                st.y[a + cn] = _payload_rows(pay, rows[sel[new]], width)
-                st.have[a + cn] = True
-                if inn.tol8 is None and len(sel):
-                    inn.tol8 = int(hh["tol"][sel[0]])
-                self._arrived(inn, len(sel), now)
+                if inn.tol8 is None:
+                    inn.tol8 = int(h["tol"][(src == k).argmax()])
+                st.heard[k] = now
+                self._arrived(inn, got, int(np.count_nonzero(inn.mask)), hi[k], now)
                 touched.append(inn)
         for inn in touched:
             if inn.done and not inn.stop_sent:
                 self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
                 inn.stop_sent = True
 
-    def _arrived(self, inn: _In, got: int, now: float) -> None:
-        """Update ``inn`` after ``got`` packets of it were absorbed into its mask."""
-        count = int(np.count_nonzero(inn.mask))
+    def _absorb_rs(self, st: _Round, h, pay, prow, src, chunk, per, now: float, touched: list) -> None:
+        """``_absorb`` for reduce-scatter packets (to my shard, not reduced yet)."""
+        n = st.rmask.shape[1]
+        ok = h["nchunks"] == n
+        if not ok.all():
+            h, prow, src, chunk, per = self._drop_bad(h, prow, src, chunk, ok)
+        row = src * n + chunk
+        st.rflat[row] = self._chunks(pay, prow)
+        st.rmflat[row] = True
+        np.maximum.at(st.hi[0], src, chunk + 1)
+        hi = st.hi[0].tolist()
+        count = st.rmask.sum(axis=1).tolist()
+        for r, got in enumerate(per.tolist()):
+            if not got:
+                continue
+            inn = st.ins[(False, r)]
+            if inn.tol8 is None:
+                inn.tol8 = int(h["tol"][(src == r).argmax()])
+            st.heard[r] = now
+            self._arrived(inn, got, count[r], hi[r], now)
+            touched.append(inn)
+
+    def _chunks(self, pay: np.ndarray, prow) -> np.ndarray:
+        """Payloads ``pay[prow]`` (None: the first rows) as float32 chunks: a view, or one gather."""
+        return (pay[:, : self.C * 4] if prow is None else pay[prow, : self.C * 4]).view(np.float32)
+
+    def _drop_bad(self, h, prow, src, chunk, ok):
+        """Keep the packets ``ok`` marks (the rest carry another chunk count: counted in ``bad_payload``)."""
+        self.counters["bad_payload"] += int(np.count_nonzero(~ok))
+        prow = (np.arange(len(h)) if prow is None else prow)[ok]
+        src = src[ok]
+        return h[ok], prow, src, chunk[ok], np.bincount(src, minlength=self.world)
+
+    def _arrived(self, inn: _In, got: int, count: int, hi: int, now: float) -> None:
+        """Update ``inn`` after ``got`` packets of it arrived: ``count`` chunks are in its mask now,
+        ``hi`` is 1 + the highest chunk seen."""
         self.counters["duplicate"] += got - (count - inn.count)
         if count > inn.count:
             inn.count = count
-            inn.hi = inn.n - int(inn.mask[::-1].argmax())  # 1 + the highest chunk seen
+            inn.hi = hi
             inn.t_data = now
             if 2 * (count - inn.count_nack) >= inn.asked:  # the repair got through: NACK at once again
                 inn.nacks = 0
 
-    def _control(self, st: _Round | None, h, payload: np.ndarray, now: float, current: bool) -> None:
-        ag = bool(h["flags"] & AG)
-        src = int(h["src"])
-        kind = int(h["kind"])
-        rnd = int(h["round"])
+    def _control(self, st: _Round | None, f: tuple, payload: np.ndarray, now: float, current: bool) -> None:
+        """Handle a control packet: header fields ``f`` (a record as a tuple), its payload."""
+        ag = bool(f[F_FLAGS] & AG)
+        src, kind, rnd, tensor = f[F_SRC], f[F_KIND], f[F_ROUND], f[F_TENSOR]
         if kind == PROBE:
             ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
             # (st is None between rounds: then current is False and _prev answers)
@@ -722,12 +820,12 @@ class Collective:
             if inn is None:
                 return
             if inn.tol8 is None:
-                inn.tol8 = int(h["tol"])
+                inn.tol8 = f[F_TOL]
             if inn.done:
-                self._ctrl_packet(rnd, int(h["tensor"]), STOP, ag, src, inn.n, inn.tol8)
+                self._ctrl_packet(rnd, tensor, STOP, ag, src, inn.n, inn.tol8)
                 inn.stop_sent = True
             else:
-                self._bitmap(rnd, int(h["tensor"]), inn)
+                self._bitmap(rnd, tensor, inn)
             return
         if kind == STOP and len(payload) >= 2:
             self._timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
@@ -739,7 +837,7 @@ class Collective:
         if kind == STOP:
             self._out_done(o, now)
         elif kind == BITMAP:
-            first = int(h["chunk"])
+            first = f[F_CHUNK]
             bits = np.unpackbits(payload, bitorder="little").astype(bool)
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
             o.acked[first: first + len(bits)] |= bits

@@ -172,6 +172,39 @@ def test_foreign_job_and_garbage_are_ignored_and_counted(ranks):
     assert rk.ts[1].stats()["rx_invalid"] == 1
 
 
+def test_stray_data_of_the_round_is_dropped_and_counted(ranks):
+    """DATA of the right job, round and destination that does not fit the round (another chunk
+    count, tensor or payload size, or this rank's own id as source) is dropped and counted, both
+    in a batch of many (matched in numpy) and one by one; the result stays exact."""
+    rk = ranks(2)
+    port = rk.ts[1].port
+
+    def stray(payload=b"\x7f" * 1408, **kw):
+        h = dict(round=1, src=0, dst=1, nchunks=99, chunk=0)  # round 1: the collectives' first
+        h.update(kw)
+        return wire.encode(wire.Header(**h), payload)
+
+    pkts = [stray(chunk=i) for i in range(20)]  # a chunk count no message of the round has
+    pkts += [stray(tensor=5, nchunks=15), stray(b"\x7f" * 100, nchunks=15)]  # another tensor; short
+    own = stray(src=1, dst=1, nchunks=15)  # "from" the receiver itself
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for p in pkts + [own]:
+        s.sendto(p, ("127.0.0.1", port))
+    s.close()
+    c1 = rk.cols[1]
+    end = time.monotonic() + 10
+    while c1.counters["stashed"] < len(pkts) and time.monotonic() < end:  # kept for round 1
+        time.sleep(0.01)
+    assert c1.counters["stashed"] == len(pkts)
+    xs = inputs(2, 10_000)[0]  # 29 chunks: rank 1's shard is 15 of them
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[r]))
+    assert not errs
+    np.testing.assert_allclose(res[1], np.mean(xs, axis=0), atol=1e-5)
+    np.testing.assert_allclose(res[0], np.mean(xs, axis=0), atol=1e-5)
+    assert c1.counters["bad_payload"] == len(pkts)
+    assert c1.counters["foreign"] == 1
+
+
 def test_unbiased_estimator_is_unbiased_and_zero_shrinks():
     """Workers' gradients are noisy samples of the true gradient g.  With random
     arrival, ``unbiased`` averages to g (mean error -> 0 like 1/sqrt(rounds));

@@ -306,6 +306,20 @@ def test_property_validate_total_and_batch_agrees(pkts, world, rank):
     assert batch.tolist() == [int(r) for r in single]
 
 
+GOOD_PKT = wire.encode(sample_header(), b"\x01" * 40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pkts=st.lists(st.one_of(packets, st.just(GOOD_PKT), st.just(GOOD_PKT)), min_size=1, max_size=24))
+def test_property_all_valid_agrees_with_the_labelled_path(pkts):
+    """``all_valid`` (Python up to 8 headers, numpy words past that) says yes exactly when
+    ``validate_batch``'s labelled path finds no reason (rank checks off: no rank fails them)."""
+    frames, lens = batch_of(pkts)
+    recs = wire.decode_batch(frames)
+    labelled = wire.validate_batch(recs, lens, world_size=1 << 17)
+    assert wire.all_valid(recs, lens.astype(np.int64)) == (not labelled.any())
+
+
 def test_take_and_put_copy_records_exactly():
     h = wire.empty_batch(300)
     rng = np.random.default_rng(3)
