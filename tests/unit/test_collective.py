@@ -351,6 +351,22 @@ def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
     assert len(rank0.sent()) == 1 and rank0.st.nacks == 2
 
 
+def test_nack_backs_off_its_interval_not_the_silence(rank0):
+    """After a NACK whose repair comes back thin (a burst still eating it), the next one needs
+    2 ms of silence since the last trickle and 4 ms since the last NACK, not 4 ms of silence."""
+    lost = set(range(30, 70))
+    t = 100.0
+    rank0.data([c for c in range(100) if c not in lost], t)
+    rank0.col._nacks(rank0.st, t + 0.0025)
+    assert len(rank0.sent()) == 1
+    rank0.data([30, 31], t + 0.005)  # 2 of the 40 asked for
+    rank0.col._nacks(rank0.st, t + 0.0065)
+    assert rank0.sent() == []  # 1.5 ms of silence
+    rank0.col._nacks(rank0.st, t + 0.0071)
+    (kind, dst, first, bits), = rank0.sent()  # 2.1 ms of silence, 4.6 ms since the last NACK
+    assert kind == wire.Kind.BITMAP and bits[30] and bits[31] and not bits[32]
+
+
 def test_a_lost_stop_costs_no_probe(ranks):
     """Every STOP goes out twice: with the first copy of each lost (dropped at the sender, as the
     wire would), no sender waits for its probe timeout (fixed at 0.5 s here, so a round that waited
