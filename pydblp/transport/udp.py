@@ -86,6 +86,7 @@ GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a 
 FEW_SEND = 4             # packets per send up to which each goes by its own sendmsg
 SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
 CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
+LINGER_STEP = 0.0005     # s: a lingering receive reads what came this often and returns once it has `want`
 
 class _MMsg(ctypes.Structure):  # one MMSG_DTYPE record as a ctypes struct: a GRO read's fields without numpy's per-call cost
     _fields_ = [("name", ctypes.c_uint64), ("namelen", ctypes.c_uint32), ("_p0", ctypes.c_uint32),
@@ -305,11 +306,16 @@ class UdpTransport(Transport):
         if k <= 0:
             into.n = 0
             return into.view(0, 0)
-        if k < min(want, cap) and linger > 0:  # coalesce: one more read after the linger
-            time.sleep(linger)
-            k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
-                                MSG_DONTWAIT | MSG_TRUNC, None)
-            k += k2 if k2 > 0 else 0
+        if k < min(want, cap) and linger > 0:  # coalesce: read on every LINGER_STEP until `want` or the linger ends
+            end = time.monotonic() + linger
+            while k < min(want, cap):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(LINGER_STEP, left))
+                k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
+                                    MSG_DONTWAIT | MSG_TRUNC, None)
+                k += k2 if k2 > 0 else 0
         return self._deliver(into, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
 
     def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float) -> Batch:
@@ -317,7 +323,7 @@ class UdpTransport(Transport):
         one's datagrams (a merged run of row-sized datagrams lands row by row; other sizes are
         re-cut in place), so rows never need packing; reads go on while messages are queued and
         GRO_SEGS rows are left."""
-        used, lost, lingered = 0, 0, False
+        used, lost, end = 0, 0, None
         runs = []  # per message: (datagrams, size, last one's size, peer)
         row = wire.HEADER_LEN + into.maxlen
         wait = timeout
@@ -337,10 +343,13 @@ class UdpTransport(Transport):
                     runs.append((c, g, last, peer))
                     used += c
                 continue
-            if used == 0 or used >= min(want, cap) or linger <= 0 or lingered:
+            if used == 0 or used >= min(want, cap) or linger <= 0:
                 break
-            time.sleep(linger)  # coalesce: read on after the linger
-            lingered = True
+            now = time.monotonic()  # coalesce: read on every LINGER_STEP until `want` or the linger ends
+            end = now + linger if end is None else end
+            if now >= end:
+                break
+            time.sleep(min(LINGER_STEP, end - now))
         if not runs:
             into.n = 0
             return into.view(0, 0)

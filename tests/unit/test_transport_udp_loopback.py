@@ -144,7 +144,8 @@ def test_udp_transport_works_without_root():
 
 def test_recv_coalesces_a_trickle_into_one_batch():
     """want/linger: with fewer than ``want`` packets waiting, recv waits up to ``linger`` for more
-    (packets sent meanwhile come back in the same batch); without them it returns what it has."""
+    (packets sent meanwhile come back in the same batch, as soon as ``want`` are in, not at the
+    linger's end); without them it returns what it has."""
     import threading
     import time
 
@@ -154,11 +155,13 @@ def test_recv_coalesces_a_trickle_into_one_batch():
         assert a.send(make_batch(10, 0, peer=pb)) == 10
         later = threading.Timer(0.05, lambda: a.send(make_batch(10, 10, peer=pb)))
         later.start()
+        t = time.monotonic()
         try:
             got = b.recv(into, timeout=1.0, want=20, linger=0.5)
         finally:
             later.join()
         assert sorted(got.headers["chunk"]) == list(range(20))
+        assert time.monotonic() - t < 0.3  # back once the 20 were in (~50 ms), well before 0.5 s
         assert a.send(make_batch(5, 20, peer=pb)) == 5
         t = time.monotonic()
         got = b.recv(into, timeout=1.0, want=1, linger=0.5)  # enough already: no wait
