@@ -456,11 +456,14 @@ class Collective:
         ``NACK_QUIET``), and the repair a NACK asked for within ``NACK_QUIET``.  A message not
         begun (an all-gather before its owner has reduced) or stalled below its bound waits for
         someone to act, not for data: lingering for it would only hold back this rank's own next
-        step (its reduce once its reduce-scatter is in, its answers).
+        step (its reduce once its reduce-scatter is in, its answers).  Until this rank has reduced
+        only its reduce-scatter counts: all-gather data still coming must not hold its reduce past
+        the moment its own shard's contributions are in.
         """
         due = 0
         for inn in st.ins.values():
-            if inn.done or not (inn.ag or not st.reduced) or now - max(inn.t_data, inn.t_nack) >= NACK_QUIET:
+            # (before the reduce: reduce-scatter messages only; after it: all-gather ones only)
+            if inn.done or inn.ag != st.reduced or now - max(inn.t_data, inn.t_nack) >= NACK_QUIET:
                 continue
             coming = (inn.n - inn.hi if inn.hi else 0) + max(0, inn.asked - (inn.count - inn.count_nack))
             due += min(coming, inn.need - inn.count)

@@ -304,11 +304,13 @@ class Rank0:
         self.col._poll_lock.acquire()  # the idle responder stays away from the transport
         self.st = self.col._start(np.zeros(200 * self.col.C, np.float32), 0, True)
 
-    def data(self, chunks, now):
-        """DATA of rank 1's reduce-scatter message to rank 0 (chunks of shard 0, 100 rows)."""
+    def data(self, chunks, now, ag=False):
+        """DATA of rank 1's reduce-scatter message to rank 0 (chunks of shard 0, 100 rows), or with
+        ``ag`` of its all-gather message (shard 1, 100 rows)."""
         st, n, width = self.st, 100, self.col.C * 4
         h = wire.empty_batch(len(chunks))
         h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.DATA, 1, st.round, 1, 0
+        h["flags"] = wire.Flag.ALLGATHER if ag else 0
         h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = chunks, n, st.tol8, width, wire.Dtype.F32
         self.col._process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
 
@@ -445,6 +447,20 @@ def test_a_receive_lingers_only_for_data_on_its_way(rank0):
     assert rank0.col._expected(rank0.st, t + 0.0025) == 1
 
 
+def test_a_receive_before_the_reduce_lingers_for_the_reduce_scatter_only(rank0):
+    """Until the owner has reduced, all-gather data flowing in does not make a receive wait: only
+    what its reduce waits for does; after the reduce, only the all-gather counts."""
+    t = 100.0
+    rank0.data(list(range(60)), t)
+    rank0.data(list(range(50)), t, ag=True)  # rank 1 reduced first: its all-gather flows
+    rs, ag = rank0.st.ins[(False, 1)], rank0.st.ins[(True, 1)]
+    assert ag.count == 50 and not rank0.st.reduced
+    assert rank0.col._expected(rank0.st, t + 0.001) == rs.need - 60  # 36, not 36 + 46
+    rank0.data(list(range(60, 100)), t + 0.001)
+    rank0.col._reduce(rank0.st)
+    assert rank0.col._expected(rank0.st, t + 0.0015) == ag.need - 50  # 46: the all-gather now
+
+
 def test_receiver_never_nacks_loss_within_the_bound(rank0):
     """A sender half-way through its message (chunks 0..49 seen, 2 of them lost, 50..99 still
     coming) leaves the bound within reach: no NACK however long it stays silent."""
@@ -467,7 +483,7 @@ def test_sender_retransmits_only_what_has_gone_out(rank0):
     h["kind"], h["job"], h["round"], h["src"], h["dst"], h["chunk"] = wire.Kind.BITMAP, 1, rank0.st.round, 1, 0, 0
     bits = np.zeros(104, bool)
     bits[:10] = True  # chunks 0..9 arrived, 10..99 did not
-    rank0.col._control(rank0.st, h, np.packbits(bits, bitorder="little"), 100.0, current=True)
+    rank0.col._control(rank0.st, h.item(), np.packbits(bits, bitorder="little"), 100.0, current=True)
     assert np.flatnonzero(o.retx).tolist() == list(range(10, 30))
     assert o.nretx == 20 and o.timeouts == 0 and not o.done
 
