@@ -7,6 +7,7 @@ one on its row of ``batch.headers`` and one on its row of ``batch.payload``,
 so the kernel scatters headers and payloads straight into the caller's numpy
 arrays (no staging copy, no per-packet Python).  The ``mmsghdr``/``iovec``
 arrays are numpy structured arrays whose pointers are filled vectorised.
+(A socket with ``UDP_GRO`` receives differently: see below.)
 
 Transmit uses UDP generic segmentation offload where the kernel has it
 (``UDP_SEGMENT``, 4.18+): consecutive packets to one peer with one size go
@@ -21,12 +22,15 @@ Receive can take datagrams merged by GRO (``UDP_GRO``, 5.0+; on by default
 when the socket is bound to a device with GRO on): a run of equal-sized
 datagrams of one flow reaches the socket as one message, so the IP and UDP
 receive path, the socket queue and the read handle each run once.  Messages
-are read one at a time, each into the rows right after the last one's
-datagrams, with 64 rows to fill (the most datagrams GRO merges) and then a
-64 KiB overflow buffer (datagrams wider than a row still arrive whole, then
-are cut to the row and counted in ``rx_truncated``): datagrams of a row's size
-(header + the batch's payload width; the collective's data packets are) land
-row by row, other sizes are re-cut in place, and no row ever moves.  A batch
+are read one at a time (``recvmsg_into``: one contiguous buffer, no iovec
+scatter) into a frames buffer of the transport's own, whole datagrams in rows
+of header + the batch's payload width, each message right after the last
+one's datagrams (64 KiB past the last row: datagrams wider than a row still
+arrive whole, then are cut to the row and counted in ``rx_truncated``):
+datagrams of a row's size (the collective's data packets are) land row by
+row, other sizes are re-cut in place, and no row ever moves.  The headers are
+then copied into the caller's batch in one call, and the payload rows copied
+too or, with ``copy=False``, lent (valid until the next ``recv``).  A batch
 narrower than 64 rows reads through an internal spill batch and gets the rest
 on the next calls.
 Counters of their own: ``tx_gso_packets`` (sent inside multi-datagram
@@ -53,6 +57,7 @@ import ipaddress
 import os
 import select
 import socket
+import sys
 import time
 
 import numpy as np
@@ -85,22 +90,7 @@ SPILL_ROWS = 8 * GRO_SEGS  # a batch narrower than GRO_SEGS reads through a spil
 GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a row still arrive whole
 FEW_SEND = 4             # packets per send up to which each goes by its own sendmsg
 SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
-CMSG_LEN4 = 20           # CMSG_LEN(sizeof(int)): UDP_GRO's cmsg carries the datagram size as an int
 LINGER_STEP = 0.0005     # s: a lingering receive reads what came this often and returns once it has `want`
-
-class _MMsg(ctypes.Structure):  # one MMSG_DTYPE record as a ctypes struct: a GRO read's fields without numpy's per-call cost
-    _fields_ = [("name", ctypes.c_uint64), ("namelen", ctypes.c_uint32), ("_p0", ctypes.c_uint32),
-                ("iov", ctypes.c_uint64), ("iovlen", ctypes.c_uint64), ("control", ctypes.c_uint64),
-                ("controllen", ctypes.c_uint64), ("flags", ctypes.c_int32), ("_p1", ctypes.c_uint32),
-                ("len", ctypes.c_uint32), ("_p2", ctypes.c_uint32)]
-
-
-class _Cmsg(ctypes.Structure):  # CMSG_SPACE(sizeof(int)): UDP_GRO's datagram size
-    _fields_ = [("len", ctypes.c_uint64), ("level", ctypes.c_int32), ("type", ctypes.c_int32), ("size", ctypes.c_int32),
-                ("_pad", ctypes.c_int32)]
-
-
-assert ctypes.sizeof(_MMsg) == MMSG_DTYPE.itemsize and ctypes.sizeof(_Cmsg) == 24
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
@@ -174,7 +164,8 @@ class UdpTransport(Transport):
         self._rx_mmsg["iov"] = self._rx_iov.ctypes.data + np.arange(cap, dtype=np.uint64) * 2 * IOV_DTYPE.itemsize
         self._rx_mmsg["iovlen"] = 2
         self._rx_bound = None  # (headers, payload, rows): the arrays the iovecs point into
-        self._gro_at = None  # the first row the GRO read's iovecs point at (None: rebind)
+        self._frames = self._frames_mv = self._frames_h = None  # GRO receive: whole datagrams, one per row
+        self._host_peer: dict[str, int] = {}  # a source address as recvmsg gives it -> peer id (-1: none)
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
         self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
@@ -232,17 +223,7 @@ class UdpTransport(Transport):
                     except OSError:
                         want_gro = False
                 self.gro = bool(want_gro) and _offload(s, UDP_GRO, 1, gro, "UDP_GRO (UDP receive offload, Linux 5.0+)")
-                if self.gro:  # a message read may be GRO_SEGS datagrams: that many rows + an overflow buffer
-                    self._gro_iov = np.zeros(2 * GRO_SEGS + 1, IOV_DTYPE)
-                    self._rx_over = np.zeros(GRO_OVERFLOW, np.uint8)
-                    self._gro_iov["base"][-1] = self._rx_over.ctypes.data
-                    self._gro_iov["len"][-1] = GRO_OVERFLOW
-                    self._gro_cm = _Cmsg()  # one message a read, with its UDP_GRO cmsg
-                    self._gro_mm = _MMsg(name=self._rx_name.ctypes.data, iov=self._gro_iov.ctypes.data,
-                                         iovlen=2 * GRO_SEGS + 1, control=ctypes.addressof(self._gro_cm))
-                    self._gro_mm_at = ctypes.addressof(self._gro_mm)
-                    self._rx_name_at = self._rx_name.ctypes.data
-                    self._key_off, self._key_len = (8, 16) if self.family == socket.AF_INET6 else (4, 4)
+                self._anc = socket.CMSG_SPACE(4)  # UDP_GRO's cmsg: the merged datagrams' size as an int
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
             self._wpoll = select.poll()
@@ -282,7 +263,6 @@ class UdpTransport(Transport):
         self._rx_iov["base"][:n, 1] = np.uint64(p.ctypes.data) + i * np.uint64(p.strides[0])
         self._rx_iov["len"][:n, 1] = into.maxlen
         self._rx_bound = (h, p, n)
-        self._gro_at = None
 
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
              *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
@@ -299,9 +279,9 @@ class UdpTransport(Transport):
         cap = min(into.cap, self.max_batch, max or into.cap)
         if self._spill_n or (self.gro and cap < GRO_SEGS):
             return self._recv_spill(into, cap, timeout, want, linger)
-        self._point_rx(into)
         if self.gro:
-            return self._recv_gro(into, cap, timeout, want, linger)
+            return self._recv_gro(into, cap, timeout, want, linger, copy)
+        self._point_rx(into)
         k = self._read(cap, timeout)
         if k <= 0:
             into.n = 0
@@ -316,27 +296,37 @@ class UdpTransport(Transport):
                 k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
                                     MSG_DONTWAIT | MSG_TRUNC, None)
                 k += k2 if k2 > 0 else 0
-        return self._deliver(into, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
+        return self._deliver(into, into.payload, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
 
-    def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float) -> Batch:
-        """``recv`` on a GRO socket: one message a read, each into the rows right after the last
-        one's datagrams (a merged run of row-sized datagrams lands row by row; other sizes are
-        re-cut in place), so rows never need packing; reads go on while messages are queued and
-        GRO_SEGS rows are left."""
+    def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float, copy: bool) -> Batch:
+        """``recv`` on a GRO socket: one message a read, as whole datagrams into the rows of a
+        frames buffer (header and payload contiguous, one buffer per read: no scatter), each
+        message right after the last one's datagrams; a merged run of row-sized datagrams lands
+        row by row, other sizes are re-cut in place.  Reads go on while messages are queued and
+        GRO_SEGS rows are left; then the headers are copied out and the payload rows copied or
+        (``copy=False``) lent."""
+        row = wire.HEADER_LEN + into.maxlen
+        if self._frames_h is None or self._frames_h.strides[0] != row or len(self._frames_h) < cap:
+            rows = max(cap, 2048)
+            # GRO_OVERFLOW more bytes: a message of datagrams wider than a row still arrives whole
+            self._frames = np.zeros(rows * row + GRO_OVERFLOW, np.uint8)
+            self._frames_mv = memoryview(self._frames)
+            self._frames_h = np.ndarray((rows,), wire.HEADER_DTYPE, self._frames, 0, (row,))
         used, lost, end = 0, 0, None
         runs = []  # per message: (datagrams, size, last one's size, peer)
-        row = wire.HEADER_LEN + into.maxlen
         wait = timeout
         while cap - used >= GRO_SEGS:
-            got = self._read_gro(used, wait)
+            got = self._read_gro(used * row, wait)
             wait = 0
             if got is not None:
                 total, g, peer = got
                 c = max(-(-total // g), 1)
                 last = total - (c - 1) * g
                 if c > 1 and g != row:  # merged datagrams of another size than a row
-                    c, drop, last = self._recut(into, used, total, g)
+                    c, drop, last = self._recut(used, row, total, g)
                     lost += drop
+                elif c == 1 and total < wire.HEADER_LEN:  # shorter than a header: no magic, rejected as invalid
+                    self._frames[used * row + total: used * row + wire.HEADER_LEN] = 0
                 if c > 1:
                     self._c["rx_gro_packets"] += c
                 if c:
@@ -357,26 +347,63 @@ class UdpTransport(Transport):
             c, g, last, peer = runs[0]
             plen = np.full(c, g, np.int64)
             plen[-1] = last
-            return self._deliver(into, plen, np.full(c, peer, np.int32), lost)
-        cs, gs, lasts, ps = zip(*runs)
-        plen = np.repeat(np.array(gs, np.int64), cs)
-        plen[np.cumsum(cs) - 1] = lasts
-        return self._deliver(into, plen, np.repeat(np.array(ps, np.int32), cs), lost)
+            peers = np.full(c, peer, np.int32)
+        else:
+            cs, gs, lasts, ps = zip(*runs)
+            plen = np.repeat(np.array(gs, np.int64), cs)
+            plen[np.cumsum(cs) - 1] = lasts
+            peers = np.repeat(np.array(ps, np.int32), cs)
+        frames = self._frames[: used * row].reshape(used, row)
+        wire.put(into.headers[:used], self._frames_h[:used])
+        if copy:
+            into.payload[:used] = frames[:, wire.HEADER_LEN:]
+            return self._deliver(into, into.payload, plen, peers, lost)
+        b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost)
+        return Batch(b.headers, frames[: b.n, wire.HEADER_LEN:], b.lengths, b.peer, b.n)
 
-    def _read_gro(self, row0: int, timeout: float | None):
-        """One message into rows ``row0``.. (GRO_SEGS of them, then the overflow buffer), waiting up
-        to ``timeout``: (bytes, datagram size, peer id), or None when none is queued."""
-        if self._gro_at != row0:  # point the message's iovecs at these rows
-            self._gro_iov[:-1] = self._rx_iov[row0: row0 + GRO_SEGS].reshape(-1)
-            self._gro_at = row0
-        mm, cm = self._gro_mm, self._gro_cm
-        mm.namelen, mm.controllen = SOCKADDR_LEN, ctypes.sizeof(_Cmsg)
-        if self._recvmmsg(self._gro_mm_at, 1, timeout) <= 0:
+    def _read_gro(self, at: int, timeout: float | None):
+        """One message into the frames buffer from byte ``at``, waiting up to ``timeout``:
+        (bytes, datagram size, peer id), or None when none is queued."""
+        try:
+            n, anc, _, addr = self._sock.recvmsg_into([self._frames_mv[at:]], self._anc, MSG_DONTWAIT | MSG_TRUNC)
+        except BlockingIOError:
+            if timeout == 0:
+                return None
+            got = None
+
+            def ready():
+                nonlocal got
+                got = self._read_gro(at, 0)
+                return got is not None
+
+            if not self._spin(ready, timeout):
+                self._poll.poll(None if timeout is None else int(timeout * 1000))
+                got = self._read_gro(at, 0)
+            return got
+        except InterruptedError:
             return None
-        total = mm.len
-        merged = mm.controllen >= CMSG_LEN4 and cm.level == SOL_UDP and cm.type == UDP_GRO
-        key = ctypes.string_at(self._rx_name_at + self._key_off, self._key_len)
-        return total, max(cm.size if merged else total, 1), self._peer_key.get(key, -1)
+        except OSError as e:
+            raise TransportError(e.errno, f"recvmsg: {os.strerror(e.errno)}") from None
+        g = n
+        for level, kind, data in anc:  # UDP_GRO: the merged datagrams' size (absent: one datagram)
+            if level == SOL_UDP and kind == UDP_GRO and len(data) >= 4:
+                g = int.from_bytes(data[:4], sys.byteorder)
+        peer = self._host_peer.get(addr[0])
+        if peer is None:
+            peer = self._peer_of(addr[0])
+        return n, max(g, 1), peer
+
+    def _peer_of(self, host: str) -> int:
+        """Peer id of a source address as recvmsg gives it (-1: none), remembered (a bounded cache)."""
+        try:
+            packed = socket.inet_pton(self.family, host.split("%")[0])
+        except OSError:
+            return -1
+        peer = self._peer_key.get(packed, -1)
+        if len(self._host_peer) >= 4096:  # sources that are no peer: never an unbounded table
+            self._host_peer.clear()
+        self._host_peer[host] = peer
+        return peer
 
     def _recvmmsg(self, ptr: int, nmsg: int, timeout: float | None) -> int:
         """recvmmsg of up to ``nmsg`` messages at ``ptr``, waiting up to ``timeout``; the count (<= 0: none)."""
@@ -401,40 +428,26 @@ class UdpTransport(Transport):
         self._rx_mmsg["namelen"][:nmsg] = SOCKADDR_LEN
         return self._recvmmsg(self._rx_mmsg.ctypes.data, nmsg, timeout)
 
-    def _recut(self, into: Batch, r0: int, total: int, g: int) -> tuple[int, int, int]:
-        """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream over rows
-        ``r0``.. (each row: its header bytes, then its payload bytes; then the overflow buffer),
-        into one datagram per row from ``r0``.
+    def _recut(self, r0: int, row: int, total: int, g: int) -> tuple[int, int, int]:
+        """Re-cut a merged message of ``g``-byte datagrams, received as one byte stream into the
+        frames buffer from row ``r0`` (rows ``row`` bytes), into one datagram per row from ``r0``.
 
         Returns (datagrams kept, datagrams lost, the last kept one's size).  A datagram wider
-        than a row keeps what the row takes (counted as truncated by ``_deliver``).
+        than a row keeps what the row takes (counted as truncated by ``_deliver``); one shorter
+        than a header gets the rest of its header zeroed (no magic: rejected as invalid).
         """
-        row = wire.HEADER_LEN + into.maxlen
-        hb = into.headers[r0: r0 + GRO_SEGS].view(np.uint8).reshape(-1, wire.HEADER_LEN)
         c = -(-total // g)
-        if total <= row and total - (c - 1) * g >= wire.HEADER_LEN:  # a few small ones (STOP copies) in one row
-            pay = into.payload
-            for i in range(1, c):  # datagram i starts i * g bytes into the row: i * g - 32 into its payload
-                o = i * g - wire.HEADER_LEN
-                hb[i] = pay[r0, o: o + wire.HEADER_LEN]
-                w = min(g, total - i * g) - wire.HEADER_LEN
-                pay[r0 + i, :w] = pay[r0, o + wire.HEADER_LEN: o + wire.HEADER_LEN + w]
-            return c, 0, total - (c - 1) * g
-        nrows = min(GRO_SEGS, -(-total // row))
-        stream = np.concatenate([hb[:nrows], into.payload[r0: r0 + nrows]], axis=1).reshape(-1)
-        if total > len(stream):
-            stream = np.concatenate([stream, self._rx_over[: total - len(stream)]])
         n = min(c, GRO_SEGS)  # rows for at most GRO_SEGS (what UDP_GRO merges)
-        segs = np.zeros(n * g, np.uint8)
-        m = min(total, n * g)
-        segs[:m] = stream[:m]
-        segs = segs.reshape(n, g)
-        h = min(g, wire.HEADER_LEN)
-        hb[:n, :h] = segs[:, :h]
-        hb[:n, h:] = 0  # a datagram shorter than a header: no magic, rejected as invalid
-        w = min(g - wire.HEADER_LEN, into.maxlen)
-        if w > 0:
-            into.payload[r0: r0 + n, :w] = segs[:, wire.HEADER_LEN: wire.HEADER_LEN + w]
+        f, base = self._frames, r0 * row
+        order = range(n - 1, 0, -1) if g < row else range(1, n)  # never overwrite a datagram not moved yet
+        for i in order:
+            w = min(g, total - i * g, row)
+            src, dst = base + i * g, base + i * row
+            f[dst: dst + w] = f[src: src + w]  # (numpy copies through a buffer when the ranges overlap)
+            if w < wire.HEADER_LEN:
+                f[dst + w: dst + wire.HEADER_LEN] = 0
+        if g < wire.HEADER_LEN:
+            f[base + g: base + wire.HEADER_LEN] = 0
         return n, c - n, min(g, total - (n - 1) * g)
 
     def _recv_spill(self, into: Batch, cap: int, timeout, want, linger) -> Batch:
@@ -456,8 +469,9 @@ class UdpTransport(Transport):
         into.n = m
         return into.view(0, m)
 
-    def _deliver(self, into: Batch, plen: np.ndarray, peer: np.ndarray, lost: int) -> Batch:
-        """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``), count, return them."""
+    def _deliver(self, into: Batch, pay: np.ndarray, plen: np.ndarray, peer: np.ndarray, lost: int) -> Batch:
+        """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``; headers in
+        ``into``, payloads in ``pay``'s rows), count, return them."""
         k = len(plen)
         hdrs = into.headers[:k]
         lens = plen - wire.HEADER_LEN
@@ -473,7 +487,7 @@ class UdpTransport(Transport):
             sel = np.flatnonzero(ok)
             self._c["rx_invalid"] += k - len(sel)
             wire.put(into.headers[: len(sel)], wire.take(hdrs, sel))
-            into.payload[: len(sel)] = into.payload[sel]
+            pay[: len(sel)] = pay[sel]
             lens, peer = lens[sel], peer[sel]
             k = len(sel)
         into.lengths[:k] = lens

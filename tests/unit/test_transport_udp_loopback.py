@@ -248,8 +248,8 @@ def _gro_pair(**kw):
 def test_udp_gro_merged_datagrams_bit_exact(width, addr, few, monkeypatch):
     """Merged runs come back one datagram per row, bit-exact: datagrams of the row's size (1400),
     of other sizes (re-cut from the stream), longer than a row (cut to it, counted), and rows of
-    a batch narrower than one merged message (spill) over several calls; both the vectorised
-    unmerge and the per-message one for reads of a few messages (``few``: its threshold)."""
+    a batch narrower than one merged message (spill) over several calls; sent with the
+    vectorised GSO grouping and the per-run one for a few runs (``few``: its threshold)."""
     from pydblp.transport import udp
 
     if addr == "::1" and not _have_ipv6_loopback():
