@@ -242,6 +242,7 @@ class Collective:
         self._timeouts: list = [None] * world     # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
         self._qmask = self._qtmp = None           # _match's header word mask and scratch (made once)
+        self._qvals = None                        # _match's expected words (the round's, see _qval)
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._idle = threading.Event()       # set while no round runs
@@ -615,7 +616,11 @@ class Collective:
         v = np.zeros(1, wire.HEADER_DTYPE)
         v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, self.cfg.job
         v["round"], v["tensor"], v["dst"], v["dtype"], v["len"] = st.round, st.tensor, self.rank, F32, self.C * 4
-        return np.tile(v.view(np.uint64), RECV_BATCH)
+        if self._qvals is None:
+            self._qvals = np.tile(v.view(np.uint64), RECV_BATCH)
+        else:  # only the word with round and tensor changes
+            self._qvals[1::4] = v.view(np.uint64)[1]
+        return self._qvals
 
     def _match(self, st: _Round, h: np.ndarray):
         """Which packets of ``h`` are DATA of round ``st`` for this rank (of this job, tensor,

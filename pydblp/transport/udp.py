@@ -312,7 +312,7 @@ class UdpTransport(Transport):
             self._frames = np.zeros(rows * row + GRO_OVERFLOW, np.uint8)
             self._frames_mv = memoryview(self._frames)
             self._frames_h = np.ndarray((rows,), wire.HEADER_DTYPE, self._frames, 0, (row,))
-        used, lost, end = 0, 0, None
+        used, lost, end, nbytes, widest = 0, 0, None, 0, 0
         runs = []  # per message: (datagrams, size, last one's size, peer)
         wait = timeout
         while cap - used >= GRO_SEGS:
@@ -332,6 +332,8 @@ class UdpTransport(Transport):
                 if c:
                     runs.append((c, g, last, peer))
                     used += c
+                    nbytes += (c - 1) * g + last
+                    widest = max(widest, g, last)
                 continue
             if used == 0 or used >= min(want, cap) or linger <= 0:
                 break
@@ -357,8 +359,8 @@ class UdpTransport(Transport):
         wire.put(into.headers[:used], self._frames_h[:used])
         if copy:
             into.payload[:used] = frames[:, wire.HEADER_LEN:]
-            return self._deliver(into, into.payload, plen, peers, lost)
-        b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost)
+            return self._deliver(into, into.payload, plen, peers, lost, widest, nbytes)
+        b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost, widest, nbytes)
         return Batch(b.headers, frames[: b.n, wire.HEADER_LEN:], b.lengths, b.peer, b.n)
 
     def _read_gro(self, at: int, timeout: float | None):
@@ -469,21 +471,25 @@ class UdpTransport(Transport):
         into.n = m
         return into.view(0, m)
 
-    def _deliver(self, into: Batch, pay: np.ndarray, plen: np.ndarray, peer: np.ndarray, lost: int) -> Batch:
+    def _deliver(self, into: Batch, pay: np.ndarray, plen: np.ndarray, peer: np.ndarray, lost: int,
+                 widest: int | None = None, total: int | None = None) -> Batch:
         """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``; headers in
-        ``into``, payloads in ``pay``'s rows), count, return them."""
+        ``into``, payloads in ``pay``'s rows), count, return them.  ``widest`` and ``total``:
+        ``plen``'s max and sum where the caller knows them already."""
         k = len(plen)
         hdrs = into.headers[:k]
         lens = plen - wire.HEADER_LEN
         self._c["rx_truncated"] += lost
         ok = None  # None: all valid (the usual case, checked in few numpy calls)
-        if int(lens.max()) > into.maxlen:
+        if (int(plen.max()) if widest is None else widest) - wire.HEADER_LEN > into.maxlen:
+            total = None
             ok = wire.validate_batch(hdrs, plen) == 0
             self._c["rx_truncated"] += int(((lens > into.maxlen) & ok).sum())
             lens = np.minimum(lens, into.maxlen)
         elif not wire.all_valid(hdrs, plen):
             ok = wire.validate_batch(hdrs, plen) == 0
         if ok is not None and not ok.all():  # rare: compact the valid rows to the front
+            total = None
             sel = np.flatnonzero(ok)
             self._c["rx_invalid"] += k - len(sel)
             wire.put(into.headers[: len(sel)], wire.take(hdrs, sel))
@@ -494,7 +500,7 @@ class UdpTransport(Transport):
         into.peer[:k] = peer
         into.n = k
         self._c["rx_packets"] += k
-        self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
+        self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN if total is None else total
         return into.view(0, k)
 
     def _match(self, k: int) -> np.ndarray:

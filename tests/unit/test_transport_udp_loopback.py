@@ -274,6 +274,7 @@ def test_udp_gro_merged_datagrams_bit_exact(width, addr, few, monkeypatch):
         s = b.stats()
         assert s["rx_packets"] == n and s["rx_invalid"] == 0 and s["rx_gro_packets"] > 1000
         assert s["rx_truncated"] == int((sent.lengths[:n] > width).sum())
+        assert s["rx_bytes"] == int(cut.sum()) + n * wire.HEADER_LEN  # what was delivered, headers included
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
