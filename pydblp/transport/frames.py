@@ -228,6 +228,8 @@ def parse_uniform(b: np.ndarray, flen: np.ndarray, port: int | None):
     if b.shape[1] < u + UDP_LEN:
         return None
     lay = b[:, cols]
+    if fam == 4:
+        lay[:, 3] &= 0xBF  # DF may differ (the kernel sets it on a plain datagram, not on GSO segments)
     same = lay == lay[0]
     if fam == 6:
         same[:, 2] = (lay[:, 2] >> 4) == 6  # traffic class bits may differ

@@ -464,7 +464,7 @@ class XskTransport(Transport):
         addr = d["addr"].astype(np.int64)
         flen = d["len"].astype(np.int64)
         rx.cons[0] = (cons + n) & 0xFFFFFFFF  # descriptors copied; frames stay ours until refilled
-        run = self._recv_run(into, addr, flen, n, copy) if (np.diff(addr) == fs).all() else None
+        run = self._recv_run(into, addr, flen, n, copy) if (addr[1:] - addr[:-1] == fs).all() else None
         if run is not None:
             return run
         frame = addr // fs

@@ -159,6 +159,7 @@ def testparse_uniform_path_agrees_with_general(peer_idx):
     if peer_idx == 0:
         v = blk.copy(); v[5, 20] |= 0x20; variants["fragment"] = v
         v = blk.copy(); v[9, 14] = 0x46; variants["options"] = v
+        v = blk.copy(); v[::3, 20] ^= 0x40; variants["DF mixed"] = v  # control packets beside GSO segments
     for port in (None, 47801, 47802):
         for name, blk_v in variants.items():
             fast = frames.parse(blk_v, flen, port)
@@ -167,3 +168,6 @@ def testparse_uniform_path_agrees_with_general(peer_idx):
                 assert np.array_equal(f, s), (name, port)
     assert frames.parse_uniform(variants["uniform"], flen, None) is not None
     assert frames.parse_uniform(variants["tcp row"], flen, None) is None
+    if peer_idx == 0:
+        assert frames.parse_uniform(variants["DF mixed"], flen, None) is not None
+        assert frames.parse_uniform(variants["fragment"], flen, None) is None
