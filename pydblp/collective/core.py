@@ -26,9 +26,9 @@ what is missing.  Receivers do not wait for the probe when they already know
 the bound is out of reach (more chunks below the highest one seen are missing
 than the tolerance allows): after ``NACK_QUIET`` (2 ms) without a new chunk
 they send the BITMAP unasked, and again after each further 2 ms of silence,
-at least 4 and then 8 ms after the previous one while repairs do not get
-through (a burst still eating them); a sender never retransmits a chunk it
-has not sent yet.  Loss within
+at least 4 ms after the previous one while repairs do not get through (a
+burst still eating them); a sender never retransmits a chunk it has not sent
+yet.  Loss within
 the bound never triggers one.  All-gather data from an owner also ends the sender's
 reduce-scatter message to it (the owner has reduced, so it needs nothing
 more).  Loss within the bound is tolerated, loss above it is always
@@ -879,17 +879,17 @@ class Collective:
         once instead of waiting for its probe timeout.  The next NACK needs
         the same silence and, while NACKs go unanswered or are answered with
         less than half of what was missing (a burst still eating the repair),
-        2x and then 4x ``NACK_QUIET`` since the last one: the interval backs
-        off, the silence does not (a silence of 8 ms after a burst's last
-        trickle would hold the repair back that long).  Loss within the bound
-        never NACKs.
+        2x ``NACK_QUIET`` since the last one: the interval backs off once, the
+        silence does not (a silence of 8 ms after a burst's last trickle held
+        the repair back that long; an interval of 8 ms, the first NACK after
+        a burst).  Loss within the bound never NACKs.
         """
         for inn in st.ins.values():
             if inn.done or inn.count == 0 or inn.count + inn.n - inn.hi >= inn.need:
                 continue
             if not inn.ag and st.reduced:
                 continue
-            if now - inn.t_data < NACK_QUIET or now - inn.t_nack < NACK_QUIET * (1 << min(inn.nacks, 2)):
+            if now - inn.t_data < NACK_QUIET or now - inn.t_nack < NACK_QUIET * (1 << min(inn.nacks, 1)):
                 continue
             self._bitmap(st.round, st.tensor, inn)
             inn.t_nack = now

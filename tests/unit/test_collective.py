@@ -355,7 +355,8 @@ def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
 
 def test_nack_backs_off_its_interval_not_the_silence(rank0):
     """After a NACK whose repair comes back thin (a burst still eating it), the next one needs
-    2 ms of silence since the last trickle and 4 ms since the last NACK, not 4 ms of silence."""
+    2 ms of silence since the last trickle and 4 ms since the last NACK, not 4 ms of silence;
+    the ones after it 4 ms too (not 8)."""
     lost = set(range(30, 70))
     t = 100.0
     rank0.data([c for c in range(100) if c not in lost], t)
@@ -367,6 +368,10 @@ def test_nack_backs_off_its_interval_not_the_silence(rank0):
     rank0.col._nacks(rank0.st, t + 0.0071)
     (kind, dst, first, bits), = rank0.sent()  # 2.1 ms of silence, 4.6 ms since the last NACK
     assert kind == wire.Kind.BITMAP and bits[30] and bits[31] and not bits[32]
+    rank0.col._nacks(rank0.st, t + 0.0110)
+    assert rank0.sent() == []  # 3.9 ms since the last NACK
+    rank0.col._nacks(rank0.st, t + 0.0112)
+    assert len(rank0.sent()) == 1  # 4.1 ms: the interval stays at 2x, it does not grow to 4x
 
 
 def test_a_lost_stop_costs_no_probe(ranks):
