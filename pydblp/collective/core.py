@@ -671,6 +671,8 @@ class Collective:
                 foreign += 1
             elif rnd == nxt:
                 keep.append(i)
+                if st is not None:
+                    st.heard[src] = now  # a peer already in the next round is alive
             elif st is None:
                 if rnd == base and kind == PROBE:
                     ctrl.append((f, i, False))

@@ -238,6 +238,7 @@ class UdpTransport(Transport):
         self._names = np.concatenate([self._names, row])
         self._peers.append(ip)
         self._peer_key.setdefault(self._addr_key(row[0]), len(self._peers) - 1)  # first registration wins
+        self._host_peer.clear()  # a source seen before it was registered is looked up again
         if self.family == socket.AF_INET6:
             mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed) if ip.version == 4 else ip
             self._addrs.append((str(mapped), port, 0, 0))

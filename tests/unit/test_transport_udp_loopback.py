@@ -277,6 +277,30 @@ def test_udp_gro_merged_datagrams_bit_exact(width, addr, few, monkeypatch):
         assert s["rx_bytes"] == int(cut.sum()) + n * wire.HEADER_LEN  # what was delivered, headers included
 
 
+def test_udp_gro_source_registered_after_its_first_packets():
+    """Packets from a source not registered yet come with peer -1; once ``add_peer`` registers
+    it, the next ones carry its peer id (a GRO receive remembers sources it has looked up)."""
+    a, b = _gro_pair()
+
+    def peers(n):
+        got = []
+        for _ in range(50):
+            r = b.recv(into, timeout=0.2)
+            got += r.peer[: len(r)].tolist()
+            if len(got) >= n:
+                return got
+        return got
+
+    with a, b:
+        pb = a.add_peer("127.0.0.1", b.port)
+        into = Batch.empty(256, 1400)
+        assert a.send(make_batch(5, 0, peer=pb)) == 5
+        assert peers(5) == [-1] * 5  # unknown source
+        pa = b.add_peer("127.0.0.1", a.port)
+        assert a.send(make_batch(5, 5, peer=pb)) == 5
+        assert peers(5) == [pa] * 5
+
+
 @pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
 def test_udp_few_packets_bit_exact(addr):
     """Batches of 1..4 packets (one sendmsg each: control packets) to two peers arrive bit-exact."""
