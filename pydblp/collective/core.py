@@ -44,7 +44,11 @@ The loop: each turn sends up to ``burst`` data packets (control first),
 receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 ``DEAD_TICK``).  A transport that paces itself to a line rate
 (:meth:`Transport.tx_backlog`) is handed no more data while it holds
-``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog; while
+``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog (and in a
+round that repairs loss, a NACK or BITMAP having gone either way, an owner
+hands over the second half of its all-gather ``AG_SPLIT`` after the first:
+a retransmission asked for meanwhile does not wait behind the whole message
+in the link's queue); while
 ``LINGER_MIN`` or more data packets are on their way (the rest of a stream
 that flows, a repair asked for), a receive waits up to ``LINGER`` for them (at
 most ``LINGER_WANT``): a stream at line rate arrives in slices, and each
@@ -103,6 +107,7 @@ STOP_COPIES = 2  # a STOP goes out this many times: a lost one costs its sender 
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
+AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
 
 
 class CollectiveError(RuntimeError):
@@ -156,6 +161,7 @@ class _Out:
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
         self.sent = 0
+        self.avail = self.n                  # chunks that may go out now (the rest are held back)
         self.retx = np.zeros(self.n, bool)   # chunks queued for retransmission
         self.nretx = 0
         self.acked = np.zeros(self.n, bool)
@@ -381,6 +387,8 @@ class Collective:
         st.t0 = time.monotonic()
         st.t_timers = st.t_alive = st.t0
         st.nacks = 0
+        st.repair = False  # a NACK went out or a BITMAP came in this round
+        st.ag_rest = None  # when the all-gather's held-back half may go (None: nothing held)
         st.heard = np.full(self.world, st.t0)
         st.stats0 = self.t.stats()
         stash, self._stash = self._stash, []
@@ -487,9 +495,14 @@ class Collective:
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st.y[a:b], a, len(st.y))
+        split = st.reduce and st.repair  # a round that repairs: leave room for retransmissions
         for dst in range(self.world):
             if dst != self.rank and b > a:
-                st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8)
+                o = st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8)
+                if split:
+                    o.avail = o.n // 2
+        if split:
+            st.ag_rest = time.monotonic() + AG_SPLIT
 
     # ---- sending ---------------------------------------------------------
     def _send_some(self, st: _Round, now: float) -> bool:
@@ -502,8 +515,14 @@ class Collective:
         then waits at most that long.  ``_tx_wait`` says how long to wait.
         """
         self._tx_wait = None
-        active = [o for o in st.outs.values() if not o.done and (o.sent < o.n or o.nretx)]
+        if st.ag_rest is not None and now >= st.ag_rest:  # the all-gather's second half may go
+            st.ag_rest = None
+            for o in st.outs.values():
+                o.avail = o.n
+        active = [o for o in st.outs.values() if not o.done and (o.sent < o.avail or o.nretx)]
         if not active:
+            if st.ag_rest is not None:
+                self._tx_wait = max(0.0005, st.ag_rest - now)
             return False
         backlog = self.t.tx_backlog()
         if backlog > TXQ_LIMIT:  # a pacing transport holds enough: STOPs and PROBEs must not queue behind more
@@ -520,15 +539,18 @@ class Collective:
                 o.retransmits += len(idx)
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
-            if o.sent < o.n and budget > 0:
-                idx = np.arange(o.sent, min(o.n, o.sent + budget))
+            if o.sent < o.avail and budget > 0:
+                idx = np.arange(o.sent, min(o.avail, o.sent + budget))
                 o.sent += len(idx)
                 parts.append((o, idx, 0))
                 if o.sent == o.n:
                     o.t_sent_all = now
             o.t_last = now
         self._send_batch(st, parts)
-        return any(o.sent < o.n or o.nretx for o in active)
+        more = any(o.sent < o.avail or o.nretx for o in active)
+        if not more and st.ag_rest is not None:
+            self._tx_wait = max(0.0005, st.ag_rest - now)
+        return more
 
     def _send_batch(self, st: _Round | None, parts: list) -> None:
         """One batch: the control packets waiting, then DATA ``parts`` ((message, chunk indices, flags)).
@@ -849,6 +871,7 @@ class Collective:
         if kind == STOP:
             self._out_done(o, now)
         elif kind == BITMAP:
+            st.repair = True
             first = f[F_CHUNK]
             bits = np.unpackbits(payload, bitorder="little").astype(bool)
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
@@ -894,6 +917,7 @@ class Collective:
             if now - inn.t_data < NACK_QUIET or now - inn.t_nack < NACK_QUIET * (1 << min(inn.nacks, 1)):
                 continue
             self._bitmap(st.round, st.tensor, inn)
+            st.repair = True
             inn.t_nack = now
             inn.asked, inn.count_nack = inn.hi - inn.count, inn.count
             inn.nacks += 1

@@ -374,6 +374,33 @@ def test_nack_backs_off_its_interval_not_the_silence(rank0):
     assert len(rank0.sent()) == 1  # 4.1 ms: the interval stays at 2x, it does not grow to 4x
 
 
+def test_an_owner_holds_back_half_its_allgather_in_a_round_that_repairs(rank0):
+    """Once a round has repaired loss (a NACK went out), an owner's all-gather goes half at its
+    reduce and the rest AG_SPLIT later, so a retransmission asked for meanwhile is not queued
+    behind the whole message; without loss it goes at once."""
+    from pydblp.collective import core
+
+    t = time.monotonic()
+    rank0.data([c for c in range(100) if not 30 <= c < 70], t - 0.01)
+    rank0.col._nacks(rank0.st, t)
+    assert rank0.st.repair
+    rank0.data(list(range(30, 70)), t)
+    rank0.col._reduce(rank0.st)
+    o = rank0.st.outs[(True, 1)]
+    assert o.n == 100
+    rank0.col._send_some(rank0.st, time.monotonic())
+    assert o.sent == 50 and rank0.col._tx_wait > 0
+    rank0.col._send_some(rank0.st, time.monotonic() + core.AG_SPLIT)
+    assert o.sent == 100
+
+
+def test_an_owner_sends_its_whole_allgather_in_a_clean_round(rank0):
+    rank0.data(list(range(100)), time.monotonic())
+    rank0.col._reduce(rank0.st)
+    rank0.col._send_some(rank0.st, time.monotonic())
+    assert rank0.st.outs[(True, 1)].sent == 100
+
+
 def test_a_lost_stop_costs_no_probe(ranks):
     """Every STOP goes out twice: with the first copy of each lost (dropped at the sender, as the
     wire would), no sender waits for its probe timeout (fixed at 0.5 s here, so a round that waited
