@@ -93,6 +93,11 @@ FIELDS = (
     ("flags", "B"),
 )
 
+# Position of each field in a record as a tuple (``ndarray.tolist()`` of header records, struct order).
+(F_MAGIC, F_VERSION, F_KIND, F_JOB, F_ROUND, F_TENSOR, F_SRC, F_DST, F_PRIO, F_DTYPE, F_CHUNK, F_NCHUNKS,
+ F_LEN, F_TOL, F_FLAGS) = range(len(FIELDS))
+assert [name for name, _ in FIELDS][F_NCHUNKS] == "nchunks" and [name for name, _ in FIELDS][F_FLAGS] == "flags"
+
 _STRUCT = struct.Struct("!" + "".join(code for _, code in FIELDS))
 assert _STRUCT.size == HEADER_LEN
 
@@ -280,9 +285,9 @@ def all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
         return len(h) == 0
     if len(h) <= _FEW:  # a few packets (control packets): Python on the fields beats numpy's per-call cost
         for f, pl in zip(h.tolist(), plen.tolist()):
-            if (f[0] != MAGIC or f[1] != VERSION or not _KIND_MIN <= f[2] <= _KIND_MAX or f[3] == 0
-                    or not 1 <= f[11] <= MAX_NCHUNKS or f[10] >= f[11]
-                    or f[12] + (TAG_LEN if f[14] & _TAG else 0) + HEADER_LEN != pl):
+            if (f[F_MAGIC] != MAGIC or f[F_VERSION] != VERSION or not _KIND_MIN <= f[F_KIND] <= _KIND_MAX
+                    or f[F_JOB] == 0 or not 1 <= f[F_NCHUNKS] <= MAX_NCHUNKS or f[F_CHUNK] >= f[F_NCHUNKS]
+                    or f[F_LEN] + (TAG_LEN if f[F_FLAGS] & _TAG else 0) + HEADER_LEN != pl):
                 return False
         return True
     w = h.view(_U4).reshape(-1, 8).byteswap()  # one swap; the checks then run on native words

@@ -82,6 +82,7 @@ import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
+from pydblp.wire import F_CHUNK, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR, F_TOL
 from pydblp.transport.base import Batch, Transport
 
 # plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
@@ -90,10 +91,6 @@ RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 RETX = int(wire.Flag.RETX)
 TAG = int(wire.Flag.TAG)
-# positions of header fields in a record's tuple (ndarray.tolist())
-F_KIND, F_JOB, F_ROUND, F_TENSOR, F_SRC, F_DST, F_DTYPE, F_CHUNK, F_LEN, F_TOL, F_FLAGS = (
-    [name for name, _ in wire.FIELDS].index(n) for n in
-    ("kind", "job", "round", "tensor", "src", "dst", "dtype", "chunk", "len", "tol", "flags"))
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
 STASH_MAX = 65536  # packets of the next round kept before it starts
@@ -174,11 +171,11 @@ class _Out:
 
 
 class _In:
-    """One incoming message: a shard from one peer."""
+    """One incoming message: a shard from one peer; ``mask`` (a view of the reduce buffer's or the
+    result's mask) marks its chunks that arrived."""
 
-    def __init__(self, ag: bool, src: int, n: int):
-        self.ag, self.src, self.n = ag, src, n
-        self.mask = np.zeros(n, bool)
+    def __init__(self, ag: bool, src: int, mask: np.ndarray):
+        self.ag, self.src, self.n, self.mask = ag, src, len(mask), mask
         self.count = 0
         self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
         self.t_data = 0.0      # when a new chunk last arrived
@@ -365,16 +362,14 @@ class Collective:
             st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row src * n + chunk
             for src in range(self.world):
                 if src != me:
-                    inn = st.ins[(False, src)] = _In(False, src, b - a)
-                    inn.mask = st.rmask[src]  # arrivals are marked in the reduce buffer's mask
+                    st.ins[(False, src)] = _In(False, src, st.rmask[src])
         st.hi = np.zeros((2, self.world), np.intp)  # [all-gather?, src]: 1 + the highest chunk seen
         st.ag_first = np.zeros(self.world, np.intp)  # owner k's first result row
         st.ag_n = np.full(self.world, -1, np.int64)  # chunks in owner k's all-gather message to me (-1: none)
         for k, (a, b) in enumerate(st.bounds):
             if k == st.my_shard:
                 continue
-            inn = st.ins[(True, k)] = _In(True, k, b - a)
-            inn.mask = st.have[a:b]  # arrivals are marked in the result's mask
+            st.ins[(True, k)] = _In(True, k, st.have[a:b])
             st.ag_first[k], st.ag_n[k] = a, b - a
             if not reduce:
                 continue
