@@ -159,9 +159,9 @@ class _Out:
         self.need = self.n - self.n * tol8 // 255
         self.sent = 0
         self.avail = self.n                  # chunks that may go out now (the rest are held back)
-        self.retx = np.zeros(self.n, bool)   # chunks queued for retransmission
+        self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
         self.nretx = 0
-        self.acked = np.zeros(self.n, bool)
+        self.acked = None                    # chunks a BITMAP said arrived (made by the first one)
         self.done = self.n == 0
         self.t_sent_all = None
         self.t_last = 0.0
@@ -183,12 +183,17 @@ class _In:
         self.nacks = 0         # unsolicited BITMAPs since a repair last got through
         self.asked = 0         # chunks missing below hi when the last one went out
         self.count_nack = 0    # count then
-        self.tol8 = None
+        self.tol8 = None       # the sender's bound, from its packets (None: none heard yet)
         self.stop_sent = False
 
     @property
-    def need(self) -> int:
-        return self.n if self.tol8 is None else self.n - self.n * self.tol8 // 255
+    def tol8(self) -> int | None:
+        return self._tol8
+
+    @tol8.setter
+    def tol8(self, tol8: int | None) -> None:
+        self._tol8 = tol8
+        self.need = self.n if tol8 is None else self.n - self.n * tol8 // 255  # chunks that make it done
 
     @property
     def done(self) -> bool:
@@ -245,7 +250,7 @@ class Collective:
         self._timeouts: list = [None] * world     # each rank's latest estimate (s), from its STOPs
         self._ctrl: list[tuple] = []
         self._qmask = self._qtmp = None           # _match's header word mask and scratch (made once)
-        self._qvals = None                        # _match's expected words (the round's, see _qval)
+        self._qvals = self._qrec = None           # _match's expected words (the round's, see _qval)
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._idle = threading.Event()       # set while no round runs
@@ -630,13 +635,13 @@ class Collective:
             m["flags"] = int(wire.Flag.TAG)
             self._qmask = np.tile(m.view(np.uint64), RECV_BATCH)
             self._qtmp = np.empty_like(self._qmask)
-        v = np.zeros(1, wire.HEADER_DTYPE)
-        v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, self.cfg.job
-        v["round"], v["tensor"], v["dst"], v["dtype"], v["len"] = st.round, st.tensor, self.rank, F32, self.C * 4
-        if self._qvals is None:
+            v = self._qrec = np.zeros(1, wire.HEADER_DTYPE)
+            v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, self.cfg.job
+            v["dst"], v["dtype"], v["len"] = self.rank, F32, self.C * 4
             self._qvals = np.tile(v.view(np.uint64), RECV_BATCH)
-        else:  # only the word with round and tensor changes
-            self._qvals[1::4] = v.view(np.uint64)[1]
+        v = self._qrec
+        v["round"], v["tensor"] = st.round, st.tensor
+        self._qvals[1::4] = v.view(np.uint64)[1]  # only the word with round and tensor changes
         return self._qvals
 
     def _match(self, st: _Round, h: np.ndarray):
@@ -870,6 +875,8 @@ class Collective:
             first = f[F_CHUNK]
             bits = np.unpackbits(payload, bitorder="little").astype(bool)
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
+            if o.acked is None:
+                o.acked, o.retx = np.zeros(o.n, bool), np.zeros(o.n, bool)
             o.acked[first: first + len(bits)] |= bits
             if np.count_nonzero(o.acked) >= o.need:
                 self._out_done(o, now)

@@ -35,18 +35,30 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
-    missing = ~mask
-    if missing.any():
+    if not mask.all():
         if not scratch:
             buf = buf.copy()
-        buf[missing] = 0
+        buf[~mask] = 0
     total = buf.sum(axis=0, dtype=np.float32)
     if estimator == "zero":
         total /= np.float32(buf.shape[0])
     else:
-        arrived = mask.sum(axis=0).astype(np.float32)
-        total /= np.maximum(arrived, 1)[:, None]
+        arrived = mask.sum(axis=0, dtype=np.float32)
+        total /= np.maximum(arrived, 1, out=arrived)[:, None]
     return total
+
+
+_CLASSES: dict[int, np.ndarray] = {}  # n -> the priority class of each rank 0..n-1
+
+
+def _classes(n: int) -> np.ndarray:
+    """Class 1..7 of ranks 0..n-1: seven equal bands of the ranking, the first most important."""
+    c = _CLASSES.get(n)
+    if c is None:
+        c = (1 + np.minimum(((np.arange(n) / n) * 7).astype(np.int64), 6)).astype(np.uint8)
+        if len(_CLASSES) < 256:  # message sizes repeat round after round; never an unbounded table
+            _CLASSES[n] = c
+    return c
 
 
 def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None) -> np.ndarray:
@@ -62,13 +74,10 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: i
         return np.ones(n, np.uint8)
     if how == "magnitude":
         norms = np.einsum("ij,ij->i", rows, rows)  # squared: same order, no temporary
-        order = np.argsort(-norms, kind="stable")
-        rank = np.empty(n, np.int64)
-        rank[order] = np.arange(n)
-        frac = rank / n
-    elif how == "position":
-        total = total_rows or n
-        frac = (first_row + np.arange(n)) / total
-    else:
-        raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")
-    return (1 + np.minimum((frac * 7).astype(np.int64), 6)).astype(np.uint8)
+        out = np.empty(n, np.uint8)
+        out[np.argsort(-norms, kind="stable")] = _classes(n)  # the chunk ranked r gets rank r's class
+        return out
+    if how == "position":
+        frac = (first_row + np.arange(n)) / (total_rows or n)
+        return (1 + np.minimum((frac * 7).astype(np.int64), 6)).astype(np.uint8)
+    raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")

@@ -346,16 +346,14 @@ class UdpTransport(Transport):
         if not runs:
             into.n = 0
             return into.view(0, 0)
-        if len(runs) == 1:
-            c, g, last, peer = runs[0]
-            plen = np.full(c, g, np.int64)
-            plen[-1] = last
-            peers = np.full(c, peer, np.int32)
+        cs, gs, lasts, ps = zip(*runs)
+        g = gs[0]
+        if gs.count(g) == len(gs) and lasts.count(g) == len(lasts):  # one datagram size (a data stream)
+            plen = np.full(used, g, np.int64)
         else:
-            cs, gs, lasts, ps = zip(*runs)
             plen = np.repeat(np.array(gs, np.int64), cs)
             plen[np.cumsum(cs) - 1] = lasts
-            peers = np.repeat(np.array(ps, np.int32), cs)
+        peers = np.full(used, ps[0], np.int32) if ps.count(ps[0]) == len(ps) else np.repeat(np.array(ps, np.int32), cs)
         frames = self._frames[: used * row].reshape(used, row)
         wire.put(into.headers[:used], self._frames_h[:used])
         if copy:

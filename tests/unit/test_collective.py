@@ -257,6 +257,20 @@ def test_priorities_magnitude_and_position():
     assert p.min() >= 1  # prio 0 is never given to data
 
 
+def test_magnitude_priority_bands_and_ties():
+    """Seven equal bands of the ranking by norm, largest first; equal norms rank in tensor order."""
+    rows = np.random.default_rng(3).standard_normal((700, 8)).astype(np.float32)
+    p = estimators.chunk_priority(rows, "magnitude")
+    assert np.bincount(p, minlength=8).tolist() == [0] + [100] * 7
+    norms = np.einsum("ij,ij->i", rows, rows)
+    for c in range(1, 7):  # every chunk of a class outweighs every chunk of the next
+        assert norms[p == c].min() >= norms[p == c + 1].max()
+    same = estimators.chunk_priority(np.ones((14, 4), np.float32), "magnitude")
+    assert same.tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    few = estimators.chunk_priority(rows[:5], "magnitude")  # fewer chunks than classes: bands skip
+    assert few[np.argsort(-norms[:5])].tolist() == [1, 2, 3, 5, 6]
+
+
 def test_dblp_controller_switches_on_gradient_norm_change():
     c = Dblp(p_low=0.02, k=0.4, freq=2, eta=0.5)
     assert c.tol(0) == 0.02 and c.phase() == "critical"
