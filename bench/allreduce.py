@@ -41,7 +41,7 @@ What is measured: a round's latency is from the moment the last rank enters
 ``allreduce`` to the moment the last rank returns (CLOCK_MONOTONIC stamps
 of all ranks; rounds run back to back, so these spans tile the timeline).
 p50/p99 are over the measured rounds of a block (numpy's linear
-interpolation: with 20 rounds p99 is close to the maximum).  A *burst
+interpolation: with 12 rounds or fewer p99 is close to the maximum).  A *burst
 round* is the round a burst window overlaps most (CLOCK_MONOTONIC is the
 clock of bpf_ktime_get_ns, the fabric's clock); ``burst med`` is the median
 over those rounds.  Ratios are pydblp/Gloo between figures of this run.
@@ -67,11 +67,11 @@ AF_XDP runs at CPU speed, faster than the link Gloo and UDP see).
 Bounded: each block has a timeout (``--block-timeout`` or 30 s + 3 s per
 round per 8 MiB); a worker set that fails or overruns is killed by pid,
 the block is reported as failed, and a fresh set continues with the next
-block.  A default run (4 transports x 3 sizes x 3 conditions) takes about
-3-4 minutes on 2 vCPUs (184-213 s; ``--workers 2``: ~90 s); at worst ~36 block
-timeouts.  Needs root.
+block.  A default run (5 transports x 3 sizes x 3 conditions) takes about
+4 minutes on 2 vCPUs (~150 s for gloo, floor, udp and xsk-ktx; 60 rounds a 1 MiB block since
+2026-12-01, 20 before); at worst ~45 block timeouts.  Needs root.
 
-    .venv/bin/python bench/allreduce.py [--workers 4] [--sizes 1,8,32] [--rounds 20] [--tol 0.05]
+    .venv/bin/python bench/allreduce.py [--workers 4] [--sizes 1,8,32] [--rounds N] [--tol 0.05]
                                         [--transports xsk,xsk-ktx,udp,gloo,floor] [--conditions clean,loss,burst]
                                         [--json out.json]
 """
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
                     help="testbed workers, one rank each (default 4, as issue 6 states its targets; 2..8)")
     ap.add_argument("--sizes", default="1,8,32", help="tensor sizes, MiB of float32 (default 1,8,32)")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="measured rounds per block (default 20 up to 1 MiB, 12 up to 8 MiB, 6 above)")
+                    help="measured rounds per block (default 60 up to 1 MiB, 12 up to 8 MiB, 6 above)")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
@@ -371,7 +371,9 @@ def main(argv=None) -> int:
         return 2
 
     def rounds_for(mib):
-        return args.rounds or (20 if mib <= 1 else 12 if mib <= 8 else 6)
+        # >= ~1 s of rounds a block: the p50 and the burst median then span more than one of the
+        # machine's slow spells (20 rounds of 1 MiB last 0.3 s)
+        return args.rounds or (60 if mib <= 1 else 12 if mib <= 8 else 6)
 
     def timeout_for(mib):
         return args.block_timeout or 30.0 + (rounds_for(mib) + 3) * 3.0 * max(1.0, mib / 8)
