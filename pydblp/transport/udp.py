@@ -129,7 +129,7 @@ class UdpTransport(Transport):
     """A UDP socket on ``port`` (inside ``netns`` when given).
 
     ``ifname`` binds the socket to that device (SO_BINDTODEVICE) when
-    allowed; ``bind`` picks a local address (default: all).  ``queue`` is
+    allowed; ``bind`` picks a local IP address, IPv4 or IPv6 (default: all).  ``queue`` is
     accepted for interface symmetry and ignored.  ``recv`` with a timeout
     retries up to ``spin`` seconds before sleeping in poll(2).  ``gso``:
     segment in the kernel (see the module docstring); None uses it where the
@@ -137,6 +137,9 @@ class UdpTransport(Transport):
     it does not, False never uses it.  ``gro``: let the kernel hand over runs
     of datagrams merged (``UDP_GRO``); None turns it on when ``ifname`` has
     GRO on (nothing merges otherwise), True raises where the kernel lacks it.
+    A received datagram's peer id comes from its source address alone, not
+    its port: the first peer registered at an address names everything
+    from it.
     """
 
     kind = "udp"
@@ -207,7 +210,15 @@ class UdpTransport(Transport):
                     except OSError as e:
                         raise TransportError(e.errno, f"no interface {ifname!r}"
                                              + (f" in netns {netns}" if netns else "")) from None
-                host = bind or ("::" if self.family == socket.AF_INET6 else "0.0.0.0")
+                host = "::" if self.family == socket.AF_INET6 else "0.0.0.0"
+                if bind:
+                    try:
+                        ip = parse_ip(bind)
+                    except ValueError:
+                        raise TransportError(errno.EINVAL, f"bind {bind!r}: not an IP address; give one of "
+                                             "this host's addresses (e.g. 198.18.0.1) or none for all") from None
+                    # the dual-stack socket takes an IPv4 address in its mapped form
+                    host = f"::ffff:{ip}" if ip.version == 4 and self.family == socket.AF_INET6 else str(ip)
                 try:
                     s.bind((host, port))
                 except OSError as e:

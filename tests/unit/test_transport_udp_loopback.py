@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
 
 from pydblp import wire
 from pydblp.transport import Batch, open_transport
+from pydblp.transport.base import TransportError
 from pydblp.transport.udp import UdpTransport
 
 
@@ -299,6 +301,41 @@ def test_udp_gro_source_registered_after_its_first_packets():
         pa = b.add_peer("127.0.0.1", a.port)
         assert a.send(make_batch(5, 5, peer=pb)) == 5
         assert peers(5) == [pa] * 5
+
+
+def test_udp_bind_address():
+    """``bind`` takes an IPv4 address on the dual-stack socket (as its mapped form) or an IPv6
+    one; a name is refused in one line that says what to give."""
+    with UdpTransport(port=0, bind="127.0.0.2") as t:
+        assert t._sock.getsockname()[0] == "::ffff:127.0.0.2"
+    if _have_ipv6_loopback():
+        with UdpTransport(port=0, bind="::1") as t:
+            assert t._sock.getsockname()[0] == "::1"
+    with pytest.raises(TransportError, match="not an IP address"):
+        UdpTransport(port=0, bind="localhost")
+
+
+@pytest.mark.parametrize("sizes", [(1400, 1400), (1400, 700)], ids=["one-size", "two-sizes"])
+def test_udp_gro_receive_of_two_sources_names_each(sizes):
+    """One GRO receive holding merged runs from two senders (of one datagram size or two) gives
+    every packet its own sender's peer id (found by source address) and length."""
+    a1, b = _gro_pair()
+    a2 = UdpTransport(port=0, gso=True, bind="127.0.0.2")
+    with a1, a2, b:
+        p1, p2 = b.add_peer("127.0.0.1", a1.port), b.add_peer("127.0.0.2", a2.port)
+        for k, (a, size) in enumerate(zip((a1, a2), sizes)):
+            sent = make_batch(100, 1000 * k, peer=a.add_peer("127.0.0.1", b.port))
+            sent.lengths[:100] = size
+            sent.headers["len"] = size
+            assert a.send(sent) == 100
+        time.sleep(0.05)  # loopback: every datagram is queued by now, so one receive takes both runs
+        got = b.recv(Batch.empty(2048, 1400), timeout=1.0)
+        assert got.n == 200
+        from_a2 = got.headers["chunk"] >= 1000
+        assert int(from_a2.sum()) == 100
+        assert np.array_equal(got.peer[:200], np.where(from_a2, p2, p1))
+        assert np.array_equal(got.lengths[:200], np.where(from_a2, sizes[1], sizes[0]))
+        assert b.stats()["rx_gro_packets"] > 100
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
