@@ -117,8 +117,10 @@ class HostMaps:
                 raise HostError(f"transport {transport!r}: use xsk or udp") from None
         if not 0 < job < 2**32:
             raise HostError(f"job id {job} must be in 1..2^32-1")
-        if not 0 < world_size <= 0xFFFF or not 0 <= rank < world_size:
-            raise HostError(f"rank {rank} must be below world size {world_size} (<= 65535)")
+        if not 0 < world_size <= 0xFFFF:
+            raise HostError(f"world size {world_size} must be in 1..65535")
+        if not 0 <= rank < world_size:
+            raise HostError(f"rank {rank} must be in 0..{world_size - 1} (world size {world_size})")
         self.maps["jobs"].update(struct.pack("=I", job), JOB.pack(world_size, rank, transport))
 
     def unregister_job(self, job: int) -> bool:

@@ -90,6 +90,15 @@ def test_valid_xsk_job_without_socket_passes_and_counts_nosock(prog, l3, vlan):
     assert d == {"nosock": 1}
 
 
+@pytest.mark.parametrize("job,world,rank,transport,says", [
+    (0, 4, 1, "xsk", "job id 0"), (9, 0, 0, "xsk", "world size 0"), (9, 70000, 0, "xsk", "world size 70000"),
+    (9, 4, 4, "xsk", "rank 4 must be in 0..3"), (9, 4, -1, "udp", "rank -1"), (9, 4, 0, "tcp", "use xsk or udp")])
+def test_register_job_refuses_bad_arguments_in_one_line(prog, job, world, rank, transport, says):
+    with pytest.raises(host.HostError, match=says):
+        prog.register_job(job, world, rank, transport)
+    assert 9 not in prog.jobs()
+
+
 def test_valid_udp_job_passes_to_stack(prog):
     verdict, d = run(prog, dblp_frame(data(job=JOB + 1)))
     assert (verdict, d) == (XDP_PASS, {"dblp_pass": 1})
