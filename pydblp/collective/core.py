@@ -789,10 +789,7 @@ class Collective:
                 rs_out = st.outs.get((False, k))
                 if rs_out is not None and not rs_out.done:
                     rs_out.done = True  # owner k is all-gathering: it is done with our contribution
-                if inn.tol8 is None:
-                    inn.tol8 = int(h["tol"][(src == k).argmax()])
-                st.heard[k] = now
-                self._arrived(inn, got, int(np.count_nonzero(inn.mask)), hi[k], now)
+                self._arrived(st, inn, h, src, got, int(np.count_nonzero(inn.mask)), hi[k], now)
                 touched.append(inn)
         for inn in touched:
             if inn.done and not inn.stop_sent:
@@ -815,10 +812,7 @@ class Collective:
             if not got:
                 continue
             inn = st.ins[(False, r)]
-            if inn.tol8 is None:
-                inn.tol8 = int(h["tol"][(src == r).argmax()])
-            st.heard[r] = now
-            self._arrived(inn, got, count[r], hi[r], now)
+            self._arrived(st, inn, h, src, got, count[r], hi[r], now)
             touched.append(inn)
 
     def _chunks(self, pay: np.ndarray, prow) -> np.ndarray:
@@ -832,9 +826,13 @@ class Collective:
         src = src[ok]
         return h[ok], prow, src, chunk[ok], np.bincount(src, minlength=self.world)
 
-    def _arrived(self, inn: _In, got: int, count: int, hi: int, now: float) -> None:
-        """Update ``inn`` after ``got`` packets of it arrived: ``count`` chunks are in its mask now,
-        ``hi`` is 1 + the highest chunk seen."""
+    def _arrived(self, st: _Round, inn: _In, h, src, got: int, count: int, hi: int, now: float) -> None:
+        """Update ``inn`` after ``got`` packets of it (among headers ``h`` from sources ``src``)
+        arrived: ``count`` chunks are in its mask now, ``hi`` is 1 + the highest chunk seen; the
+        sender's bound comes from its first packet, and the sender is heard."""
+        if inn.tol8 is None:
+            inn.tol8 = int(h["tol"][(src == inn.src).argmax()])
+        st.heard[inn.src] = now
         self.counters["duplicate"] += got - (count - inn.count)
         if count > inn.count:
             inn.count = count

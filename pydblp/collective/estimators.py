@@ -48,14 +48,19 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
     return total
 
 
+def _bands(frac: np.ndarray) -> np.ndarray:
+    """Class 1..7 of positions ``frac`` in [0, 1): seven equal bands, the first most important."""
+    return (1 + np.minimum((frac * 7).astype(np.int64), 6)).astype(np.uint8)
+
+
 _CLASSES: dict[int, np.ndarray] = {}  # n -> the priority class of each rank 0..n-1
 
 
 def _classes(n: int) -> np.ndarray:
-    """Class 1..7 of ranks 0..n-1: seven equal bands of the ranking, the first most important."""
+    """The class of ranks 0..n-1 of a ranking (kept per n: message sizes repeat)."""
     c = _CLASSES.get(n)
     if c is None:
-        c = (1 + np.minimum(((np.arange(n) / n) * 7).astype(np.int64), 6)).astype(np.uint8)
+        c = _bands(np.arange(n) / n)
         if len(_CLASSES) < 256:  # message sizes repeat round after round; never an unbounded table
             _CLASSES[n] = c
     return c
@@ -78,6 +83,5 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: i
         out[np.argsort(-norms, kind="stable")] = _classes(n)  # the chunk ranked r gets rank r's class
         return out
     if how == "position":
-        frac = (first_row + np.arange(n)) / (total_rows or n)
-        return (1 + np.minimum((frac * 7).astype(np.int64), 6)).astype(np.uint8)
+        return _bands((first_row + np.arange(n)) / (total_rows or n))
     raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")
