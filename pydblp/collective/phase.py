@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+DBLP_K = 0.40  # DBLP's P_high - P_low: 40 percentage points
+
 
 class PhaseController:
     """Decides ``tol`` (a loss fraction in [0, 1)) before each round and learns after it."""
@@ -47,7 +49,7 @@ class Dblp(PhaseController):
 
     name = "dblp"
 
-    def __init__(self, p_low: float = 0.016, k: float = 0.40, freq: int = 10, eta: float = 0.5):
+    def __init__(self, p_low: float = 0.016, k: float = DBLP_K, freq: int = 10, eta: float = 0.5):
         _check(p_low)
         _check(p_low + k)
         if freq < 1 or eta <= 0:

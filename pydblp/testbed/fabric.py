@@ -114,27 +114,37 @@ def default_thresholds(buffer: int) -> tuple:
     return (0,) + tuple(buffer * (NPRIO - p) // NPRIO for p in range(1, NPRIO))
 
 
+U64_MAX, U32_MAX = 2**64 - 1, 2**32 - 1
+
+
+def _field(value: int, top: int, what: str) -> int:
+    """``value`` if the program's field holds it (0..top), else a FabricError naming ``what``."""
+    if not 0 <= value <= top:
+        raise FabricError(f"{what} out of range: {value} (0..{top})")
+    return value
+
+
 def parse_rate(text: str | int | float | None) -> int:
     """'1gbit', '100mbit', '500kbit', '10gbit', or bits/s as a number -> bits/s (0 = none)."""
     if text is None:
         return 0
-    if isinstance(text, (int, float)):
-        return int(text)
     t = str(text).strip().lower()
     if t in ("", "0", "none", "off"):
         return 0
     units = {"tbit": 10**12, "gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1,
              "gbps": 8 * 10**9, "mbps": 8 * 10**6, "kbps": 8 * 10**3, "bps": 8}
-    for suffix, mult in units.items():
+    num, mult = t, 1
+    for suffix, m in units.items():
         if t.endswith(suffix):
-            try:
-                return int(float(t[: -len(suffix)]) * mult)
-            except ValueError:
-                break
+            num, mult = t[: -len(suffix)], m
+            break
     try:
-        return int(float(t))
+        bits = float(num) * mult
     except ValueError:
         raise FabricError(f"bad rate {text!r}: use e.g. 1gbit, 100mbit, 500kbit") from None
+    if not 0 <= bits < 8 * 2**64:  # (NaN fails this too)
+        raise FabricError(f"bad rate {text!r}: want 0 (none) or a positive rate such as 1gbit")
+    return int(bits)
 
 
 def parse_size(text: str | int) -> int:
@@ -254,10 +264,14 @@ class Fabric:
             raise FabricError(f"burst period ({every}s) must be at least the duration ({duration}s)")
         if count is not None and count < 1:
             raise FabricError("burst count must be >= 1")
+        if at is not None and not at >= 0:
+            raise FabricError(f"burst start {at} must be a time.monotonic() value (>= 0)")
         start_ns = int(at * 1e9) if at is not None else time.monotonic_ns() + int(delay * 1e9)
-        self._update(port, burst_ratio=prob(ratio, "burst ratio"), burst_start_ns=start_ns,
-                     burst_dur_ns=int(duration * 1e9), burst_period_ns=int((every or 0) * 1e9),
-                     burst_count=int(count or 0))
+        self._update(port, burst_ratio=prob(ratio, "burst ratio"),
+                     burst_start_ns=_field(start_ns, U64_MAX, "burst start (ns)"),
+                     burst_dur_ns=_field(int(duration * 1e9), U64_MAX, "burst duration (ns)"),
+                     burst_period_ns=_field(int((every or 0) * 1e9), U64_MAX, "burst period (ns)"),
+                     burst_count=_field(int(count or 0), U64_MAX, "burst count"))
         return start_ns / 1e9
 
     def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None) -> None:
@@ -271,9 +285,10 @@ class Fabric:
         size = parse_size(buffer)
         if bits and size < 64:
             raise FabricError(f"queue buffer {size} bytes is too small (one frame at least)")
+        _field(size, U32_MAX, "queue buffer (bytes)")
         if thresholds is None:
             thresholds = default_thresholds(size)
-        thresholds = tuple(int(t) for t in thresholds)
+        thresholds = tuple(_field(int(t), U32_MAX, "queue threshold (bytes)") for t in thresholds)
         if len(thresholds) != NPRIO:
             raise FabricError(f"thresholds: want {NPRIO} values (prio 0..7), got {len(thresholds)}")
         for idx in self._ifindexes(port):

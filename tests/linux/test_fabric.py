@@ -316,6 +316,15 @@ def test_config_validation(fab):
         fab.loss(0.1, port="zz")
     with pytest.raises(fb.FabricError):
         fab.queue("1gbit", thresholds=[1, 2])
+    # values the map's fields cannot hold: one FabricError each, and nothing written
+    before = {idx: fab.config(idx) for idx in (PORT_A, PORT_B)}
+    for bad in (lambda: fab.queue("-5"), lambda: fab.queue("1gbit", buffer="8g"),
+                lambda: fab.queue("1gbit", thresholds=[0] * 7 + [2**32]),
+                lambda: fab.burst(at=-5.0), lambda: fab.burst(duration=1e12),
+                lambda: fab.burst(duration=0.1, every=1e12)):
+        with pytest.raises(fb.FabricError, match="bad rate|out of range|monotonic"):
+            bad()
+    assert {idx: fab.config(idx) for idx in (PORT_A, PORT_B)} == before
     assert fb.parse_rate("1gbit") == 10**9 and fb.parse_rate("none") == 0
     assert fb.parse_size("64k") == 65536 and fb.parse_duration("50ms") == pytest.approx(0.05)
 

@@ -30,6 +30,14 @@ def test_parse_size_duration_and_errors():
             bad()
 
 
+@pytest.mark.parametrize("text", ["-5", -5, "-1gbit", "nan", float("inf"), "1e30", 2**70])
+def test_parse_rate_refuses_what_no_queue_can_drain_at(text):
+    """A negative, non-finite or wider-than-the-map's-field rate is a FabricError (it was a
+    struct.error traceback from ``dblp fault queue --rate -5``)."""
+    with pytest.raises(fb.FabricError, match="bad rate"):
+        fb.parse_rate(text)
+
+
 def test_prob_fixed_point():
     assert fb.prob(0) == 0 and fb.prob(1) == fb.P_ONE and fb.prob(0.5) == fb.P_ONE // 2
 
