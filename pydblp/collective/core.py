@@ -214,16 +214,28 @@ class Collective:
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
         self.cfg = config or Config()
         c = self.cfg
-        if c.mode not in ("tar", "ps"):
-            raise ValueError(f"mode {c.mode!r}: use tar or ps")
-        if c.estimator not in estimators.ESTIMATORS or c.fill not in estimators.FILLS \
-                or c.priority not in estimators.PRIORITIES:
-            raise ValueError(f"estimator/fill/priority must be in {estimators.ESTIMATORS}/"
-                             f"{estimators.FILLS}/{estimators.PRIORITIES}")
+        for name, value, allowed in (("mode", c.mode, ("tar", "ps")), ("estimator", c.estimator, estimators.ESTIMATORS),
+                                     ("fill", c.fill, estimators.FILLS), ("priority", c.priority, estimators.PRIORITIES)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
         if c.chunk_bytes % 4 or not 64 <= c.chunk_bytes <= 8000:
-            raise ValueError("chunk_bytes must be a multiple of 4 in 64..8000")
-        if not 0 <= rank < world or len(peers) != world:
-            raise ValueError(f"rank {rank}, world {world} and {len(peers)} peers do not fit")
+            raise ValueError(f"chunk_bytes {c.chunk_bytes}: use a multiple of 4 in 64..8000")
+        if not 1 <= c.job <= 0xFFFFFFFF:
+            raise ValueError(f"job {c.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
+        for name, value in (("peer_timeout", c.peer_timeout), ("probe_min", c.probe_min),
+                            ("deadline", 1.0 if c.deadline is None else c.deadline)):
+            if not value > 0:
+                raise ValueError(f"{name} {value}: use a positive number of seconds")
+        if c.probe_max < c.probe_min:
+            raise ValueError(f"probe_max {c.probe_max} is below probe_min {c.probe_min}")
+        if c.burst < 1:
+            raise ValueError(f"burst {c.burst}: use 1 or more packets")
+        if not 1 <= world <= 0xFFFF:
+            raise ValueError(f"world {world}: use 1..65535")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank}: use 0..{world - 1} (world {world})")
+        if len(peers) != world:
+            raise ValueError(f"{len(peers)} peers for world {world}: give one (address, port) per rank")
         self.t, self.rank, self.world = transport, rank, world
         self.C = c.chunk_bytes // 4
         self.controller = phases.make(c.phase)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import abc
 import errno
 import ipaddress
+import operator
 import time
 from dataclasses import dataclass
 
@@ -118,6 +119,18 @@ class TransportError(OSError):
 
 def parse_ip(addr) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return addr if isinstance(addr, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else ipaddress.ip_address(addr)
+
+
+def check_port(port, what: str = "port", zero_ok: bool = False) -> int:
+    """``port`` if it is a UDP port number (1..65535, or 0 with ``zero_ok``); else a ValueError naming ``what``."""
+    lo = 0 if zero_ok else 1
+    try:
+        p = operator.index(port)  # ints, numpy integers; not floats or strings
+    except TypeError:
+        p = None
+    if p is None or isinstance(port, bool) or not lo <= p <= 65535:
+        raise ValueError(f"{what} {port!r}: want an integer in {lo}..65535")
+    return p
 
 
 class Transport(abc.ABC):

@@ -63,7 +63,7 @@ import time
 import numpy as np
 
 from pydblp import net, wire
-from pydblp.transport.base import Batch, Transport, TransportError, parse_ip
+from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
 
 SO_MEMINFO = 55
 SK_MEMINFO_DROPS = 8
@@ -148,7 +148,7 @@ class UdpTransport(Transport):
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 32 << 20,
                  sndbuf: int = 2 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None,
                  gro: bool | None = None):
-        self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
+        self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
         self.spin = spin
         self._sock = None
         self._fd = -1
@@ -245,6 +245,7 @@ class UdpTransport(Transport):
 
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
         ip = parse_ip(addr)
+        port = check_port(port, "peer port")
         row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]
         self._names = np.concatenate([self._names, row])
         self._peers.append(ip)

@@ -68,7 +68,7 @@ import numpy as np
 
 from pydblp import net, wire
 from pydblp.transport import frames
-from pydblp.transport.base import Batch, Transport, TransportError, parse_ip
+from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
 
 AF_XDP = 44
 SOL_XDP = 283
@@ -169,7 +169,7 @@ class XskTransport(Transport):
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
                  spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk"):
-        self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, port
+        self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port)
         self.spin = spin
         if tx not in ("xsk", "kernel"):
             raise ValueError(f"tx={tx!r}: 'xsk' (the AF_XDP tx ring) or 'kernel' (a UDP socket on the device)")
@@ -377,6 +377,7 @@ class XskTransport(Transport):
         """Register ``addr`` (IPv4 or IPv6); the MAC comes from the neighbour table
         (resolved on demand) unless given; ``src`` overrides the local address."""
         dst = parse_ip(addr)
+        port = check_port(port, "peer port")
         src = parse_ip(src) if src is not None else self._local_addr(dst)
         dmac = frames.mac_bytes(mac) if mac is not None else self._resolve(dst)
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)

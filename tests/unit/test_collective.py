@@ -570,3 +570,22 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     assert rank0.st.ins[(False, 1)].nacks == 0
     rank0.col._nacks(rank0.st, t3 + 0.0025)
     assert len(rank0.sent()) == 1  # back to the 2 ms quiet
+
+
+@pytest.mark.parametrize("args,cfg,says", [
+    ((0, 2), {"mode": "ring"}, "mode 'ring'"), ((0, 2), {"estimator": "median"}, "estimator 'median'"),
+    ((0, 2), {"fill": "zero"}, "fill 'zero'"), ((0, 2), {"priority": "size"}, "priority 'size'"),
+    ((0, 2), {"chunk_bytes": 3}, "chunk_bytes 3"), ((0, 2), {"job": 0}, "job 0"),
+    ((0, 2), {"peer_timeout": 0}, "peer_timeout 0"), ((0, 2), {"deadline": -1}, "deadline -1"),
+    ((0, 2), {"probe_min": 0.01, "probe_max": 0.005}, "probe_max 0.005"), ((0, 2), {"burst": 0}, "burst 0"),
+    ((2, 2), {}, "rank 2: use 0..1"), ((-1, 2), {}, "rank -1"), ((0, 0), {}, "world 0"),
+    ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5")])
+def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
+    """Each bad knob gets its own ValueError naming it, before any peer is added to the transport."""
+    t = UdpTransport(port=0)
+    try:
+        with pytest.raises(ValueError, match=says.replace(".", r"\.")):
+            Collective(t, *args, [("127.0.0.1", 9), ("127.0.0.1", 9)], Config(**cfg))
+        assert t._peers == []
+    finally:
+        t.close()

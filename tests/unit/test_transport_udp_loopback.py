@@ -113,6 +113,20 @@ def test_udp_bad_peer_rejected():
             t.send(b)
 
 
+@pytest.mark.parametrize("port", [70000, -1, "9000", 9000.0, True])
+def test_udp_ports_checked(port):
+    """A port that is no UDP port number is a ValueError naming it (70000 was an OverflowError from
+    the socket layer, or "int too big to convert" from add_peer); numpy integers are ports too."""
+    with pytest.raises(ValueError, match=r"^port .*0\.\.65535"):
+        UdpTransport(port=port)
+    with UdpTransport(port=0) as t:
+        with pytest.raises(ValueError, match=r"^peer port .*1\.\.65535"):
+            t.add_peer("127.0.0.1", port)
+        with pytest.raises(ValueError, match="peer port 0"):
+            t.add_peer("127.0.0.1", 0)
+        assert t.add_peer("127.0.0.1", np.uint16(9000)) == 0 and t._addrs[0][1] == 9000
+
+
 def test_udp_transport_works_without_root():
     """A loopback transfer in a forked child that dropped to an unprivileged user (when we are root)."""
     import os
@@ -396,3 +410,12 @@ def test_udp_recv_into_a_taller_view_of_the_same_rows(gro):
         sent.headers["len"] = 1400
         assert a.send(sent) == 800
         check_same(sent, _recv_all(b, 800, big, pb))
+
+
+def test_xsk_port_checked_before_anything_opens():
+    """The AF_XDP transport refuses a bad port first (no socket, no UMEM; no root needed to see it)."""
+    from pydblp.transport.xsk import XskTransport
+
+    for port in (0, 70000):
+        with pytest.raises(ValueError, match=f"^port {port}: want an integer in 1..65535"):
+            XskTransport("no-such-if0", port=port)
