@@ -131,6 +131,29 @@ class Config:
                                      # sender has in flight must fit the receivers' rings (there is no
                                      # pacing): AF_XDP's 16384 receive frames by default
 
+    def check(self) -> None:
+        """Raise ValueError naming the first knob out of range (a :class:`Collective` checks its
+        config before it registers any peer; ``pydblp.torch`` before it opens anything)."""
+        for name, value, allowed in (("mode", self.mode, ("tar", "ps")),
+                                     ("estimator", self.estimator, estimators.ESTIMATORS),
+                                     ("fill", self.fill, estimators.FILLS),
+                                     ("priority", self.priority, estimators.PRIORITIES)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
+        if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= 8000:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes}: use a multiple of 4 in 64..8000")
+        if not 1 <= self.job <= 0xFFFFFFFF:
+            raise ValueError(f"job {self.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
+        for name, value in (("peer_timeout", self.peer_timeout), ("probe_min", self.probe_min),
+                            ("deadline", 1.0 if self.deadline is None else self.deadline)):
+            if not value > 0:
+                raise ValueError(f"{name} {value}: use a positive number of seconds")
+        if self.probe_max < self.probe_min:
+            raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
+        if self.burst < 1:
+            raise ValueError(f"burst {self.burst}: use 1 or more packets")
+        phases.make(self.phase)  # a bad phase spec or tolerance
+
 
 @dataclass
 class RoundRecord:
@@ -214,22 +237,7 @@ class Collective:
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
         self.cfg = config or Config()
         c = self.cfg
-        for name, value, allowed in (("mode", c.mode, ("tar", "ps")), ("estimator", c.estimator, estimators.ESTIMATORS),
-                                     ("fill", c.fill, estimators.FILLS), ("priority", c.priority, estimators.PRIORITIES)):
-            if value not in allowed:
-                raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
-        if c.chunk_bytes % 4 or not 64 <= c.chunk_bytes <= 8000:
-            raise ValueError(f"chunk_bytes {c.chunk_bytes}: use a multiple of 4 in 64..8000")
-        if not 1 <= c.job <= 0xFFFFFFFF:
-            raise ValueError(f"job {c.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
-        for name, value in (("peer_timeout", c.peer_timeout), ("probe_min", c.probe_min),
-                            ("deadline", 1.0 if c.deadline is None else c.deadline)):
-            if not value > 0:
-                raise ValueError(f"{name} {value}: use a positive number of seconds")
-        if c.probe_max < c.probe_min:
-            raise ValueError(f"probe_max {c.probe_max} is below probe_min {c.probe_min}")
-        if c.burst < 1:
-            raise ValueError(f"burst {c.burst}: use 1 or more packets")
+        c.check()
         if not 1 <= world <= 0xFFFF:
             raise ValueError(f"world {world}: use 1..65535")
         if not 0 <= rank < world:

@@ -72,6 +72,7 @@ class State:
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
         cfg = config or Config()
+        cfg.check()  # before anything is opened or published
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
         if transport not in ("udp", "xsk", "xsk-ktx"):

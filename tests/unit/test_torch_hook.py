@@ -70,13 +70,20 @@ def test_hook_matches_gloo_gradients_and_training_curve(tmp_path):
 
 def test_from_process_group_rejects_bad_arguments_before_opening_anything(tmp_path):
     import pydblp.torch as ptorch
+    from pydblp.collective import Config
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0, world_size=1)
+    keys_before = dist.distributed_c10d._get_default_store().num_keys()
     try:
         with pytest.raises(ValueError, match="use udp, xsk or xsk-ktx"):
             ptorch.State.from_process_group("tcp")
         for kind in ("xsk", "xsk-ktx"):
             with pytest.raises(ValueError, match=f"the {kind} transport needs iface="):
                 ptorch.State.from_process_group(kind)
+        # a bad config is refused before a transport opens or this rank publishes itself in the store
+        store = dist.distributed_c10d._get_default_store()
+        with pytest.raises(ValueError, match="estimator 'median'"):
+            ptorch.State.from_process_group("udp", config=Config(job=9, estimator="median"))
+        assert store.num_keys() == keys_before
     finally:
         dist.destroy_process_group()
