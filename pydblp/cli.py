@@ -382,18 +382,18 @@ def _cmd_experiment(args) -> int:
     bad = [t for t in transports if t not in runner.TRANSPORTS]
     if bad or not transports:
         raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
-    for ok, what in ((2 <= args.workers <= 250, f"--workers {args.workers}: use 2..250"),
-                     (args.steps >= 10, f"--steps {args.steps}: use 10 or more"),
-                     (0 <= args.loss < 1, f"--loss {args.loss:g}: use a probability in [0, 1)"),
-                     (args.bursts >= 0, f"--bursts {args.bursts}: use 0 (none) or more"),
-                     (args.burst_ms is None or args.burst_ms > 0, f"--burst-ms {args.burst_ms:g}: use a positive length"
-                      if args.burst_ms is not None else ""),
-                     (0 <= args.tol < 1 - DBLP_K if "dblp" in transports else 0 <= args.tol < 1,
-                      f"--tol {args.tol:g}: use [0, {1 - DBLP_K:g}) (DBLP's P_high = tol + {DBLP_K:g} "
-                      "must stay below 1)" if "dblp" in transports else f"--tol {args.tol:g}: use [0, 1)"),
-                     (args.target is None or args.target > 0, f"--target {args.target}: use a positive number")):
+    tol_top, why = (1 - DBLP_K, f" (DBLP's P_high = tol + {DBLP_K:g} must stay below 1)") \
+        if "dblp" in transports else (1.0, "")
+    checks = ((2 <= args.workers <= 250, "--workers {workers}: use 2..250"),
+              (args.steps >= 10, "--steps {steps}: use 10 or more"),
+              (0 <= args.loss < 1, "--loss {loss:g}: use a probability in [0, 1)"),
+              (args.bursts >= 0, "--bursts {bursts}: use 0 (none) or more"),
+              (args.burst_ms is None or args.burst_ms > 0, "--burst-ms {burst_ms:g}: use a positive length"),
+              (0 <= args.tol < tol_top, f"--tol {{tol:g}}: use [0, {tol_top:g}){why}"),
+              (args.target is None or args.target > 0, "--target {target:g}: use a positive number"))
+    for ok, what in checks:
         if not ok:
-            raise UsageError(what)
+            raise UsageError(what.format(**vars(args)))
     opt = runner.Options(workers=args.workers, model=args.model, steps=args.steps, transports=transports,
                          net=args.net, seed=args.seed, bursts=args.bursts, burst_ms=args.burst_ms,
                          loss=args.loss, tol=args.tol, estimator=args.estimator, target=args.target,
