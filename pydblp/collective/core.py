@@ -22,7 +22,9 @@ receive without waiting takes them in first).  A sender that has sent
 everything and heard no STOP within the probe timeout sends PROBE (then backs off:
 2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
-what is missing.  Receivers do not wait for the probe when they already know
+what is missing and lost, not what is still on its way (RACK-style: a chunk
+sent before one that arrived, or sent 1.5 measured round trips ago; see
+``_lost``).  Receivers do not wait for the probe when they already know
 the bound is out of reach (more chunks below the highest one seen are missing
 than the tolerance allows): after ``NACK_QUIET`` (2 ms) without a new chunk
 they send the BITMAP unasked, and again after each further 2 ms of silence,
@@ -185,6 +187,10 @@ class _Out:
         self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
         self.nretx = 0
         self.acked = None                    # chunks a BITMAP said arrived (made by the first one)
+        self.rseq = None                     # per chunk: its latest retransmission's number (-1: none; the
+        self.t_rtx = None                    # first sends count as 0..n-1) and when it went (first BITMAP)
+        self.nseq = self.n                   # the next retransmission's number
+        self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
         self.t_sent_all = None
         self.t_last = 0.0
@@ -556,6 +562,9 @@ class Collective:
                 idx = np.flatnonzero(o.retx)[:budget]
                 o.retx[idx] = False
                 o.nretx -= len(idx)
+                o.rseq[idx] = np.arange(o.nseq, o.nseq + len(idx))
+                o.nseq += len(idx)
+                o.t_rtx[idx] = now
                 o.retransmits += len(idx)
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
@@ -895,15 +904,44 @@ class Collective:
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
             if o.acked is None:
                 o.acked, o.retx = np.zeros(o.n, bool), np.zeros(o.n, bool)
-            o.acked[first: first + len(bits)] |= bits
+                o.rseq, o.t_rtx = np.full(o.n, -1, np.int64), np.zeros(o.n)
+            seg = slice(first, first + len(bits))
+            new = bits & ~o.acked[seg]
+            o.acked[seg] |= bits
             if np.count_nonzero(o.acked) >= o.need:
                 self._out_done(o, now)
             else:
-                seg = slice(first, first + len(bits))
-                o.retx[seg] |= ~o.acked[seg]
+                o.retx[seg] = (o.retx[seg] | self._lost(o, seg, new, now)) & ~o.acked[seg]
                 o.nretx = int(np.count_nonzero(o.retx))
                 o.t_last = now
                 o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
+
+    @staticmethod
+    def _lost(o: _Out, seg: slice, new: np.ndarray, now: float) -> np.ndarray:
+        """Chunks of ``seg`` a BITMAP shows missing that are lost, not still on their way.
+
+        Packets to one peer travel one path in order, so a missing chunk sent before one
+        the receiver has (by send number: first sends in chunk order, then each
+        retransmission) is lost.  One sent after it may still wait in this host's queue or
+        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it): it
+        counts as lost only once it went out 1.5 round trips ago (the time the latest
+        retransmission shown arrived took to show up), else the next BITMAP decides.
+        Without a measured round trip yet, everything missing counts.
+        """
+        rs = o.rseq[seg]
+        first = np.arange(seg.start, seg.start + len(rs))
+        seq = np.where(rs >= 0, rs, first)
+        got = o.acked[seg]
+        miss = ~got
+        shown = new & (rs >= 0)  # retransmissions this BITMAP shows arrived: a round-trip sample
+        if shown.any():
+            j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
+            o.rtt = now - o.t_rtx[j]
+        if o.rtt is None:
+            return miss
+        top = seq[got].max() if got.any() else -1
+        went = np.where(rs >= 0, o.t_rtx[seg], o.t_sent_all if o.t_sent_all is not None else now)
+        return miss & ((seq < top) | (went <= now - 1.5 * o.rtt))
 
     def _bitmap(self, rnd: int, tensor: int, inn: _In) -> None:
         """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""

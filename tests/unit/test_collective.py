@@ -534,6 +534,46 @@ def test_sender_retransmits_only_what_has_gone_out(rank0):
     assert o.nretx == 20 and o.timeouts == 0 and not o.done
 
 
+@pytest.fixture
+def rank0_exact():
+    r = Rank0(tol=0.0)  # every chunk needed: no BITMAP here ends a message
+    yield r
+    r.close()
+
+
+def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeypatch):
+    """A BITMAP that crosses a repair on its way (a long one queued at line rate, or a probe's
+    answer) must not queue it again: a missing chunk counts as lost once one sent after it has
+    arrived (one path, in order) or once it went 1.5 round trips ago; chunks a BITMAP shows in
+    leave the queue.  Before this, 8 and 32 MiB burst rounds sent ~40 % of their
+    retransmissions twice."""
+    monkeypatch.setattr(rank0_exact.t, "send", lambda batch, timeout=1.0: len(batch))
+    o = rank0_exact.st.outs[(False, 1)]
+    o.sent, o.t_sent_all = 100, 100.0
+    h = wire.empty_batch(1)[0]
+    h["kind"], h["job"], h["round"], h["src"], h["dst"], h["chunk"] = wire.Kind.BITMAP, 1, rank0_exact.st.round, 1, 0, 0
+
+    def bitmap(have, t):
+        bits = np.zeros(104, bool)
+        bits[list(have)] = True
+        rank0_exact.col._control(rank0_exact.st, h.item(), np.packbits(bits, bitorder="little"), t, current=True)
+        return np.flatnonzero(o.retx).tolist()
+
+    every = set(range(100))
+    assert bitmap(every - set(range(10, 30)), 100.010) == list(range(10, 30))  # no round trip known: all
+    rank0_exact.col._send_some(rank0_exact.st, 100.011)  # 10..29 resent, numbers 100..119
+    assert o.nretx == 0 and o.rseq[10:30].tolist() == list(range(100, 120))
+    # 10..19 are in, 4 ms after they went: 20..29, sent after 19, may still be on their way
+    assert bitmap(every - set(range(20, 30)), 100.015) == [] and o.rtt == pytest.approx(0.004)
+    # 25..29 are in too: 20..24, sent before them, are lost
+    assert bitmap(every - set(range(20, 25)), 100.016) == [20, 21, 22, 23, 24]
+    assert bitmap(every - {23, 24}, 100.0162) == [23, 24]  # shown in: out of the queue before they go
+    assert o.rtt == pytest.approx(0.0052)  # 20..22 went at 100.011
+    rank0_exact.col._send_some(rank0_exact.st, 100.017)
+    assert bitmap(every - {23, 24}, 100.024) == []  # 7 ms after they went: on their way
+    assert bitmap(every - {23, 24}, 100.0252) == [23, 24]  # 8.2 ms (> 1.5 x 5.2): lost
+
+
 def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
     """A transport that paces itself (tx_backlog > 0) gets no more data while it holds more than
     TXQ_LIMIT, so a STOP queued next waits at most that long; once it drains, sending resumes."""
