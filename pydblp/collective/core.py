@@ -23,8 +23,8 @@ everything and heard no STOP within the probe timeout sends PROBE (then backs of
 2x, 4x, ... up to 16x, never past ``probe_max``); the receiver answers
 STOP (done) or BITMAP (LSB-first, bit i = chunk i); the sender retransmits
 what is missing and lost, not what is still on its way (RACK-style: a chunk
-sent before one that arrived, or sent 1.5 measured round trips ago; see
-``_lost``).  Receivers do not wait for the probe when they already know
+sent before one that arrived, or sent ``LOSS_RTTS`` measured round trips
+ago; see ``_Out.lost``).  Receivers do not wait for the probe when they already know
 the bound is out of reach (more chunks below the highest one seen are missing
 than the tolerance allows): after ``NACK_QUIET`` (2 ms) without a new chunk
 they send the BITMAP unasked, and again after each further 2 ms of silence,
@@ -106,6 +106,7 @@ STOP_COPIES = 2  # a STOP goes out this many times: a lost one costs its sender 
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
+LOSS_RTTS = 1.5  # round trips after which a retransmission still missing from a BITMAP counts as lost
 AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
 
 
@@ -197,6 +198,33 @@ class _Out:
         self.probes = 0        # all probes sent
         self.timeouts = 0      # probes sent because the timeout passed
         self.retransmits = 0
+
+    def lost(self, seg: slice, new: np.ndarray, now: float) -> np.ndarray:
+        """Chunks of ``seg`` a BITMAP shows missing that are lost, not still on their way
+        (``new``: the chunks it shows in for the first time).
+
+        Packets to one peer travel one path in order, so a missing chunk sent before one
+        the receiver has (by send number: first sends in chunk order, then each
+        retransmission) is lost.  One sent after it may still wait in this host's queue or
+        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it): it
+        counts as lost only once it went out ``LOSS_RTTS`` round trips ago (the time the latest
+        retransmission shown arrived took to show up), else the next BITMAP decides.
+        Without a measured round trip yet, everything missing counts.
+        """
+        rs = self.rseq[seg]
+        first = np.arange(seg.start, seg.start + len(rs))
+        seq = np.where(rs >= 0, rs, first)
+        got = self.acked[seg]
+        miss = ~got
+        shown = new & (rs >= 0)  # retransmissions this BITMAP shows arrived: a round-trip sample
+        if shown.any():
+            j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
+            self.rtt = now - self.t_rtx[j]
+        if self.rtt is None:
+            return miss
+        top = seq[got].max() if got.any() else -1
+        went = np.where(rs >= 0, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else now)
+        return miss & ((seq < top) | (went <= now - LOSS_RTTS * self.rtt))
 
 
 class _In:
@@ -911,37 +939,10 @@ class Collective:
             if np.count_nonzero(o.acked) >= o.need:
                 self._out_done(o, now)
             else:
-                o.retx[seg] = (o.retx[seg] | self._lost(o, seg, new, now)) & ~o.acked[seg]
+                o.retx[seg] = (o.retx[seg] | o.lost(seg, new, now)) & ~o.acked[seg]
                 o.nretx = int(np.count_nonzero(o.retx))
                 o.t_last = now
                 o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
-
-    @staticmethod
-    def _lost(o: _Out, seg: slice, new: np.ndarray, now: float) -> np.ndarray:
-        """Chunks of ``seg`` a BITMAP shows missing that are lost, not still on their way.
-
-        Packets to one peer travel one path in order, so a missing chunk sent before one
-        the receiver has (by send number: first sends in chunk order, then each
-        retransmission) is lost.  One sent after it may still wait in this host's queue or
-        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it): it
-        counts as lost only once it went out 1.5 round trips ago (the time the latest
-        retransmission shown arrived took to show up), else the next BITMAP decides.
-        Without a measured round trip yet, everything missing counts.
-        """
-        rs = o.rseq[seg]
-        first = np.arange(seg.start, seg.start + len(rs))
-        seq = np.where(rs >= 0, rs, first)
-        got = o.acked[seg]
-        miss = ~got
-        shown = new & (rs >= 0)  # retransmissions this BITMAP shows arrived: a round-trip sample
-        if shown.any():
-            j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
-            o.rtt = now - o.t_rtx[j]
-        if o.rtt is None:
-            return miss
-        top = seq[got].max() if got.any() else -1
-        went = np.where(rs >= 0, o.t_rtx[seg], o.t_sent_all if o.t_sent_all is not None else now)
-        return miss & ((seq < top) | (went <= now - 1.5 * o.rtt))
 
     def _bitmap(self, rnd: int, tensor: int, inn: _In) -> None:
         """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""
