@@ -188,9 +188,9 @@ class _Out:
         self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
         self.nretx = 0
         self.acked = None                    # chunks a BITMAP said arrived (made by the first one)
-        self.rseq = None                     # per chunk: its latest retransmission's number (-1: none; the
-        self.t_rtx = None                    # first sends count as 0..n-1) and when it went (first BITMAP)
-        self.nseq = self.n                   # the next retransmission's number
+        self.seq = None                      # per chunk: its latest send's number (first sends: 0..n-1, in
+        self.t_rtx = None                    # chunk order), and when its latest retransmission went
+        self.nseq = self.n                   # the next retransmission's number (both made by the first BITMAP)
         self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
         self.t_sent_all = None
@@ -211,19 +211,18 @@ class _Out:
         retransmission shown arrived took to show up), else the next BITMAP decides.
         Without a measured round trip yet, everything missing counts.
         """
-        rs = self.rseq[seg]
-        first = np.arange(seg.start, seg.start + len(rs))
-        seq = np.where(rs >= 0, rs, first)
+        seq = self.seq[seg]
+        resent = seq >= self.n
         got = self.acked[seg]
         miss = ~got
-        shown = new & (rs >= 0)  # retransmissions this BITMAP shows arrived: a round-trip sample
+        shown = new & resent  # retransmissions this BITMAP shows arrived: a round-trip sample
         if shown.any():
             j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
             self.rtt = now - self.t_rtx[j]
         if self.rtt is None:
             return miss
         top = seq[got].max() if got.any() else -1
-        went = np.where(rs >= 0, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else now)
+        went = np.where(resent, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else now)
         return miss & ((seq < top) | (went <= now - LOSS_RTTS * self.rtt))
 
 
@@ -590,7 +589,7 @@ class Collective:
                 idx = np.flatnonzero(o.retx)[:budget]
                 o.retx[idx] = False
                 o.nretx -= len(idx)
-                o.rseq[idx] = np.arange(o.nseq, o.nseq + len(idx))
+                o.seq[idx] = np.arange(o.nseq, o.nseq + len(idx))
                 o.nseq += len(idx)
                 o.t_rtx[idx] = now
                 o.retransmits += len(idx)
@@ -932,7 +931,7 @@ class Collective:
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
             if o.acked is None:
                 o.acked, o.retx = np.zeros(o.n, bool), np.zeros(o.n, bool)
-                o.rseq, o.t_rtx = np.full(o.n, -1, np.int64), np.zeros(o.n)
+                o.seq, o.t_rtx = np.arange(o.n, dtype=np.int64), np.zeros(o.n)
             seg = slice(first, first + len(bits))
             new = bits & ~o.acked[seg]
             o.acked[seg] |= bits

@@ -545,8 +545,8 @@ def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeyp
     """A BITMAP that crosses a repair on its way (a long one queued at line rate, or a probe's
     answer) must not queue it again: a missing chunk counts as lost once one sent after it has
     arrived (one path, in order) or once it went 1.5 round trips ago; chunks a BITMAP shows in
-    leave the queue.  Before this, 8 and 32 MiB burst rounds sent ~40 % of their
-    retransmissions twice."""
+    leave the queue.  Before this, ~40 % of the retransmissions of 8 and 32 MiB burst rounds
+    arrived as duplicates."""
     monkeypatch.setattr(rank0_exact.t, "send", lambda batch, timeout=1.0: len(batch))
     o = rank0_exact.st.outs[(False, 1)]
     o.sent, o.t_sent_all = 100, 100.0
@@ -562,7 +562,7 @@ def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeyp
     every = set(range(100))
     assert bitmap(every - set(range(10, 30)), 100.010) == list(range(10, 30))  # no round trip known: all
     rank0_exact.col._send_some(rank0_exact.st, 100.011)  # 10..29 resent, numbers 100..119
-    assert o.nretx == 0 and o.rseq[10:30].tolist() == list(range(100, 120))
+    assert o.nretx == 0 and o.seq[10:30].tolist() == list(range(100, 120))
     # 10..19 are in, 4 ms after they went: 20..29, sent after 19, may still be on their way
     assert bitmap(every - set(range(20, 30)), 100.015) == [] and o.rtt == pytest.approx(0.004)
     # 25..29 are in too: 20..24, sent before them, are lost
