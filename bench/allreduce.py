@@ -102,6 +102,8 @@ MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
 TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo", "floor")
 CONDITIONS = ("clean", "loss", "burst")
+# the workers' interpreter (theirs is this one): its build moves pydblp's CPU-bound rounds (bench/README)
+PYTHON = f"Python {sys.version.split()[0]} ({os.path.realpath(sys.executable)})"
 
 
 class WorkerFailure(RuntimeError):
@@ -384,7 +386,7 @@ def main(argv=None) -> int:
     seq = 0
     tmp = Path(tempfile.mkdtemp(prefix="dblp-allreduce-"))
     print(f"bench/allreduce.py: {args.workers} workers, sizes {sizes} MiB, conditions {conds}, "
-          f"pydblp tol {args.tol}, {os.cpu_count()} CPUs (workers not pinned)", flush=True)
+          f"pydblp tol {args.tol}, {os.cpu_count()} CPUs (workers not pinned), {PYTHON}", flush=True)
     try:
         with Testbed(workers=args.workers, name=f"ar{os.getpid() % 100000}", mtu=args.mtu) as tb:
             for tr in transports:
@@ -530,7 +532,7 @@ def main(argv=None) -> int:
     print(f"total {wall:.0f} s" + (f"; {len(failures)} failure(s)" if failures else ""))
     if args.json:
         out = {"world": args.workers, "sizes_mib": sizes, "conditions": conds, "transports": transports,
-               "options": vars(args), "ncpu": os.cpu_count(), "kernel": os.uname().release,
+               "options": vars(args), "ncpu": os.cpu_count(), "kernel": os.uname().release, "python": PYTHON,
                "results": res, "ratios": ratios,
                "targets": {k: {"value": v, "met": ok} for k, (v, ok) in targets.items()},
                "failures": failures, "wall_s": wall}

@@ -200,7 +200,8 @@ def main() -> int:
         for impl in ("pydblp", "gloo"):
             sets.append(Ranks(impl, ns, a.world, tmp / f"store-{impl}"))
         print(f"bench/cpu.py: {a.world} ranks on one namespace's loopback, {a.rounds} rounds x {a.repeats} "
-              f"repeats, {os.cpu_count()} CPUs (ranks not pinned)", flush=True)
+              f"repeats, {os.cpu_count()} CPUs (ranks not pinned), Python {sys.version.split()[0]} "
+              f"({os.path.realpath(sys.executable)})", flush=True)
         for rep in range(a.repeats):
             for mib in sizes:
                 for s in sets:
@@ -237,7 +238,9 @@ def main() -> int:
         print(f"last round ended at its bound before every chunk was in (not an error): {', '.join(partial)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "ratios": ratios, "options": vars(a),
-                                            "kernel": platform.release(), "cpus": os.cpu_count()}, indent=1))
+                                            "kernel": platform.release(), "cpus": os.cpu_count(),
+                                            "python": f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})"},
+                                           indent=1))
     return 1 if inexact else 0
 
 
