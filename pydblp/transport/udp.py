@@ -90,6 +90,8 @@ SPILL_ROWS = 8 * GRO_SEGS  # a batch narrower than GRO_SEGS reads through a spil
 GRO_OVERFLOW = 65536     # bytes after a message's rows: datagrams wider than a row still arrive whole
 FEW_SEND = 4             # packets per send up to which each goes by its own sendmsg
 SMALL = 16               # messages per read up to which per-message work runs in Python, not numpy
+KIND_AT = wire.HEADER_DTYPE.fields["kind"][1]  # the kind byte's offset in a header
+DATA_KIND = int(wire.Kind.DATA)  # any other kind (a control packet) ends a linger: it wants an answer
 LINGER_STEP = 0.0005     # s: a lingering receive reads what came this often and returns once it has `want`
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -308,7 +310,10 @@ class UdpTransport(Transport):
                 time.sleep(min(LINGER_STEP, left))
                 k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
                                     MSG_DONTWAIT | MSG_TRUNC, None)
-                k += k2 if k2 > 0 else 0
+                if k2 > 0:
+                    k += k2
+                    if (into.headers["kind"][k - k2: k] != DATA_KIND).any():  # a control packet: answer it now
+                        break
         return self._deliver(into, into.payload, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
 
     def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float, copy: bool) -> Batch:
@@ -326,6 +331,7 @@ class UdpTransport(Transport):
             self._frames_mv = memoryview(self._frames)
             self._frames_h = np.ndarray((rows,), wire.HEADER_DTYPE, self._frames, 0, (row,))
         used, lost, end, nbytes, widest = 0, 0, None, 0, 0
+        urgent = False  # a control packet came: it wants an answer, so no more lingering
         runs = []  # per message: (datagrams, size, last one's size, peer)
         wait = timeout
         while cap - used >= GRO_SEGS:
@@ -343,12 +349,14 @@ class UdpTransport(Transport):
                 if c > 1:
                     self._c["rx_gro_packets"] += c
                 if c:
+                    # a control packet (STOP copies come merged): answer it now, linger no more
+                    urgent = urgent or self._frames[used * row + KIND_AT] != DATA_KIND
                     runs.append((c, g, last, peer))
                     used += c
                     nbytes += (c - 1) * g + last
                     widest = max(widest, g, last)
                 continue
-            if used == 0 or used >= min(want, cap) or linger <= 0:
+            if used == 0 or used >= min(want, cap) or linger <= 0 or urgent:
                 break
             now = time.monotonic()  # coalesce: read on every LINGER_STEP until `want` or the linger ends
             end = now + linger if end is None else end

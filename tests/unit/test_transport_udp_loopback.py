@@ -184,6 +184,31 @@ def test_recv_coalesces_a_trickle_into_one_batch():
         assert len(got) == 5 and time.monotonic() - t < 0.25
 
 
+@pytest.mark.parametrize("gro", [False, True])
+def test_a_control_packet_ends_a_linger(gro):
+    """A control packet (any kind but DATA) wants an answer: a lingering recv returns with it
+    at once instead of waiting out the linger for DATA that may never come (a burst eats it)."""
+    import threading
+
+    with UdpTransport(port=0) as a, UdpTransport(port=0, gro=gro) as b:
+        pb = a.add_peer("127.0.0.1", b.port)
+        into = Batch.empty(256, 1400)
+        assert a.send(make_batch(3, 0, peer=pb)) == 3
+        stop = make_batch(2, 3, peer=pb)  # two STOP copies, back to back (GRO merges them)
+        stop.headers["kind"] = wire.Kind.STOP
+        stop.lengths[:] = stop.headers["len"] = 2
+        later = threading.Timer(0.05, lambda: a.send(stop))
+        later.start()
+        t = time.monotonic()
+        try:
+            got = b.recv(into, timeout=1.0, want=50, linger=2.0)  # the 3 DATA are queued already
+        finally:
+            later.join()
+        assert time.monotonic() - t < 1.0  # not the 2 s linger
+        kinds = sorted(got.headers["kind"].tolist())
+        assert kinds == [int(wire.Kind.DATA)] * 3 + [int(wire.Kind.STOP)] * 2
+
+
 def _recv_all(t, n, into, peer_of):
     """Receive ``n`` packets from ``t``; returns them as one batch, ``peer`` filled by ``peer_of``."""
     hs, ps, ls, pe = [], [], [], []
