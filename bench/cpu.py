@@ -20,10 +20,11 @@ in the testbed).  The last round's result is checked against the exact mean:
 pydblp ends a round at its bound (95 % of each message), so a chunk still on its
 way then (its sender preempted on the shared CPUs) or dropped by a receive buffer
 may be missing from it, which the round's record shows (reported, not an error);
-inexact with every chunk in is an error (exit status 1).  Needs root (a namespace).  Bounded: about ``repeats *
-rounds * (0.03 + 0.017 * MiB)`` seconds per size plus ~10 s of start-up (~65 s
-with the defaults); a block that takes more than ``60 + rounds * (0.05 + 0.5 *
-MiB)`` seconds ends the run with an error.
+inexact with every chunk in is an error (exit status 1).  Needs root (a
+namespace).  Bounded: about ``repeats * rounds * (0.03 + 0.017 * MiB)``
+seconds per size plus ~10 s of start-up (~65 s with the defaults); a block
+that takes more than ``60 + rounds * (0.05 + 0.5 * MiB)`` seconds ends the
+run with an error.
 
     .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--json out.json]
 """
@@ -188,6 +189,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench/cpu.py: needs root (a network namespace)", file=sys.stderr)
         return 2
+    python = f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})"  # the ranks' interpreter too
     ns = f"dblpbench-cpu{os.getpid()}"
     tmp = Path(f"/tmp/{ns}")
     tmp.mkdir()
@@ -200,8 +202,7 @@ def main() -> int:
         for impl in ("pydblp", "gloo"):
             sets.append(Ranks(impl, ns, a.world, tmp / f"store-{impl}"))
         print(f"bench/cpu.py: {a.world} ranks on one namespace's loopback, {a.rounds} rounds x {a.repeats} "
-              f"repeats, {os.cpu_count()} CPUs (ranks not pinned), Python {sys.version.split()[0]} "
-              f"({os.path.realpath(sys.executable)})", flush=True)
+              f"repeats, {os.cpu_count()} CPUs (ranks not pinned), Python {python}", flush=True)
         for rep in range(a.repeats):
             for mib in sizes:
                 for s in sets:
@@ -239,8 +240,7 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "ratios": ratios, "options": vars(a),
                                             "kernel": platform.release(), "cpus": os.cpu_count(),
-                                            "python": f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})"},
-                                           indent=1))
+                                            "python": python}, indent=1))
     return 1 if inexact else 0
 
 

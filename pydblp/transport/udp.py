@@ -301,7 +301,8 @@ class UdpTransport(Transport):
         if k <= 0:
             into.n = 0
             return into.view(0, 0)
-        if k < min(want, cap) and linger > 0:  # coalesce: read on every LINGER_STEP until `want` or the linger ends
+        if k < min(want, cap) and linger > 0 and not (into.headers["kind"][:k] != DATA_KIND).any():
+            # coalesce: read on every LINGER_STEP until `want`, a control packet, or the linger's end
             end = time.monotonic() + linger
             while k < min(want, cap):
                 left = end - time.monotonic()

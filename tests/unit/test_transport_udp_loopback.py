@@ -207,6 +207,11 @@ def test_a_control_packet_ends_a_linger(gro):
         assert time.monotonic() - t < 1.0  # not the 2 s linger
         kinds = sorted(got.headers["kind"].tolist())
         assert kinds == [int(wire.Kind.DATA)] * 3 + [int(wire.Kind.STOP)] * 2
+        assert a.send(make_batch(1, 5, peer=pb)) == 1 and a.send(stop) == 2  # in the first read: no linger
+        time.sleep(0.05)
+        t = time.monotonic()
+        got = b.recv(into, timeout=1.0, want=50, linger=2.0)
+        assert len(got) == 3 and time.monotonic() - t < 1.0
 
 
 def _recv_all(t, n, into, peer_of):
