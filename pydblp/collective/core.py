@@ -29,8 +29,9 @@ the bound is out of reach (more chunks below the highest one seen are missing
 than the tolerance allows): after ``NACK_QUIET`` (2 ms) without a new chunk
 they send the BITMAP unasked, and again after each further 2 ms of silence,
 at least 4 ms after the previous one while repairs do not get through (a
-burst still eating them); a sender never retransmits a chunk it has not sent
-yet.  Loss within
+burst still eating them), until the bound is reached: once NACKed, a message's
+chunks not seen yet count as missing too (a lost tail); a sender never
+retransmits a chunk it has not sent yet.  Loss within
 the bound never triggers one.  All-gather data from an owner also ends the sender's
 reduce-scatter message to it (the owner has reduced, so it needs nothing
 more).  Loss within the bound is tolerated, loss above it is always
@@ -959,7 +960,12 @@ class Collective:
         chunks below ``hi`` are lost): after ``NACK_QUIET`` without a new
         chunk the receiver sends an unsolicited BITMAP of the whole message,
         and the sender retransmits every gap among the chunks it has sent at
-        once instead of waiting for its probe timeout.  The next NACK needs
+        once instead of waiting for its probe timeout.  Once a message has
+        been NACKed, the chunks not seen yet count as lost too: the sender
+        has been asked for all it sent, and what its repair left missing
+        after the silence (a lost tail, a repair half eaten) is asked for
+        again, where waiting for the tail cost the sender's probe timeout
+        (tens of ms) in burst rounds.  The next NACK needs
         the same silence and, while NACKs go unanswered or are answered with
         less than half of what was missing (a burst still eating the repair),
         2x ``NACK_QUIET`` since the last one: the interval backs off once, the
@@ -968,16 +974,17 @@ class Collective:
         a burst).  Loss within the bound never NACKs.
         """
         for inn in st.ins.values():
-            if inn.done or inn.count == 0 or inn.count + inn.n - inn.hi >= inn.need:
+            if inn.done or inn.count == 0 or (not inn.ag and st.reduced):
                 continue
-            if not inn.ag and st.reduced:
+            tail = inn.count + inn.n - inn.hi >= inn.need  # within reach if the chunks not seen yet come
+            if tail and not inn.t_nack:
                 continue
             if now - inn.t_data < NACK_QUIET or now - inn.t_nack < NACK_QUIET * (1 << min(inn.nacks, 1)):
                 continue
             self._bitmap(st.round, st.tensor, inn)
             st.repair = True
             inn.t_nack = now
-            inn.asked, inn.count_nack = inn.hi - inn.count, inn.count
+            inn.asked, inn.count_nack = (inn.n if tail else inn.hi) - inn.count, inn.count
             inn.nacks += 1
             st.nacks += 1
 

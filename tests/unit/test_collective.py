@@ -507,6 +507,26 @@ def test_a_receive_before_the_reduce_lingers_for_the_reduce_scatter_only(rank0):
     assert rank0.col._expected(rank0.st, t + 0.0015) == ag.need - 50  # 46: the all-gather now
 
 
+def test_a_nacked_message_nacks_its_lost_tail_too(rank0):
+    """Chunks 30..69 and the tail 90..99 lost: one NACK; its repair brings 30..69 back and the
+    tail stays lost.  Chunks not seen (90..99) would then still make the bound (90 + 10 >= 96),
+    but the sender was asked for everything it sent, so after the silence the receiver asks
+    again (before, it waited for the sender's probe timeout)."""
+    t = 100.0
+    rank0.data([c for c in range(90) if not 30 <= c < 70], t)
+    rank0.col._nacks(rank0.st, t + 0.0025)
+    assert len(rank0.sent()) == 1
+    rank0.data(list(range(30, 70)), t + 0.004)
+    inn = rank0.st.ins[(False, 1)]
+    assert (inn.count, inn.hi, inn.need) == (90, 90, 96)
+    rank0.col._nacks(rank0.st, t + 0.0055)
+    assert rank0.sent() == []  # 1.5 ms of silence
+    rank0.col._nacks(rank0.st, t + 0.0065)
+    (kind, dst, first, bits), = rank0.sent()
+    assert kind == wire.Kind.BITMAP
+    np.testing.assert_array_equal(bits[:100].astype(bool), np.arange(100) < 90)
+
+
 def test_receiver_never_nacks_loss_within_the_bound(rank0):
     """A sender half-way through its message (chunks 0..49 seen, 2 of them lost, 50..99 still
     coming) leaves the bound within reach: no NACK however long it stays silent."""
