@@ -49,9 +49,9 @@ receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 (:meth:`Transport.tx_backlog`) is handed no more data while it holds
 ``TXQ_LIMIT`` of it, so a STOP never queues behind a long backlog (and in a
 round that repairs loss, a NACK or BITMAP having gone either way, an owner
-hands over the second half of its all-gather ``AG_SPLIT`` after the first:
-a retransmission asked for meanwhile does not wait behind the whole message
-in the link's queue); while
+with a reduce-scatter message of its own not yet done hands over the second
+half of its all-gather ``AG_SPLIT`` after the first: a retransmission asked
+for meanwhile does not wait behind the whole message in the link's queue); while
 ``LINGER_MIN`` or more data packets are on their way (the rest of a stream
 that flows, a repair asked for), a receive waits up to ``LINGER`` for them (at
 most ``LINGER_WANT``): a stream at line rate arrives in slices, and each
@@ -549,7 +549,9 @@ class Collective:
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st.y[a:b], a, len(st.y))
-        split = st.reduce and st.repair  # a round that repairs: leave room for retransmissions
+        # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
+        # (the last owner to reduce has none left: all of it goes at once)
+        split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
         for dst in range(self.world):
             if dst != self.rank and b > a:
                 o = st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8)

@@ -408,6 +408,21 @@ def test_an_owner_holds_back_half_its_allgather_in_a_round_that_repairs(rank0):
     assert o.sent == 100
 
 
+def test_an_owner_whose_own_messages_are_done_sends_its_whole_allgather(rank0):
+    """The split is for retransmissions this owner may still be asked for: once every
+    reduce-scatter message it sent is done (the last owner to reduce), its all-gather goes at once
+    even in a round that repairs."""
+    t = time.monotonic()
+    rank0.data([c for c in range(100) if not 30 <= c < 70], t - 0.01)
+    rank0.col._nacks(rank0.st, t)
+    assert rank0.st.repair
+    rank0.data(list(range(30, 70)), t)
+    rank0.st.outs[(False, 1)].done = True  # rank 1 has reduced (its STOP or all-gather came)
+    rank0.col._reduce(rank0.st)
+    rank0.col._send_some(rank0.st, time.monotonic())
+    assert rank0.st.outs[(True, 1)].sent == 100
+
+
 def test_an_owner_sends_its_whole_allgather_in_a_clean_round(rank0):
     rank0.data(list(range(100)), time.monotonic())
     rank0.col._reduce(rank0.st)
