@@ -554,6 +554,17 @@ def test_receiver_never_nacks_loss_within_the_bound(rank0):
     assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] * 2 and rank0.st.nacks == 0  # STOP_COPIES
 
 
+def test_all_gather_data_ends_the_senders_reduce_scatter_message(rank0):
+    """An owner's all-gather data ends the sender's reduce-scatter message to it (the owner has
+    reduced: it needs nothing more), without its STOP, and that message is never probed."""
+    o = rank0.st.outs[(False, 1)]
+    o.sent, o.t_sent_all, o.t_last = o.n, 100.0, 100.0
+    rank0.data([0], 100.001, ag=True)
+    assert o.done
+    rank0.col._timers(rank0.st, 101.0)
+    assert [k for k, *_ in rank0.sent()] == []
+
+
 def test_sender_retransmits_only_what_has_gone_out(rank0):
     """A BITMAP can arrive while the sender is still sending (an unsolicited one): chunks not yet
     sent are never queued for retransmission; an answer resets the probe backoff."""
