@@ -77,6 +77,10 @@ last chunk zero-padded).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -100,7 +104,7 @@ STASH_MAX = 65536  # packets of the next round kept before it starts
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 DRAIN_READS = 8  # receives at most when taking in what has already arrived (a bound was reached)
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
-IDLE_GRACE = 0.002  # s after a round before the idle responder takes the transport
+IDLE_GRACE = 0.002  # s without a round before the idle responder serves the transport
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
 LINGER_MIN = 16  # fewer data packets due than this: a receive takes what is there
 STOP_COPIES = 2  # a STOP goes out this many times: a lost one costs its sender a probe timeout
@@ -109,6 +113,38 @@ DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 LOSS_RTTS = 1.5  # round trips after which a retransmission still missing from a BITMAP counts as lost
 AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.timerfd_settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+CLOCK_MONOTONIC, TFD_CLOEXEC = 1, 0o2000000
+
+
+class _Alarm:
+    """A one-shot timer a thread sleeps on (a timerfd): setting or clearing it wakes no one."""
+
+    def __init__(self):
+        self.fd = _libc.timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC)
+        if self.fd < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"timerfd_create: {os.strerror(e)}")
+        self._spec = (ctypes.c_int64 * 4)()  # struct itimerspec: interval (s, ns) 0, expiry (s, ns)
+
+    def set(self, after: float) -> None:
+        """Fire ``after`` seconds from now; 0 clears it (an expiry not yet waited for is dropped)."""
+        self._spec[2], self._spec[3] = divmod(round(after * 1e9), 10**9)
+        if _libc.timerfd_settime(self.fd, 0, self._spec, None) < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"timerfd_settime: {os.strerror(e)}")
+
+    def wait(self) -> None:
+        """Sleep until it fires."""
+        os.read(self.fd, 8)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class CollectiveError(RuntimeError):
@@ -307,11 +343,18 @@ class Collective:
         self._qvals = self._qrec = None           # _match's expected words (the round's, see _qval)
         self._closing = False
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
-        self._idle = threading.Event()       # set while no round runs
-        self._idle.set()
-        self._busy = threading.Event()       # set while a round runs
+        self._running = False                # a round runs or is about to take the lock
+        self._serving = False                # the idle responder polls the transport
+        self._alarm = _Alarm()               # starts the idle responder IDLE_GRACE after a round
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # ends its poll
         self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
-        self._idler.start()
+        try:
+            self._idler.start()
+        except BaseException:
+            self._alarm.close()
+            os.close(self._wake)
+            raise
+        self._alarm.set(IDLE_GRACE)
 
     # ---- public ----------------------------------------------------------
     def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
@@ -343,18 +386,25 @@ class Collective:
         only after every rank has finished (``pydblp.torch.State.close``
         barriers first).
         """
-        self._closing = True
-        self._idle.set()
-        self._idler.join(timeout=5)
+        if not self._closing:
+            self._closing = True
+            self._alarm.set(1e-9)
+            os.eventfd_write(self._wake, 1)
+            self._idler.join(timeout=5)
+            if not self._idler.is_alive():  # (else it is stuck in a transport call: leave its fds)
+                self._alarm.close()
+                os.close(self._wake)
         self.t.close()
 
     def _round(self, x: np.ndarray, tensor: int, reduce: bool) -> np.ndarray:
         if self._closing:
             raise CollectiveError("collective is closed")
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        self._idle.clear()
-        self._busy.set()
-        with self._poll_lock:  # the idle responder finishes its poll (<= 1 ms) and waits
+        self._running = True
+        self._alarm.set(0)
+        if self._serving:
+            os.eventfd_write(self._wake, 1)
+        with self._poll_lock:  # the idle responder leaves its poll at once; a receive of its runs to the end
             try:
                 st = self._start(flat, tensor, reduce)
                 try:
@@ -362,8 +412,8 @@ class Collective:
                 finally:
                     self._finish(st)
             finally:
-                self._busy.clear()
-                self._idle.set()
+                self._running = False
+                self._alarm.set(IDLE_GRACE)
         return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
 
     def _idle_loop(self) -> None:
@@ -371,19 +421,42 @@ class Collective:
 
         A receiver's STOP can be lost after it has finished; the sender then
         probes, and someone must answer even if this rank's caller is busy
-        computing (or done).  The lock hands the transport to rounds.
+        computing (or done).  This thread sleeps on an alarm that a round sets
+        for IDLE_GRACE as it ends and clears as the next begins: back-to-back
+        rounds keep the transport and never wake it (packets wait in the ring
+        meanwhile).  Once the alarm fires it polls the transport and the wake
+        descriptor, takes what arrives (the lock hands the transport over), and
+        leaves when a round begins, which writes the wake descriptor: a round
+        waits at most for one receive that has already begun, never for a poll.
         """
-        while not self._closing:
-            self._idle.wait()
-            # a caller that starts its next round at once (back-to-back rounds) keeps the
-            # transport: no hand-over, no stashing; packets wait in the ring meanwhile
-            if self._busy.wait(IDLE_GRACE):
-                continue
-            with self._poll_lock:
-                if self._closing or not self._idle.is_set():
-                    continue
-                self._take(None, 0.001)
-                self._flush_ctrl()
+        fd, wake = self.t.fileno(), self._wake
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(wake, select.POLLIN)
+        while True:
+            self._alarm.wait()
+            self._serving = True  # (set before _running is read: _round reads them the other way round)
+            try:
+                while not self._closing and not self._running:
+                    backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
+                    ready = poller.poll(None if backlog <= 0 else max(1, int(backlog * 1000)))
+                    if any(f == wake for f, _ in ready):
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(wake)
+                        continue
+                    if not self._poll_lock.acquire(blocking=False):
+                        continue  # a round has begun
+                    try:
+                        if not self._running:
+                            while self._take(None, 0.0) >= RECV_BATCH:
+                                pass
+                            self._flush_ctrl()
+                    finally:
+                        self._poll_lock.release()
+            finally:
+                self._serving = False
+            if self._closing:
+                return
 
     # ---- round set-up ----------------------------------------------------
     def _start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> _Round:
