@@ -13,7 +13,8 @@ place, then divided by the world size, as in `allreduce.py`.
 Each repeat runs every size for pydblp, then for Gloo (interleaved: a, b, a,
 b, ...), ``--rounds`` measured rounds after 10 warm-up ones; CPU is
 ``os.times()`` of each rank over the measured rounds, divided by their
-number and averaged over ranks; wall is the slowest rank's.  Figures are
+number and averaged over ranks; wall is the slowest rank's mean ``allreduce``
+call (each rank times its calls; their sum over the rounds).  Figures are
 medians over repeats (min-max), and the headline is pydblp's CPU per rank
 and round over Gloo's.  Ranks are not pinned (4 on 2 CPUs: they share, as
 in the testbed).  The last round's result is checked against the exact mean:
@@ -21,12 +22,20 @@ pydblp ends a round at its bound (95 % of each message), so a chunk still on its
 way then (its sender preempted on the shared CPUs) or dropped by a receive buffer
 may be missing from it, which the round's record shows (reported, not an error);
 inexact with every chunk in is an error (exit status 1).  Needs root (a
-namespace).  Bounded: about ``repeats * rounds * (0.03 + 0.017 * MiB)``
+namespace).  Bounded: about ``repeats * rounds * (0.03 + gap + 0.017 * MiB)``
 seconds per size plus ~10 s of start-up (~65 s with the defaults); a block
-that takes more than ``60 + rounds * (0.05 + 0.5 * MiB)`` seconds ends the
-run with an error.
+that takes more than ``60 + rounds * (0.05 + gap + 0.5 * MiB)`` seconds ends
+the run with an error.
 
-    .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--json out.json]
+``--gap MS``: each rank sleeps MS ms after each measured round, as a training
+step's compute on a GPU leaves the CPU to the communication stack.  CPU per
+round then includes what each stack spends while its caller is away (threads
+that poll or spin), and wall is the mean duration of the ``allreduce`` calls
+alone (with the gaps, rounds no longer run back to back: a round also waits
+for whatever the stack does between rounds).
+
+    .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--gap 0]
+                                  [--json out.json]
 """
 
 from __future__ import annotations
@@ -88,21 +97,26 @@ def rank_main(a) -> int:
             return t.stats().get("rx_dropped", 0)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        size, rounds = (int(v) for v in line.split())
+        size, rounds, gap_us = (int(v) for v in line.split())
         base = np.random.default_rng(size).standard_normal(size // 4).astype(np.float32)
         x = base + np.float32(a.rank + 1)
         for _ in range(WARMUP):
             round_(x.copy())
-        d0, c0, t0 = drops(), os.times(), time.monotonic()
+        d0, c0, busy = drops(), os.times(), 0.0
         for _ in range(rounds):
-            out = round_(x.copy())  # Gloo reduces in place: both get a fresh input
-        c1, t1 = os.times(), time.monotonic()
+            y = x.copy()  # Gloo reduces in place: both get a fresh input
+            t0 = time.monotonic()
+            out = round_(y)
+            busy += time.monotonic() - t0
+            if gap_us:
+                time.sleep(gap_us / 1e6)  # the caller away (computing on a GPU, say): the CPU is free
+        c1 = os.times()
         want = base + np.float32((a.world + 1) / 2)
         # (pydblp at tol 0.05 ends a round at its bound, without chunks still on their way or dropped:
         # then inexact by design; the last round's record says whether every chunk was in)
         full = a.impl == "gloo" or col.records[-1].min_delivered == 1.0
         print(json.dumps({"cpu": (c1.user + c1.system - c0.user - c0.system) / rounds,
-                          "sys": (c1.system - c0.system) / rounds, "wall": (t1 - t0) / rounds,
+                          "sys": (c1.system - c0.system) / rounds, "wall": busy / rounds,
                           "exact": bool(np.allclose(out, want, rtol=1e-5, atol=1e-5)), "full": full,
                           "drops": drops() - d0}), flush=True)
     if a.impl == "gloo":
@@ -142,11 +156,11 @@ class Ranks:
             out.append(json.loads(line))
         return out
 
-    def block(self, size: int, rounds: int) -> dict:
+    def block(self, size: int, rounds: int, gap: float) -> dict:
         for p in self.procs:
-            p.stdin.write(f"{size} {rounds}\n")
+            p.stdin.write(f"{size} {rounds} {round(gap * 1e6)}\n")
             p.stdin.flush()
-        got = self.replies(60 + rounds * (0.05 + 0.5 * size / (1 << 20)))
+        got = self.replies(60 + rounds * (0.05 + gap + 0.5 * size / (1 << 20)))
         return {"cpu": statistics.mean(g["cpu"] for g in got), "sys": statistics.mean(g["sys"] for g in got),
                 "wall": max(g["wall"] for g in got), "exact": all(g["exact"] for g in got),
                 "full": all(g["full"] for g in got), "drops": sum(g["drops"] for g in got)}
@@ -173,6 +187,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=100, help="measured rounds per size and repeat (default 100)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="ms each rank sleeps between rounds (its caller computing elsewhere; default 0: "
+                         "back to back); CPU then includes what each stack spends meanwhile")
     ap.add_argument("--json", help="write figures and every repeat here")
     ap.add_argument("--rank-of", choices=["pydblp", "gloo"], dest="impl", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -184,8 +201,8 @@ def main() -> int:
         sizes = [float(s) for s in a.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes {a.sizes!r}: use MiB, comma-separated, e.g. 1,8")
-    if any(s <= 0 for s in sizes) or a.rounds < 1 or a.repeats < 1 or not 2 <= a.world <= 8:
-        ap.error("sizes and rounds must be positive, repeats >= 1, world 2..8")
+    if any(s <= 0 for s in sizes) or a.rounds < 1 or a.repeats < 1 or not 2 <= a.world <= 8 or a.gap < 0:
+        ap.error("sizes and rounds must be positive, repeats >= 1, world 2..8, gap >= 0")
     if os.geteuid() != 0:
         print("bench/cpu.py: needs root (a network namespace)", file=sys.stderr)
         return 2
@@ -202,11 +219,12 @@ def main() -> int:
         for impl in ("pydblp", "gloo"):
             sets.append(Ranks(impl, ns, a.world, tmp / f"store-{impl}"))
         print(f"bench/cpu.py: {a.world} ranks on one namespace's loopback, {a.rounds} rounds x {a.repeats} "
-              f"repeats, {os.cpu_count()} CPUs (ranks not pinned), Python {python}", flush=True)
+              f"repeats" + (f", {a.gap:g} ms between rounds" if a.gap else ", back to back")
+              + f", {os.cpu_count()} CPUs (ranks not pinned), Python {python}", flush=True)
         for rep in range(a.repeats):
             for mib in sizes:
                 for s in sets:
-                    r = s.block(int(mib * (1 << 20)) // 4 * 4, a.rounds)
+                    r = s.block(int(mib * (1 << 20)) // 4 * 4, a.rounds, a.gap / 1e3)
                     runs.setdefault(f"{s.impl}/{mib:g}", []).append(r)
                     print(f"  repeat {rep + 1} {s.impl:<6} {mib:g} MiB: CPU/rank/round {r['cpu'] * 1e3:.2f} ms "
                           f"(sys {r['sys'] * 1e3:.2f}), wall/round {r['wall'] * 1e3:.2f} ms, exact {r['exact']}"
