@@ -170,20 +170,22 @@ class Floor(_Peer):
     schedule as pydblp's ``tar`` mode: every rank sends shard k straight to rank k (one GSO
     message per ~45 datagrams), owner k takes the mean and sends it to every rank; receives take
     GRO-merged runs.  Nothing else: an 8-byte header (round, chunk, source, phase), no loss
-    handling (a lost datagram fails the round after ``--peer-timeout``; run it on a clean
-    fabric only), no validation, priorities or records.  A peer for pydblp, not a transport:
+    handling (a lost datagram, which a clean fabric still shows now and then at 32 MiB, fails
+    the round after ``STALL`` s without a datagram, or ``--peer-timeout`` if shorter: it would
+    never complete; run it on a clean fabric only), no validation, priorities or records.  A peer for pydblp, not a transport:
     what pydblp's protocol costs above it, and what Python and this testbed's kernel path cost
     against Gloo, show separately.
     """
 
     GRO_MAX = 65536  # bytes of one merged receive
+    STALL = 5.0  # s without a datagram after which a round is given up (a lost one is never resent)
 
     def __init__(self, a):
         import select
         import socket
 
         peers = json.loads(a.peers)
-        self.rank, self.world, self.timeout = a.rank, a.world, a.peer_timeout
+        self.rank, self.world, self.timeout = a.rank, a.world, min(a.peer_timeout, self.STALL)
         self.C = (a.chunk_bytes or 1408) // 4
         self.dt = np.dtype([("round", "<u4"), ("chunk", "<u2"), ("src", "u1"), ("ag", "u1"),
                             ("pay", "<f4", (self.C,))])
