@@ -172,9 +172,9 @@ class Floor(_Peer):
     GRO-merged runs.  Nothing else: an 8-byte header (round, chunk, source, phase), no loss
     handling (a lost datagram, which a clean fabric still shows now and then at 32 MiB, fails
     the round after ``STALL`` s without a datagram, or ``--peer-timeout`` if shorter: it would
-    never complete; run it on a clean fabric only), no validation, priorities or records.  A peer for pydblp, not a transport:
-    what pydblp's protocol costs above it, and what Python and this testbed's kernel path cost
-    against Gloo, show separately.
+    never complete; run it on a clean fabric only), no validation, priorities or records.  A
+    peer for pydblp, not a transport: what pydblp's protocol costs above it, and what Python
+    and this testbed's kernel path cost against Gloo, show separately.
     """
 
     GRO_MAX = 65536  # bytes of one merged receive
