@@ -302,6 +302,11 @@ class Collective:
 
     ``peers[r]`` is ``(addr, port)`` or ``(addr, port, mac)`` of rank r (this
     rank's own entry is ignored).  Not thread-safe: one caller at a time.
+
+    Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
+    late probes and keeps the next round's packets; it sleeps while nothing
+    arrives and is never woken by rounds that follow each other within
+    ``IDLE_GRACE`` (2 ms).  :meth:`close` ends it.
     """
 
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
