@@ -319,6 +319,8 @@ class Collective:
             raise ValueError(f"rank {rank}: use 0..{world - 1} (world {world})")
         if len(peers) != world:
             raise ValueError(f"{len(peers)} peers for world {world}: give one (address, port) per rank")
+        if transport.closed:
+            raise ValueError("the transport is closed: give the collective an open one (it closes it itself)")
         self.t, self.rank, self.world = transport, rank, world
         self.C = c.chunk_bytes // 4
         self.controller = phases.make(c.phase)

@@ -678,6 +678,17 @@ def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
         t.close()
 
 
+def test_a_closed_transport_is_refused_before_anything_starts():
+    """A collective over a transport already closed fails at once with a clear error, before its
+    idle responder starts (it would die on the closed descriptor)."""
+    t = UdpTransport(port=0)
+    t.close()
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="transport is closed"):
+        Collective(t, 0, 2, [("127.0.0.1", 9), ("127.0.0.1", 9)])
+    assert threading.active_count() == threads
+
+
 def _switches(thread: threading.Thread) -> int:
     """Voluntary context switches of ``thread`` so far (each sleep that ended: a wake-up)."""
     with open(f"/proc/self/task/{thread.native_id}/status") as f:
