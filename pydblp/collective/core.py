@@ -120,22 +120,25 @@ _libc.timerfd_settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, c
 CLOCK_MONOTONIC, TFD_CLOEXEC = 1, 0o2000000
 
 
+def _checked(rc: int, call: str) -> int:
+    """``rc`` of a libc call, or its errno as an OSError naming ``call``."""
+    if rc < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{call}: {os.strerror(e)}")
+    return rc
+
+
 class _Alarm:
     """A one-shot timer a thread sleeps on (a timerfd): setting or clearing it wakes no one."""
 
     def __init__(self):
-        self.fd = _libc.timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC)
-        if self.fd < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"timerfd_create: {os.strerror(e)}")
+        self.fd = _checked(_libc.timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC), "timerfd_create")
         self._spec = (ctypes.c_int64 * 4)()  # struct itimerspec: interval (s, ns) 0, expiry (s, ns)
 
     def set(self, after: float) -> None:
         """Fire ``after`` seconds from now; 0 clears it (an expiry not yet waited for is dropped)."""
         self._spec[2], self._spec[3] = divmod(round(after * 1e9), 10**9)
-        if _libc.timerfd_settime(self.fd, 0, self._spec, None) < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"timerfd_settime: {os.strerror(e)}")
+        _checked(_libc.timerfd_settime(self.fd, 0, self._spec, None), "timerfd_settime")
 
     def wait(self) -> None:
         """Sleep until it fires."""
