@@ -150,6 +150,20 @@ class _Alarm:
             self.fd = -1
 
 
+LINK_OVERHEAD = 40 + 8 + wire.HEADER_LEN  # IPv6 (the longer IP header), UDP and DBLP headers per datagram
+CHUNK_MAX = 8000  # Config.check's bound
+
+
+def link_chunk_bytes(mtu: int) -> int:
+    """The largest ``Config.chunk_bytes`` a link of ``mtu`` carries in one datagram, over IPv4 or
+    IPv6: ``mtu`` less the IPv6, UDP and DBLP headers, rounded down to a multiple of 64 bytes, at
+    most 8000.  MTU 1500 gives the default 1408; MTU 9000 gives 8000.  Raises ValueError below 144.
+    """
+    if mtu < 64 + LINK_OVERHEAD:
+        raise ValueError(f"mtu {mtu}: a DBLP chunk of 64 bytes needs an MTU of at least {64 + LINK_OVERHEAD}")
+    return min(CHUNK_MAX, (mtu - LINK_OVERHEAD) // 64 * 64)
+
+
 class CollectiveError(RuntimeError):
     """A round cannot complete: a peer is dead or unreachable, or the inputs disagree."""
 
@@ -164,7 +178,8 @@ class Config:
     fill: str = "stale"              # all-gather misses: "stale" or "local"
     priority: str = "magnitude"      # "magnitude", "position" or "none"
     phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
-    chunk_bytes: int = 1408          # payload per packet (fits MTU 1500 over IPv4 and IPv6)
+    chunk_bytes: int | None = 1408   # payload per packet (fits MTU 1500 over IPv4 and IPv6); None:
+                                     # pydblp.torch.State picks the links' size (link_chunk_bytes)
     deadline: float | None = None    # seconds; a round may end below the bound only if set
                                      # (owners stop waiting for contributions at half of it)
     peer_timeout: float = 10.0       # a needed peer silent this long fails the round
@@ -183,8 +198,11 @@ class Config:
                                      ("priority", self.priority, estimators.PRIORITIES)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
-        if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= 8000:
-            raise ValueError(f"chunk_bytes {self.chunk_bytes}: use a multiple of 4 in 64..8000")
+        if self.chunk_bytes is None:
+            raise ValueError("chunk_bytes None: give a size (pydblp.torch.State.from_process_group picks one "
+                             "from the links' MTU; link_chunk_bytes(mtu) computes it)")
+        if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= CHUNK_MAX:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes}: use a multiple of 4 in 64..{CHUNK_MAX}")
         if not 1 <= self.job <= 0xFFFFFFFF:
             raise ValueError(f"job {self.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
         for name, value in (("peer_timeout", self.peer_timeout), ("probe_min", self.probe_min),

@@ -23,6 +23,7 @@ Failure semantics (the collective's, see :mod:`pydblp.collective.core`):
 
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import dataclasses
 import ipaddress
 import json
 import queue as _queue
@@ -33,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from pydblp import net, wire
-from pydblp.collective import Collective, CollectiveError, Config
+from pydblp.collective import Collective, CollectiveError, Config, link_chunk_bytes
+
+DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
+XSK_FRAME_OVERHEAD = 128  # an AF_XDP frame holds a chunk plus Ethernet, IP, UDP and DBLP headers in 2 KiB up to ~1900
 
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError"]
 
@@ -68,19 +72,32 @@ class State:
         0: none) paces the xsk transport at a link's line rate: AF_XDP transmit
         bypasses qdiscs, so a TBF on ``iface`` does not limit it (``udp`` and
         ``xsk-ktx`` transmit through the qdisc and ignore ``rate``).
+
+        ``Config(chunk_bytes=None)`` sizes chunks to the links: every rank
+        publishes ``iface``'s MTU and all use :func:`~pydblp.collective.link_chunk_bytes`
+        of the smallest (1408 at MTU 1500, 8000 at MTU 9000: 5.7x fewer packets
+        a round), so the network between them must carry that MTU too, as a
+        jumbo-frame fabric does.  A rank without ``iface`` has no MTU to give:
+        then every rank uses the default, 1408.  ``state.collective.cfg.chunk_bytes``
+        says what was chosen.
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
         cfg = config or Config()
-        cfg.check()  # before anything is opened or published
+        by_link = cfg.chunk_bytes is None  # the links decide, once every rank's MTU is known
+        # before anything is opened or published
+        (dataclasses.replace(cfg, chunk_bytes=DEFAULT_CHUNK) if by_link else cfg).check()
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
         if transport not in ("udp", "xsk", "xsk-ktx"):
             raise ValueError(f"transport {transport!r}: use udp, xsk or xsk-ktx")
         if transport != "udp" and not iface:
             raise ValueError(f"the {transport} transport needs iface=")
+        mtu = _iface_mtu(iface, netns) if iface else None
         me = {"addr": addr or (_iface_addr(iface, netns) if iface else "127.0.0.1"),
-              "mac": _iface_mac(iface, netns) if iface else None, "queue": queue}
+              "mac": _iface_mac(iface, netns) if iface else None, "queue": queue, "mtu": mtu}
+        # the widest chunk this rank may be given: AF_XDP frames must hold it with its headers
+        widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
         owned, t = [], None
         try:
             if transport == "udp":
@@ -98,13 +115,16 @@ class State:
                 # xsk-ktx: the qdisc paces kernel transmit, so rate does not apply
                 t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
                                  rate=rate if transport == "xsk" else 0,
-                                 tx="xsk" if transport == "xsk" else "kernel")
+                                 tx="xsk" if transport == "xsk" else "kernel",
+                                 frame_size=4096 if widest + XSK_FRAME_OVERHEAD > 2048 else 2048)
             me["port"] = t.port
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
-            peers = []
-            for r in range(world):
-                p = json.loads(store.get(f"pydblp/{cfg.job}/{r}"))
-                peers.append((p["addr"], p["port"], p["mac"]))
+            recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
+            peers = [(p["addr"], p["port"], p["mac"]) for p in recs]
+            if by_link:  # every rank reads the same records, so every rank picks the same size
+                mtus = [p.get("mtu") for p in recs]
+                chunk = link_chunk_bytes(min(mtus)) if all(mtus) else DEFAULT_CHUNK
+                cfg = dataclasses.replace(cfg, chunk_bytes=chunk)  # (<= widest: min(mtus) <= mine)
             col = Collective(t, rank, world, peers, cfg)
         except BaseException:  # nothing this call opened outlives it
             if t is not None:
@@ -170,6 +190,11 @@ def _iface_addr(iface: str, netns: str | None) -> str:
 def _iface_mac(iface: str, netns: str | None) -> str:
     with net.ipr(netns) as ip:
         return ip.get_links(net.ifindex(iface, netns))[0].get_attr("IFLA_ADDRESS")
+
+
+def _iface_mtu(iface: str, netns: str | None) -> int:
+    with net.ipr(netns) as ip:
+        return int(ip.get_links(net.ifindex(iface, netns))[0].get_attr("IFLA_MTU"))
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

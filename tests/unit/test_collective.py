@@ -782,3 +782,28 @@ def test_close_ends_the_idle_responder_and_leaves_no_descriptor():
     rk.close()
     assert not any(t.is_alive() for t in idlers)
     assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_link_chunk_bytes_fits_the_mtu_over_ipv6():
+    from pydblp.collective import link_chunk_bytes
+
+    assert link_chunk_bytes(1500) == Config().chunk_bytes == 1408
+    assert link_chunk_bytes(9000) == 8000  # Config.check's ceiling
+    assert link_chunk_bytes(1280) == 1152  # IPv6's minimum MTU
+    for mtu in (144, 576, 1500, 3000, 4000, 8999):
+        c = link_chunk_bytes(mtu)
+        assert c % 64 == 0 and c + 40 + 8 + wire.HEADER_LEN <= mtu < c + 64 + 40 + 8 + wire.HEADER_LEN or c == 8000
+        Config(chunk_bytes=c).check()
+    with pytest.raises(ValueError, match="mtu 143"):
+        link_chunk_bytes(143)
+
+
+def test_chunk_bytes_none_is_for_the_torch_rendezvous_only():
+    with pytest.raises(ValueError, match="chunk_bytes None.*from_process_group"):
+        Config(chunk_bytes=None).check()
+    t = UdpTransport(port=0)
+    try:
+        with pytest.raises(ValueError, match="chunk_bytes None"):
+            Collective(t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], Config(chunk_bytes=None))
+    finally:
+        t.close()
