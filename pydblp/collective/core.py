@@ -66,6 +66,11 @@ Failure semantics:
   for ``peer_timeout`` seconds, :meth:`allreduce` raises
   :class:`CollectiveError` naming the rank.  The collective stays usable
   for a later round only if the peer comes back; tear it down otherwise.
+* A peer whose data for the round does not fit this rank's (another
+  ``chunk_bytes``, tensor size or tensor order: a configuration or caller
+  error) keeps probing but can never complete it: once nothing it sent has fit
+  for ``peer_timeout`` seconds, :meth:`allreduce` raises
+  :class:`CollectiveError` naming the rank and what differs.
 * Packets of other jobs, duplicates and late packets of finished rounds are
   ignored and counted (``counters``); packets of the next round are kept
   until it starts.  Malformed packets never reach here (the transport
@@ -545,6 +550,7 @@ class Collective:
         st.repair = False  # a NACK went out or a BITMAP came in this round
         st.ag_rest = None  # when the all-gather's held-back half may go (None: nothing held)
         st.heard = np.full(self.world, st.t0)
+        st.misfit = {}  # src -> (when, what): its first DATA of this round that does not fit this rank's
         st.stats0 = self.t.stats()
         stash, self._stash = self._stash, []
         for hdr, pay, lens in stash:
@@ -869,6 +875,11 @@ class Collective:
                     data.append(i)
                 else:
                     bad += 1
+                    if src not in st.misfit:
+                        kind = "" if f[F_DTYPE] == F32 else f" of dtype {f[F_DTYPE]}"
+                        st.misfit[src] = (now, f"tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
+                                               f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is at "
+                                               f"tensor {st.tensor} with {width}-byte float32 chunks")
             elif rnd == prev:
                 st.heard[src] = now
                 if kind == DATA:
@@ -936,7 +947,7 @@ class Collective:
                 per = np.bincount(src, minlength=W)
             ok = h["nchunks"] == st.ag_n[src]  # (-1 for a rank that owns no shard for me)
             if not ok.all():
-                h, prow, src, chunk, per = self._drop_bad(h, prow, src, chunk, ok)
+                h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, st.ag_n[src], now)
             row = st.ag_first[src] + chunk
             st.y[row] = self._chunks(pay, prow)
             st.have[row] = True
@@ -961,7 +972,7 @@ class Collective:
         n = st.rmask.shape[1]
         ok = h["nchunks"] == n
         if not ok.all():
-            h, prow, src, chunk, per = self._drop_bad(h, prow, src, chunk, ok)
+            h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, n, now)
         row = src * n + chunk
         st.rflat[row] = self._chunks(pay, prow)
         st.rmflat[row] = True
@@ -979,9 +990,16 @@ class Collective:
         """Payloads ``pay[prow]`` (None: the first rows) as float32 chunks: a view, or one gather."""
         return (pay[:, : self.C * 4] if prow is None else pay[prow, : self.C * 4]).view(np.float32)
 
-    def _drop_bad(self, h, prow, src, chunk, ok):
-        """Keep the packets ``ok`` marks (the rest carry another chunk count: counted in ``bad_payload``)."""
-        self.counters["bad_payload"] += int(np.count_nonzero(~ok))
+    def _drop_bad(self, st: _Round, h, prow, src, chunk, ok, want, now: float):
+        """Keep the packets ``ok`` marks (the rest carry another chunk count than ``want``, this
+        rank's for their message: counted in ``bad_payload``, their senders noted as misfits)."""
+        bad = (~ok).nonzero()[0]
+        self.counters["bad_payload"] += len(bad)
+        i = int(bad[0])  # (one sender noted a call: the others keep sending, and are noted later)
+        if int(src[i]) not in st.misfit:
+            w = want[i] if np.ndim(want) else want
+            st.misfit[int(src[i])] = (now, f"messages of {int(h['nchunks'][i])} chunks where this rank's have "
+                                           f"{int(w)} (another tensor size)")
         prow = (np.arange(len(h)) if prow is None else prow)[ok]
         src = src[ok]
         return h[ok], prow, src, chunk[ok], np.bincount(src, minlength=self.world)
@@ -1140,6 +1158,13 @@ class Collective:
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
                     f"{st.index} (tensor {st.tensor}): peer dead or unreachable")
+        for q, (since, what) in st.misfit.items():
+            # alive (it probes) but nothing it sent fits: the round can never complete
+            if now - since > self.cfg.peer_timeout and not any(i.count for (_, s), i in st.ins.items() if s == q):
+                raise CollectiveError(
+                    f"rank {self.rank}: rank {q}'s data in round {st.index} does not fit for "
+                    f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
+                    f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
 
     # ---- round end -------------------------------------------------------
     def _finish(self, st: _Round) -> None:

@@ -128,6 +128,35 @@ def test_dead_peer_fails_round_within_timeout(ranks):
     assert elapsed < 3.0
 
 
+@pytest.mark.parametrize("case", ["size", "tensor", "chunk_bytes"])
+def test_a_peer_whose_data_does_not_fit_fails_the_round_within_timeout(ranks, case):
+    """Ranks that disagree (another tensor size or tensor id, another ``chunk_bytes``) are alive
+    and keep probing, so no peer goes silent: each must still fail the round with a clear error
+    after ``peer_timeout`` (before, they probed and retransmitted forever)."""
+    if case == "chunk_bytes":
+        ts = [UdpTransport(port=0) for _ in range(2)]
+        peers = [("127.0.0.1", t.port) for t in ts]
+        rk = ranks(0)
+        rk.world, rk.ts = 2, ts
+        rk.cols = [Collective(ts[r], r, 2, peers, Config(peer_timeout=0.5, chunk_bytes=(1408, 1024)[r]))
+                   for r in range(2)]
+    else:
+        rk = ranks(2, peer_timeout=0.5)
+    n = {"size": (30_000, 40_000)}.get(case, (30_000, 30_000))
+    tensor = (0, 1) if case == "tensor" else (0, 0)
+    t0 = time.monotonic()
+    _, errs = rk.run(lambda r, c: c.allreduce(np.ones(n[r], np.float32), tensor=tensor[r]), timeout=10)
+    elapsed = time.monotonic() - t0
+    assert set(errs) == {0, 1}, errs
+    for r, e in errs.items():
+        says = {"size": "another tensor size", "tensor": f"tensor {1 - r}, ",
+                "chunk_bytes": f"{(1408, 1024)[1 - r]}-byte chunks where"}[case]
+        assert isinstance(e, CollectiveError), e
+        assert f"rank {1 - r}'s data in round 0 does not fit" in str(e) and says in str(e), e
+    assert elapsed < 3.0
+    assert all(c.counters["bad_payload"] > 0 for c in rk.cols)
+
+
 @pytest.mark.parametrize("fill", ["stale", "local"])
 def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
     rk = ranks(3, deadline=0.4, peer_timeout=30, fill=fill, estimator="unbiased")
