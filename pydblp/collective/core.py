@@ -551,6 +551,7 @@ class Collective:
         st.ag_rest = None  # when the all-gather's held-back half may go (None: nothing held)
         st.heard = np.full(self.world, st.t0)
         st.misfit = {}  # src -> (when, what): its first DATA of this round that does not fit this rank's
+        st.foreign0 = self.counters["foreign"]
         st.stats0 = self.t.stats()
         stash, self._stash = self._stash, []
         for hdr, pay, lens in stash:
@@ -1155,9 +1156,12 @@ class Collective:
             # name the peer silent longest: one that stalled because of it went quiet later
             r = min(needed, key=lambda q: (st.heard[q], q))
             if now - st.heard[r] > self.cfg.peer_timeout:
+                foreign = self.counters["foreign"] - st.foreign0
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
-                    f"{st.index} (tensor {st.tensor}): peer dead or unreachable")
+                    f"{st.index} (tensor {st.tensor}): peer dead or unreachable"
+                    + (f" ({foreign} packets of another job or for another rank came meanwhile: every rank "
+                       f"must use the same Config.job, world and peer list)" if foreign else ""))
         for q, (since, what) in st.misfit.items():
             # alive (it probes) but nothing it sent fits: the round can never complete
             if now - since > self.cfg.peer_timeout and not any(i.count for (_, s), i in st.ins.items() if s == q):

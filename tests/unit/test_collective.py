@@ -125,7 +125,26 @@ def test_dead_peer_fails_round_within_timeout(ranks):
     assert set(errs) == {0, 1}
     for e in errs.values():
         assert isinstance(e, CollectiveError) and "rank 2" in str(e) and "dead or unreachable" in str(e)
+        assert "another job" not in str(e)
     assert elapsed < 3.0
+
+
+def _pair(ranks, *cfgs):
+    """Two ranks on loopback with a Config each."""
+    rk = ranks(0)
+    rk.world, rk.ts = 2, [UdpTransport(port=0) for _ in range(2)]
+    peers = [("127.0.0.1", t.port) for t in rk.ts]
+    rk.cols = [Collective(rk.ts[r], r, 2, peers, cfgs[r]) for r in range(2)]
+    return rk
+
+
+def test_ranks_of_other_jobs_fail_the_round_saying_so(ranks):
+    rk = _pair(ranks, Config(job=1, peer_timeout=0.5), Config(job=2, peer_timeout=0.5))
+    _, errs = rk.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), timeout=10)
+    assert set(errs) == {0, 1}
+    for r, e in errs.items():
+        assert isinstance(e, CollectiveError) and f"rank {1 - r} sent nothing" in str(e), e
+        assert "packets of another job or for another rank came meanwhile" in str(e), e
 
 
 @pytest.mark.parametrize("case", ["size", "tensor", "chunk_bytes"])
@@ -134,12 +153,7 @@ def test_a_peer_whose_data_does_not_fit_fails_the_round_within_timeout(ranks, ca
     and keep probing, so no peer goes silent: each must still fail the round with a clear error
     after ``peer_timeout`` (before, they probed and retransmitted forever)."""
     if case == "chunk_bytes":
-        ts = [UdpTransport(port=0) for _ in range(2)]
-        peers = [("127.0.0.1", t.port) for t in ts]
-        rk = ranks(0)
-        rk.world, rk.ts = 2, ts
-        rk.cols = [Collective(ts[r], r, 2, peers, Config(peer_timeout=0.5, chunk_bytes=(1408, 1024)[r]))
-                   for r in range(2)]
+        rk = _pair(ranks, Config(peer_timeout=0.5, chunk_bytes=1408), Config(peer_timeout=0.5, chunk_bytes=1024))
     else:
         rk = ranks(2, peer_timeout=0.5)
     n = {"size": (30_000, 40_000)}.get(case, (30_000, 30_000))
