@@ -65,6 +65,9 @@ def parse(argv=None):
     p.add_argument("--phase", default="dblp", help="dblp, dblp:P_LOW or static:TOL (default dblp)")
     p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
     p.add_argument("--job", type=int, default=1, help="job id, the same on every rank")
+    p.add_argument("--chunk-bytes", default="1408", metavar="B|link",
+                   help="gradient bytes per packet, the same on every rank, or 'link': the largest the NICs' "
+                        "MTU carries, agreed at start-up (8000 on jumbo frames; default 1408, for MTU 1500)")
     p.add_argument("--peer-timeout", type=float, default=30.0, help="seconds of silence that fail a round")
     p.add_argument("--broadcast-every", type=int, default=0, metavar="K",
                    help="re-broadcast parameters every K steps (0: never)")
@@ -109,12 +112,15 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = None
     try:
-        cfg = Config(job=a.job, phase=a.phase, estimator=a.estimator, peer_timeout=a.peer_timeout)
+        chunk = None if a.chunk_bytes == "link" else int(a.chunk_bytes)
+        cfg = Config(job=a.job, phase=a.phase, estimator=a.estimator, peer_timeout=a.peer_timeout,
+                     chunk_bytes=chunk)
         state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
                                                 addr=a.addr, config=cfg, rate=a.rate)
         col = state.collective
         log(f"world {world}, {a.transport} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
-            f"phase {a.phase}, estimator {a.estimator}, broadcast every {a.broadcast_every or 'never'}")
+            f"phase {a.phase}, estimator {a.estimator}, {col.cfg.chunk_bytes}-byte chunks, "
+            f"broadcast every {a.broadcast_every or 'never'}")
 
         model = models.DigitsCNN()
         ddp = DDP(model)
