@@ -84,12 +84,12 @@ class Pydblp:
         port = peers[a.rank][1]
         if a.transport in ("xsk", "xsk-ktx"):
             from pydblp.host import HostProgram
-            from pydblp.transport.xsk import XskTransport
+            from pydblp.transport.xsk import XskTransport, frame_size_for
 
             self.host = HostProgram(a.iface)
             self.host.register_job(a.job, a.world, a.rank, "xsk")
-            big = (a.chunk_bytes or 0) + 128 > 2048  # headers + payload past a 2 KiB frame
-            t = XskTransport(a.iface, port=port, host=self.host, frame_size=4096 if big else 2048, spin=a.spin,
+            t = XskTransport(a.iface, port=port, host=self.host, spin=a.spin,
+                             frame_size=frame_size_for(a.chunk_bytes or Config().chunk_bytes),
                              rate=a.rate, tx="kernel" if a.transport == "xsk-ktx" else "xsk")
         else:
             from pydblp.transport.udp import UdpTransport

@@ -37,7 +37,6 @@ from pydblp import net, wire
 from pydblp.collective import Collective, CollectiveError, Config, link_chunk_bytes
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
-XSK_FRAME_OVERHEAD = 128  # an AF_XDP frame holds a chunk plus Ethernet, IP, UDP and DBLP headers in 2 KiB up to ~1900
 
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError"]
 
@@ -105,7 +104,7 @@ class State:
                 t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)
             else:
                 from pydblp import host
-                from pydblp.transport.xsk import XskTransport
+                from pydblp.transport.xsk import XskTransport, frame_size_for
                 try:
                     maps = host.open_pinned(iface, netns)
                 except host.HostError:
@@ -116,7 +115,7 @@ class State:
                 t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
                                  rate=rate if transport == "xsk" else 0,
                                  tx="xsk" if transport == "xsk" else "kernel",
-                                 frame_size=4096 if widest + XSK_FRAME_OVERHEAD > 2048 else 2048)
+                                 frame_size=frame_size_for(widest))
             me["port"] = t.port
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]

@@ -95,6 +95,15 @@ XDP_PGOFF_TX_RING = 0x80000000
 XDP_UMEM_PGOFF_FILL_RING = 0x100000000
 XDP_UMEM_PGOFF_COMPLETION_RING = 0x180000000
 SIOCGIFHWADDR = 0x8927
+XDP_PACKET_HEADROOM = 256  # copy-mode receive writes a frame this far into its UMEM frame
+FRAME_HEADERS = 14 + 40 + 8 + wire.HEADER_LEN  # Ethernet, IPv6 (the longer IP header), UDP, DBLP
+
+def frame_size_for(payload: int) -> int:
+    """The UMEM frame size (2048 or 4096) whose receive frames hold a DBLP datagram of ``payload``
+    bytes whole: 2048 up to 1698 bytes (1408, the collective's default chunk, fits), else 4096
+    (past ~3800 bytes a datagram spans several frames, with ``XDP_USE_SG``)."""
+    return 2048 if FRAME_HEADERS + payload + XDP_PACKET_HEADROOM <= 2048 else 4096
+
 
 DESC_DTYPE = np.dtype([("addr", "<u8"), ("len", "<u4"), ("options", "<u4")])
 STAT_FIELDS = ("rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full",

@@ -142,3 +142,29 @@ def test_jumbo_mixed_families_and_short_receives(jpair):
         assert (chk.seen == 1).all()
         s = tb.stats()
         assert s["rx_invalid"] == s["rx_dropped"] == 0 and s["rx_packets"] == total, s
+
+
+@pytest.mark.parametrize("frame", [2048, 4096])
+def test_frame_size_for_gives_frames_that_hold_the_datagram_whole(jpair, frame):
+    """``frame_size_for`` is tight: the largest DBLP payload it puts in 2 KiB (4 KiB) frames
+    arrives over IPv6 (the longer header) in one receive frame of a socket without multi-buffer,
+    one byte more is dropped by the kernel.  (It sizes pydblp.torch's frames for a chunk size.)"""
+    from pydblp.transport.xsk import FRAME_HEADERS, XDP_PACKET_HEADROOM, frame_size_for
+
+    most = frame - XDP_PACKET_HEADROOM - FRAME_HEADERS  # 1698 / 3746 bytes
+    assert frame_size_for(most) == frame and frame_size_for(1408) == 2048
+    assert frame_size_for(most + 1) == 4096  # (past a 4 KiB frame too: it spans several, XDP_USE_SG)
+    into = Batch.empty(64, most + 1)
+    with xsk(jpair, 0) as ta, xsk(jpair, 1, sg=False, frame_size=frame) as tb:
+        peer = ta.add_peer(ADDR[6][1])
+        for size, arrives in ((most, True), (most + 1, False)):
+            b = packets(0, 20, 0, 1, JOB, peer, maxlen=size)
+            b.lengths[:] = b.headers["len"] = size
+            d0 = tb.stats()["rx_dropped"]
+            assert ta.send(b, timeout=5) == 20
+            got, deadline = 0, time.monotonic() + (3 if arrives else 0.5)
+            while got < 20 and time.monotonic() < deadline:
+                r = tb.recv(into, timeout=0.1)
+                assert (r.lengths[: len(r)] == size).all()
+                got += len(r)
+            assert (got, tb.stats()["rx_dropped"] - d0) == ((20, 0) if arrives else (0, 20)), (size, tb.stats())
