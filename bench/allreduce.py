@@ -388,7 +388,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pace", action="store_true",
                     help="AF_XDP transmit unpaced (it bypasses the worker NIC's TBF; default: paced at its rate)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
-                    help="pydblp payload per packet (default: Config's 1408; up to MTU - 88)")
+                    help="pydblp payload per packet (default: Config's 1408; at most "
+                         "pydblp.collective.link_chunk_bytes(MTU): 8000 at MTU 9000)")
     ap.add_argument("--send-burst", type=int, default=None,
                     help="pydblp Config.burst: data packets sent per loop turn (default: Config's)")
     ap.add_argument("--block-timeout", type=float, default=None, help="seconds per block (default: by size)")

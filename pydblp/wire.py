@@ -24,6 +24,7 @@ import numpy as np
 MAGIC = 0xDB1B
 VERSION = 1
 HEADER_LEN = 32
+DATAGRAM_OVERHEAD = 40 + 8 + HEADER_LEN  # IPv6 (the longer IP header), UDP and DBLP headers on a payload
 TAG_LEN = 16
 DEFAULT_PORT = 47800
 MAX_NCHUNKS = 1 << 24

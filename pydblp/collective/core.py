@@ -155,7 +155,6 @@ class _Alarm:
             self.fd = -1
 
 
-LINK_OVERHEAD = 40 + 8 + wire.HEADER_LEN  # IPv6 (the longer IP header), UDP and DBLP headers per datagram
 CHUNK_MAX = 8000  # Config.check's bound
 
 
@@ -164,9 +163,10 @@ def link_chunk_bytes(mtu: int) -> int:
     IPv6: ``mtu`` less the IPv6, UDP and DBLP headers, rounded down to a multiple of 64 bytes, at
     most 8000.  MTU 1500 gives the default 1408; MTU 9000 gives 8000.  Raises ValueError below 144.
     """
-    if mtu < 64 + LINK_OVERHEAD:
-        raise ValueError(f"mtu {mtu}: a DBLP chunk of 64 bytes needs an MTU of at least {64 + LINK_OVERHEAD}")
-    return min(CHUNK_MAX, (mtu - LINK_OVERHEAD) // 64 * 64)
+    least = 64 + wire.DATAGRAM_OVERHEAD
+    if mtu < least:
+        raise ValueError(f"mtu {mtu}: a DBLP chunk of 64 bytes needs an MTU of at least {least}")
+    return min(CHUNK_MAX, (mtu - wire.DATAGRAM_OVERHEAD) // 64 * 64)
 
 
 class CollectiveError(RuntimeError):

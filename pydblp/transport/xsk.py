@@ -96,7 +96,7 @@ XDP_UMEM_PGOFF_FILL_RING = 0x100000000
 XDP_UMEM_PGOFF_COMPLETION_RING = 0x180000000
 SIOCGIFHWADDR = 0x8927
 XDP_PACKET_HEADROOM = 256  # copy-mode receive writes a frame this far into its UMEM frame
-FRAME_HEADERS = 14 + 40 + 8 + wire.HEADER_LEN  # Ethernet, IPv6 (the longer IP header), UDP, DBLP
+FRAME_HEADERS = 14 + wire.DATAGRAM_OVERHEAD  # Ethernet, then IPv6 (the longer IP header), UDP, DBLP
 
 def frame_size_for(payload: int) -> int:
     """The UMEM frame size (2048 or 4096) whose receive frames hold a DBLP datagram of ``payload``

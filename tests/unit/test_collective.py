@@ -835,7 +835,7 @@ def test_link_chunk_bytes_fits_the_mtu_over_ipv6():
     assert link_chunk_bytes(1280) == 1152  # IPv6's minimum MTU
     for mtu in (144, 576, 1500, 3000, 4000, 8999):
         c = link_chunk_bytes(mtu)
-        assert c % 64 == 0 and c + 40 + 8 + wire.HEADER_LEN <= mtu < c + 64 + 40 + 8 + wire.HEADER_LEN or c == 8000
+        assert c % 64 == 0 and c + wire.DATAGRAM_OVERHEAD <= mtu < c + 64 + wire.DATAGRAM_OVERHEAD or c == 8000
         Config(chunk_bytes=c).check()
     with pytest.raises(ValueError, match="mtu 143"):
         link_chunk_bytes(143)
