@@ -361,7 +361,7 @@ def burst_ceiling(run: dict, tr: str, key: str, world: int, tol: float, ratio: f
     got): the highest 'Gloo / x' burst ratio reachable in this repeat (None: not measured)."""
     s = run.get(tr, {}).get(key, {}).get("burst") or {}
     g = run.get("gloo", {}).get(key, {}).get("burst") or {}
-    if not s.get("burst_len") or "burst_med" not in g:
+    if not s.get("burst_len") or "burst_med" not in g or not rate_bps:  # (no rate limit: no bound)
         return None
     return g["burst_med"] / burst_round_least(float(key), world, tol, ratio, s["burst_len"], rate_bps)
 
@@ -559,8 +559,8 @@ def main(argv=None) -> int:
 
     # ---- table -------------------------------------------------------------
     print(f"\nround latency, ms (last rank in -> last rank out); {args.workers} workers, "
-          f"{rate_bps / 1e9:g} Gbit/s TBF per NIC; "
-          f"loss {args.loss:.0%}; bursts {args.burst_ratio:.0%} lasting "
+          + (f"{rate_bps / 1e9:g} Gbit/s TBF per NIC; " if rate_bps else "no rate limit; ")
+          + f"loss {args.loss:.0%}; bursts {args.burst_ratio:.0%} lasting "
           + {"gloo": "Gloo's clean p50 (the same for every transport)",
              "own": "each transport's own clean p50"}.get(args.burst_len, f"{args.burst_len} ms"))
     hdr = (f"{'transport':<9} {'MiB':>4} {'cond':<6} {'p50':>8} {'p99':>8} {'burst med':>9} "

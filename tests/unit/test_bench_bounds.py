@@ -47,3 +47,9 @@ def test_ceiling_is_gloos_burst_median_over_the_bound():
     assert bench.burst_ceiling(run, "udp", "1", 4, 0.05, 0.8, GBIT) is None  # no such block
     del run["gloo"]
     assert bench.burst_ceiling(run, "udp", "8", 4, 0.05, 0.8, GBIT) is None
+
+
+def test_no_rate_limit_no_ceiling():
+    run = {"gloo": {"8": {"burst": {"burst_med": 0.330, "burst_len": 0.111}}},
+           "udp": {"8": {"burst": {"burst_med": 0.250, "burst_len": 0.111}}}}
+    assert bench.burst_ceiling(run, "udp", "8", 4, 0.05, 0.8, 0) is None
