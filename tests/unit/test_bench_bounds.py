@@ -14,6 +14,12 @@ GBIT = 10**9
 LINK_1MIB_4W = 1.5 * 2**20 * 8 / GBIT  # a rank's 2 (W-1)/W x 1 MiB through 1 Gbit/s, seconds
 
 
+def _run() -> dict:
+    """One repeat's 8 MiB burst blocks, as allreduce.py records them (seconds)."""
+    return {"gloo": {"8": {"burst": {"burst_med": 0.330, "burst_len": 0.111}}},
+            "udp": {"8": {"burst": {"burst_med": 0.250, "burst_len": 0.111}}}}
+
+
 def test_without_a_burst_it_is_the_link_time_of_the_data():
     assert bench.burst_round_least(1, 4, 0.0, 0.8, 0.0, GBIT) == pytest.approx(LINK_1MIB_4W)
     assert bench.burst_round_least(1, 4, 0.05, 0.8, 0.0, GBIT) == pytest.approx(0.95 * LINK_1MIB_4W)
@@ -40,8 +46,7 @@ def test_the_two_cases_meet_and_the_bound_grows_with_the_burst():
 
 
 def test_ceiling_is_gloos_burst_median_over_the_bound():
-    run = {"gloo": {"8": {"burst": {"burst_med": 0.330, "burst_len": 0.111}}},
-           "udp": {"8": {"burst": {"burst_med": 0.250, "burst_len": 0.111}}}}
+    run = _run()
     least = bench.burst_round_least(8, 4, 0.05, 0.8, 0.111, GBIT)
     assert bench.burst_ceiling(run, "udp", "8", 4, 0.05, 0.8, GBIT) == pytest.approx(0.330 / least)
     assert bench.burst_ceiling(run, "udp", "1", 4, 0.05, 0.8, GBIT) is None  # no such block
@@ -50,6 +55,5 @@ def test_ceiling_is_gloos_burst_median_over_the_bound():
 
 
 def test_no_rate_limit_no_ceiling():
-    run = {"gloo": {"8": {"burst": {"burst_med": 0.330, "burst_len": 0.111}}},
-           "udp": {"8": {"burst": {"burst_med": 0.250, "burst_len": 0.111}}}}
+    run = _run()
     assert bench.burst_ceiling(run, "udp", "8", 4, 0.05, 0.8, 0) is None
