@@ -37,6 +37,21 @@ reduce-scatter message to it (the owner has reduced, so it needs nothing
 more).  Loss within the bound is tolerated, loss above it is always
 repaired.  Control packets travel at prio 0 over the same transport.
 
+A round returns once this rank's result is in (every all-gather message to it
+reached its bound), its reduce-scatter messages are done, and its own all-gather
+has gone out whole, without waiting for that all-gather's STOPs (as a TCP send
+returns before its data is acknowledged; the wait was the STOP's trip back
+often behind the receiver's own queued data: 1.2 ms of a 20 ms 1 MiB round
+in the testbed, bench/README.md).  An
+all-gather message not acknowledged yet *trails*, on a copy of its rows (the
+caller owns the result): this rank keeps answering its BITMAPs, probing it at
+the probe timeout and taking its STOP, in the next round's loop or, between
+rounds, in the idle responder.  A trailing message ends with its STOP (or a
+BITMAP showing its bound reached), or is dropped once its receiver has been
+silent for ``peer_timeout`` (counted in ``trail_dropped``: a live receiver
+answers every probe).  A probe for a round this rank finished before the last
+one gets a STOP (it is done; the record of it is gone).
+
 The probe timeout is agreed across ranks (OptiReduce-style): each rank
 estimates it from the STOP delays it measures (3 x delay + 1 ms, smoothed,
 within ``probe_min``..``probe_max``), every STOP carries the sender's
@@ -66,13 +81,17 @@ Failure semantics:
   for ``peer_timeout`` seconds, :meth:`allreduce` raises
   :class:`CollectiveError` naming the rank.  The collective stays usable
   for a later round only if the peer comes back; tear it down otherwise.
+  One that dies after this rank's round returned leaves a trailing
+  all-gather message unacknowledged: it is dropped after ``peer_timeout``
+  (``trail_dropped``), never raised; the next round raises as above.
 * A peer whose data for the round does not fit this rank's (another
   ``chunk_bytes``, tensor size or tensor order: a configuration or caller
   error) keeps probing but can never complete it: once nothing it sent has fit
   for ``peer_timeout`` seconds, :meth:`allreduce` raises
   :class:`CollectiveError` naming the rank and what differs.
 * Packets of other jobs, duplicates and late packets of finished rounds are
-  ignored and counted (``counters``); packets of the next round are kept
+  ignored and counted (``counters``; so are the retransmissions and probes of
+  trailing messages, which no round's record holds); packets of the next round are kept
   until it starts.  Malformed packets never reach here (the transport
   validates them).
 
@@ -84,6 +103,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import select
 import threading
@@ -94,7 +114,8 @@ import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
-from pydblp.wire import F_CHUNK, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR, F_TOL
+from pydblp.wire import (F_CHUNK, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR,
+                         F_TOL)
 from pydblp.transport.base import Batch, Transport
 
 # plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
@@ -231,8 +252,8 @@ class RoundRecord:
     latency: float
     delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
     min_delivered: float = 1.0
-    retransmits: int = 0
-    probes: int = 0
+    retransmits: int = 0    # chunks of this round's messages resent while it ran (a trailing
+    probes: int = 0         # message's, after it returned: counters["trail_retransmits"], ["trail_probes"])
     nacks: int = 0          # unsolicited BITMAPs this rank sent as a receiver
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -240,10 +261,11 @@ class RoundRecord:
 
 
 class _Out:
-    """One outgoing message: rows of a shard to one peer."""
+    """One outgoing message: rows of a shard to one peer, in round ``rnd`` of tensor ``tensor``."""
 
-    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int):
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int):
         self.ag, self.dst, self.rows, self.prio, self.tol8 = ag, dst, rows, prio, tol8
+        self.rnd, self.tensor = rnd, tensor
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
         self.sent = 0
@@ -256,6 +278,7 @@ class _Out:
         self.nseq = self.n                   # the next retransmission's number (both made by the first BITMAP)
         self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
+        self.trailing = False                # the round has returned; this waits for its STOP (Collective._trail)
         self.t_sent_all = None
         self.t_last = 0.0
         self.probes = 0        # all probes sent
@@ -330,9 +353,11 @@ class Collective:
     rank's own entry is ignored).  Not thread-safe: one caller at a time.
 
     Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
-    late probes and keeps the next round's packets; it sleeps while nothing
-    arrives and is never woken by rounds that follow each other within
-    ``IDLE_GRACE`` (2 ms).  :meth:`close` ends it.
+    late probes, serves the last rounds' trailing all-gather messages
+    (retransmissions asked for, probes) and keeps the next round's packets; it
+    sleeps while nothing arrives and no probe is due, and is never woken by
+    rounds that follow each other within ``IDLE_GRACE`` (2 ms).  :meth:`close`
+    ends it.
     """
 
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
@@ -363,10 +388,11 @@ class Collective:
         self.index = 0
         self.records: list[RoundRecord] = []
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
-                                       "tx_short"), 0)
+                                       "tx_short", "trail_retransmits", "trail_probes", "trail_dropped"), 0)
         self._last: dict[int, np.ndarray] = {}   # tensor id -> previous result rows (stale fill)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): _In}) answers late probes
+        self._trail: dict[tuple, _Out] = {}        # (round, ag, dst) -> all-gather message not yet acknowledged
         self._stash: list[tuple] = []             # packets of the next round
         self._probe_timeout = 0.005
         self._tx_wait = None                      # s to wait for the transport's queue to drain
@@ -415,8 +441,9 @@ class Collective:
     def close(self) -> None:
         """Stop answering peers and close the transport.
 
-        Peers still probing for the last round's STOPs then time out: close
-        only after every rank has finished (``pydblp.torch.State.close``
+        Peers still probing for the last round's STOPs, or waiting for a
+        retransmission of this rank's trailing all-gather, then time out:
+        close only after every rank has finished (``pydblp.torch.State.close``
         barriers first).
         """
         if not self._closing:
@@ -472,7 +499,10 @@ class Collective:
             try:
                 while not self._closing and not self._running:
                     backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
-                    ready = poller.poll(None if backlog <= 0 else max(1, int(backlog * 1000)))
+                    due = self._trail_due(time.monotonic())  # a trailing message's probe or retransmissions
+                    waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
+                             + ([math.ceil(due * 1000)] if due is not None else []))
+                    ready = poller.poll(min(waits) if waits else None)
                     if any(f == wake for f, _ in ready):
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(wake)
@@ -483,6 +513,8 @@ class Collective:
                         if not self._running:
                             while self._take(None, 0.0) >= RECV_BATCH:
                                 pass
+                            if self._trail:
+                                self._serve_trail(time.monotonic())
                             self._flush_ctrl()
                     finally:
                         self._poll_lock.release()
@@ -539,7 +571,7 @@ class Collective:
             if not reduce:
                 continue
             rows = st.x[a:b]
-            st.outs[(False, k)] = _Out(False, k, rows, self._prio(rows, a, T), st.tol8)
+            st.outs[(False, k)] = _Out(False, k, rows, self._prio(rows, a, T), st.tol8, st.round, tensor)
         for key, inn in list(st.ins.items()):
             if inn.n == 0:
                 del st.ins[key]
@@ -643,8 +675,13 @@ class Collective:
         return due if due >= LINGER_MIN else 1
 
     def _complete(self, st: _Round) -> bool:
-        return (st.reduced and all(o.done for o in st.outs.values())
-                and all(i.done for i in st.ins.values() if i.ag))
+        """This rank's result is in (every all-gather message to it reached its bound), its reduce-scatter
+        messages are done, its own all-gather has gone out whole, no retransmission it was asked for
+        waits, and the transport holds no paced backlog: the round may return.  All-gather messages
+        not yet acknowledged then trail (see ``_finish``)."""
+        return (st.reduced and all(i.done for i in st.ins.values() if i.ag)
+                and all(o.done or (o.ag and o.sent == o.n and not o.nretx) for o in st.outs.values())
+                and self.t.tx_backlog() <= 0)
 
     def _reduce(self, st: _Round) -> None:
         """Owner: estimate the shard's mean and start the all-gather."""
@@ -662,7 +699,7 @@ class Collective:
         split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
         for dst in range(self.world):
             if dst != self.rank and b > a:
-                o = st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8)
+                o = st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8, st.round, st.tensor)
                 if split:
                     o.avail = o.n // 2
         if split:
@@ -684,6 +721,8 @@ class Collective:
             for o in st.outs.values():
                 o.avail = o.n
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.avail or o.nretx)]
+        if self._trail:  # retransmissions an earlier round's trailing all-gather was asked for
+            active += [o for o in self._trail.values() if not o.done and o.nretx]
         if not active:
             if st.ag_rest is not None:
                 self._tx_wait = max(0.0005, st.ag_rest - now)
@@ -697,13 +736,7 @@ class Collective:
         for o in active:
             budget = share
             if o.nretx:
-                idx = np.flatnonzero(o.retx)[:budget]
-                o.retx[idx] = False
-                o.nretx -= len(idx)
-                o.seq[idx] = np.arange(o.nseq, o.nseq + len(idx))
-                o.nseq += len(idx)
-                o.t_rtx[idx] = now
-                o.retransmits += len(idx)
+                idx = self._resend(o, budget, now)
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
             if o.sent < o.avail and budget > 0:
@@ -718,6 +751,19 @@ class Collective:
         if not more and st.ag_rest is not None:
             self._tx_wait = max(0.0005, st.ag_rest - now)
         return more
+
+    def _resend(self, o: _Out, budget: int, now: float) -> np.ndarray:
+        """Take up to ``budget`` of ``o``'s chunks queued for retransmission off its queue; their indices."""
+        idx = np.flatnonzero(o.retx)[:budget]
+        o.retx[idx] = False
+        o.nretx -= len(idx)
+        o.seq[idx] = np.arange(o.nseq, o.nseq + len(idx))
+        o.nseq += len(idx)
+        o.t_rtx[idx] = now
+        o.retransmits += len(idx)
+        if o.trailing:
+            self.counters["trail_retransmits"] += len(idx)
+        return idx
 
     def _send_batch(self, st: _Round | None, parts: list) -> None:
         """One batch: the control packets waiting, then DATA ``parts`` ((message, chunk indices, flags)).
@@ -748,11 +794,12 @@ class Collective:
             lens[i] = len(pl)
             peer[i] = self._pid[dst]
         if parts:
+            rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
             d = h[nc:]
             d["kind"] = DATA
             d["job"] = self.cfg.job
-            d["round"] = st.round
-            d["tensor"] = st.tensor
+            d["round"] = rnd
+            d["tensor"] = tensor
             d["src"] = self.rank
             d["dtype"] = F32
             d["len"] = width
@@ -765,6 +812,8 @@ class Collective:
                 h["nchunks"][i:j] = o.n
                 h["tol"][i:j] = o.tol8
                 h["flags"][i:j] = flags | (AG if o.ag else 0)
+                if o.rnd != rnd:  # a trailing message of an earlier round
+                    h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
                 lo = int(idx[0])
                 rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
                 payload[i:j] = rows.view(np.uint8)
@@ -862,10 +911,10 @@ class Collective:
                 keep.append(i)
                 if st is not None:
                     st.heard[src] = now  # a peer already in the next round is alive
-            elif st is None:
-                if rnd == base and kind == PROBE:
+            elif st is None:  # (base: the finished round)
+                if kind != DATA:  # a probe for it, a STOP or BITMAP for a trailing message
                     ctrl.append((f, i, False))
-                elif rnd == base and kind == DATA:
+                elif rnd == base:
                     late += 1
             elif rnd == base:
                 st.heard[src] = now
@@ -881,12 +930,13 @@ class Collective:
                         st.misfit[src] = (now, f"tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
                                                f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is at "
                                                f"tensor {st.tensor} with {width}-byte float32 chunks")
+            elif kind != DATA:  # of an earlier round: a late probe, a STOP or BITMAP for a trailing message
+                if rnd == prev:
+                    st.heard[src] = now
+                ctrl.append((f, i, False))
             elif rnd == prev:
                 st.heard[src] = now
-                if kind == DATA:
-                    late += 1
-                else:
-                    ctrl.append((f, i, False))
+                late += 1
         c = self.counters
         c["foreign"] += foreign
         c["late"] += late
@@ -1029,6 +1079,8 @@ class Collective:
             # (st is None between rounds: then current is False and _prev answers)
             inn = ins.get((ag, src)) if ins is not None else None
             if inn is None:
+                if not current and self._behind(st, rnd):  # a round finished before the last one: done
+                    self._ctrl_packet(rnd, tensor, STOP, ag, src, f[F_NCHUNKS], f[F_TOL])
                 return
             if inn.tol8 is None:
                 inn.tol8 = f[F_TOL]
@@ -1040,15 +1092,15 @@ class Collective:
             return
         if kind == STOP and len(payload) >= 2:
             self._timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
-        if not current:
-            return
-        o = st.outs.get((ag, src))
+        o = st.outs.get((ag, src)) if current else self._trail.get((rnd, ag, src))
         if o is None or o.done:
             return
         if kind == STOP:
             self._out_done(o, now)
         elif kind == BITMAP:
-            st.repair = True
+            if current:
+                st.repair = True
+            o.t_heard = now
             first = f[F_CHUNK]
             bits = np.unpackbits(payload, bitorder="little").astype(bool)
             bits = bits[: max(0, min(o.n, o.sent) - first)]  # never resend what has not gone out yet
@@ -1065,6 +1117,12 @@ class Collective:
                 o.nretx = int(np.count_nonzero(o.retx))
                 o.t_last = now
                 o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
+
+    def _behind(self, st: _Round | None, rnd: int) -> bool:
+        """Round ``rnd`` is one this rank has finished: before the one it runs (``st``), or between
+        rounds the last one or any before it (round numbers wrap at 2**32)."""
+        age = (self.round - rnd) & MASK32
+        return age < 1 << 31 and (age > 0 or st is None)
 
     def _bitmap(self, rnd: int, tensor: int, inn: _In) -> None:
         """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""
@@ -1130,23 +1188,35 @@ class Collective:
         mid = len(known) // 2
         return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
-    def _timers(self, st: _Round, now: float) -> None:
-        """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK)."""
-        self._nacks(st, now)
+    def _probe_wait(self, o: _Out, pt: float) -> float:
+        """Seconds after its last send or answer that ``o`` is probed (``pt``: the probe timeout):
+        backing off on repeated probes, but never past probe_max (a probe is one packet, a lost
+        probe or reply must not cost seconds)."""
+        return min(self.cfg.probe_max, pt * (2 ** min(o.timeouts, 4)))
+
+    def _probes(self, outs, now: float) -> None:
+        """PROBE each of ``outs`` that has sent everything, has no retransmission queued and has
+        heard nothing for its probe wait."""
         pt = None
-        for o in st.outs.values():
+        for o in outs:
             if o.done or o.sent < o.n or o.nretx:
                 continue
             if pt is None:
                 pt = self.probe_timeout
-            # back off on repeated probes, but never past probe_max: a probe is one packet,
-            # a lost probe or reply must not cost seconds
-            wait = min(self.cfg.probe_max, pt * (2 ** min(o.timeouts, 4)))
-            if now - o.t_last >= wait:
-                self._ctrl_packet(st.round, st.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
+            if now - o.t_last >= self._probe_wait(o, pt):
+                self._ctrl_packet(o.rnd, o.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
                 o.probes += 1
                 o.timeouts += 1
                 o.t_last = now
+                if o.trailing:
+                    self.counters["trail_probes"] += 1
+
+    def _timers(self, st: _Round, now: float) -> None:
+        """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK)."""
+        self._nacks(st, now)
+        self._probes(st.outs.values(), now)
+        if self._trail:
+            self._trail_timers(now)
         if now - st.t_alive < DEAD_TICK:
             return
         st.t_alive = now
@@ -1170,6 +1240,48 @@ class Collective:
                     f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
                     f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
 
+    # ---- trailing all-gather messages ------------------------------------
+    def _trail_timers(self, now: float) -> None:
+        """Forget trailing messages that are done, drop those whose receiver has been silent for
+        ``peer_timeout`` (dead: a live one answers every probe), probe those due."""
+        for key, o in list(self._trail.items()):
+            if o.done:
+                del self._trail[key]
+            elif now - o.t_heard > self.cfg.peer_timeout:
+                del self._trail[key]
+                self.counters["trail_dropped"] += 1
+        self._probes(self._trail.values(), now)
+
+    def _trail_due(self, now: float) -> float | None:
+        """Seconds until a trailing message needs this rank (a probe due; 0: retransmissions wait),
+        None if none does.  Read by the idle responder before it sleeps, without the lock: a
+        snapshot, at worst a wake-up early or late by one probe."""
+        due, pt = None, None
+        for o in list(self._trail.values()):
+            if o.done:
+                continue
+            if o.nretx:
+                return 0.0
+            if pt is None:
+                pt = self.probe_timeout
+            t = o.t_last + self._probe_wait(o, pt) - now
+            due = t if due is None else min(due, t)
+        return None if due is None else max(0.0, due)
+
+    def _serve_trail(self, now: float) -> None:
+        """Between rounds: send what trailing messages were asked to resend (``burst`` packets at
+        most; the rest on the next call), then their timers."""
+        parts, budget = [], self.cfg.burst
+        for o in self._trail.values():
+            if not o.done and o.nretx and budget > 0:
+                idx = self._resend(o, budget, now)
+                parts.append((o, idx, RETX))
+                budget -= len(idx)
+                o.t_last = now
+        if parts:
+            self._send_batch(None, parts)
+        self._trail_timers(now)
+
     # ---- round end -------------------------------------------------------
     def _finish(self, st: _Round) -> None:
         missing = ~st.have
@@ -1185,6 +1297,7 @@ class Collective:
                 last = self._last[st.tensor] = np.empty_like(st.y)
             np.copyto(last, st.y)
         self._prev = (st.round, st.ins)
+        self._trail_from(st)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
                           phase=st.phase, latency=time.monotonic() - st.t0)
@@ -1195,8 +1308,29 @@ class Collective:
         rec.retransmits = sum(o.retransmits for o in st.outs.values())
         rec.probes = sum(o.probes for o in st.outs.values())
         rec.nacks = st.nacks
-        rec.below_bound |= not all(o.done for o in st.outs.values())
+        rec.below_bound |= not all(o.done or (o.ag and o.sent == o.n) for o in st.outs.values())
         rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
         rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
         self.records.append(rec)
         self.index += 1
+
+    def _trail_from(self, st: _Round) -> None:
+        """Keep the round's all-gather messages that went out whole but are not acknowledged yet:
+        they trail, on a copy of their rows (the caller owns the result now), until their STOP."""
+        for key in [k for k, o in self._trail.items() if o.done]:
+            del self._trail[key]
+        pending = [o for o in st.outs.values() if o.ag and not o.done and o.sent == o.n]
+        if not pending:
+            return
+        rows = pending[0].rows  # (every all-gather message of a round carries the same rows: my shard)
+        keep = self._scratch("trail", st.tensor, rows.shape)
+        old = None
+        for o in self._trail.values():  # an earlier round's messages still on this buffer keep a copy of their own
+            if o.rows is keep:
+                old = keep.copy() if old is None else old
+                o.rows = old
+        np.copyto(keep, rows)
+        now = time.monotonic()
+        for o in pending:
+            o.rows, o.trailing, o.t_heard = keep, True, now
+            self._trail[(o.rnd, o.ag, o.dst)] = o

@@ -515,6 +515,106 @@ def test_a_lost_stop_costs_no_probe(ranks):
     assert max(rec.latency for c in rk.cols for rec in c.records) < 0.25
 
 
+def _drop_sent(t, drop):
+    """Make transport ``t`` lose, as the wire would, the packets of each batch it sends for which
+    ``drop(headers)`` (a bool per packet) is True."""
+    send = t.send
+
+    def lossy(batch, timeout=1.0):
+        n = len(batch)
+        h = batch.headers[:n]
+        keep = ~drop(h)
+        if keep.all():
+            return send(batch, timeout)
+        return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
+                          int(keep.sum())), timeout) + int(n - keep.sum())
+
+    t.send = lossy
+
+
+def _allgather_tail(rnd, dst, k):
+    """The first transmission of the last ``k`` chunks of an all-gather message of round ``rnd`` to ``dst``."""
+    def hit(h):
+        return ((h["kind"] == wire.Kind.DATA) & (h["round"] == rnd) & (h["dst"] == dst)
+                & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == wire.Flag.ALLGATHER)
+                & (h["chunk"].astype(np.int64) >= h["nchunks"].astype(np.int64) - k))
+    return hit
+
+
+@pytest.mark.parametrize("then", ["idle", "next round"])
+def test_a_round_returns_before_its_allgather_is_acknowledged_and_repairs_it_after(ranks, then):
+    """A rank returns once its result is in and its all-gather has gone out, without waiting for
+    the STOPs: an all-gather message not acknowledged yet trails.  Here the tail of rank 0's
+    all-gather to rank 1 is lost (tolerance 0: rank 1 needs it, and waits for rank 0's probe, as the
+    bound is within reach of chunks it has not seen).  Rank 0 has returned (and overwritten its
+    result, which it owns now); its idle responder, or its next round's loop, probes, gets the
+    BITMAP and resends the tail from its own copy: both ranks end exact."""
+    rk = ranks(2, phase="static:0")
+    xs = inputs(2, 40_000, rounds=2)
+    c0 = rk.cols[0]
+    _drop_sent(rk.ts[0], _allgather_tail(c0.round + 1, 1, 5))
+
+    def rank(r, c):
+        out = [c.allreduce(xs[0][r])]
+        got = out[0].copy()
+        out[0][:] = -1.0  # the caller owns its result: rank 0's trailing message must not read it
+        if then == "next round":
+            got = [got, c.allreduce(xs[1][r])]
+        return got
+
+    res, errs = rk.run(rank)
+    assert not errs
+    for r in range(2):
+        got = res[r] if then == "idle" else res[r][0]
+        np.testing.assert_allclose(got, (xs[0][0] + xs[0][1]) / 2, rtol=1e-6)
+        if then == "next round":
+            np.testing.assert_allclose(res[r][1], (xs[1][0] + xs[1][1]) / 2, rtol=1e-6)
+    assert c0.counters["trail_probes"] >= 1 and c0.counters["trail_retransmits"] >= 5
+    assert c0.records[0].retransmits == 0 and not c0.records[0].below_bound  # (its own round: nothing resent)
+    deadline = time.monotonic() + 2.0  # rank 1's STOP ends the trailing message
+    while any(not o.done for o in list(c0._trail.values())) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(o.done for o in list(c0._trail.values()))
+
+
+def test_a_trailing_message_to_a_dead_peer_is_dropped_after_peer_timeout(ranks):
+    """Rank 1 never acknowledges rank 0's all-gather (its STOPs are lost) and dies after its
+    round: rank 0 has returned, probes from its idle responder, hears nothing, and after
+    ``peer_timeout`` drops the message (counted in ``trail_dropped``) instead of probing forever."""
+    rk = ranks(2, peer_timeout=0.5)
+    xs = inputs(2, 20_000)
+    _drop_sent(rk.ts[1], lambda h: h["kind"] == wire.Kind.STOP)
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
+    assert not errs
+    np.testing.assert_allclose(res[0], (xs[0][0] + xs[0][1]) / 2, rtol=1e-6)
+    c0 = rk.cols[0]
+    assert len(c0._trail) == 1
+    rk.cols[1].close()
+    deadline = time.monotonic() + 5.0
+    while c0.counters["trail_dropped"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c0.counters["trail_dropped"] == 1 and c0.counters["trail_probes"] >= 1
+    assert not c0._trail
+
+
+def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
+    """A sender whose STOPs were all lost may probe for a round this rank finished two or more
+    rounds ago (its record of it is gone): such a round is done, so it gets a STOP; a probe for
+    a round not reached yet gets nothing."""
+    h = wire.empty_batch(1)[0]
+    h["kind"], h["job"], h["src"], h["dst"], h["nchunks"], h["tol"] = wire.Kind.PROBE, 1, 1, 0, 77, 12
+    for rnd, answered in ((rank0.st.round - 1, True), ((rank0.st.round - 5) & 0xFFFFFFFF, True),
+                          (rank0.st.round + 3, False)):
+        h["round"] = rnd & 0xFFFFFFFF
+        rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
+        got = rank0.sent()
+        assert [k for k, *_ in got] == ([wire.Kind.STOP] * 2 if answered else []), rnd
+    # the STOP carries the probe's chunk count and tolerance
+    h["round"] = rank0.st.round - 1
+    rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
+    assert {(q[2], q[5], q[6]) for q in rank0.col._ctrl} == {(wire.Kind.STOP, 77, 12)}
+
+
 def test_chunks_already_received_count_past_the_bound():
     """A message is done at its bound, but chunks already in the socket when the owner reduces
     still count: rank 1's chunks 60..99 (the bound was reached at 60 of 100, tol 0.5) are queued;
