@@ -159,7 +159,8 @@ class State:
 
         With ``barrier`` (default) first wait, over the Gloo control plane, until
         every rank is closing: until then this rank keeps answering probes for
-        the last round (its STOP may have been lost), so no peer is stranded.
+        the last round (its STOP may have been lost) and serving its trailing
+        all-gather (a peer may still need a retransmission), so no peer is stranded.
         A dead peer makes the barrier fail after ``Config.peer_timeout``; the
         state is closed anyway.
         """
