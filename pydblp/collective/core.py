@@ -1079,7 +1079,7 @@ class Collective:
             # (st is None between rounds: then current is False and _prev answers)
             inn = ins.get((ag, src)) if ins is not None else None
             if inn is None:
-                if not current and self._behind(st, rnd):  # a round finished before the last one: done
+                if not current and self._forgotten(st, rnd):  # finished before the last round: done
                     self._ctrl_packet(rnd, tensor, STOP, ag, src, f[F_NCHUNKS], f[F_TOL])
                 return
             if inn.tol8 is None:
@@ -1118,11 +1118,12 @@ class Collective:
                 o.t_last = now
                 o.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
 
-    def _behind(self, st: _Round | None, rnd: int) -> bool:
-        """Round ``rnd`` is one this rank has finished: before the one it runs (``st``), or between
-        rounds the last one or any before it (round numbers wrap at 2**32)."""
+    def _forgotten(self, st: _Round | None, rnd: int) -> bool:
+        """Round ``rnd`` is one this rank finished before the last one (whose record ``_prev``
+        keeps): two or more before the one it runs (``st``), or between rounds one or more before
+        the finished one.  Round numbers wrap at 2**32."""
         age = (self.round - rnd) & MASK32
-        return age < 1 << 31 and (age > 0 or st is None)
+        return (1 if st is None else 2) <= age < 1 << 31
 
     def _bitmap(self, rnd: int, tensor: int, inn: _In) -> None:
         """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""
