@@ -66,7 +66,12 @@ receives, and checks timeouts every ``TIMER_TICK`` (dead peers every
 round that repairs loss, a NACK or BITMAP having gone either way, an owner
 with a reduce-scatter message of its own not yet done hands over the second
 half of its all-gather ``AG_SPLIT`` after the first: a retransmission asked
-for meanwhile does not wait behind the whole message in the link's queue); while
+for meanwhile does not wait behind the whole message in the link's queue).  In
+such a round the kernel's send queue (:meth:`Transport.tx_queued`: a UDP
+socket's, qdisc included) gets no more data while it holds ``TXQ_REPAIR``
+(512 KiB, ~4 ms at 1 Gbit/s), so the repairs a burst makes necessary never
+wait behind tens of ms of data, retransmissions the burst ate included (only
+then: in a clean round it would cost loop turns and nothing waits).  While
 ``LINGER_MIN`` or more data packets are on their way (the rest of a stream
 that flows, a repair asked for), a receive waits up to ``LINGER`` for them (at
 most ``LINGER_WANT``): a stream at line rate arrives in slices, and each
@@ -137,6 +142,7 @@ STOP_COPIES = 2  # a STOP goes out this many times: a lost one costs its sender 
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
+TXQ_REPAIR = 512 << 10  # bytes in the kernel's send queue past which a round that repairs hands it no more
 LOSS_RTTS = 1.5  # round trips after which a retransmission still missing from a BITMAP counts as lost
 AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
 
@@ -713,7 +719,9 @@ class Collective:
         messages still sending, so no destination waits behind another.
         Nothing is sent while the transport holds more than ``TXQ_LIMIT`` of
         paced data (``Transport.tx_backlog``): a control packet queued next
-        then waits at most that long.  ``_tx_wait`` says how long to wait.
+        then waits at most that long; nor, in a round that repairs, while the
+        kernel's send queue holds more than ``TXQ_REPAIR`` (``Transport.tx_queued``).
+        ``_tx_wait`` says how long to wait.
         """
         self._tx_wait = None
         if st.ag_rest is not None and now >= st.ag_rest:  # the all-gather's second half may go
@@ -730,6 +738,9 @@ class Collective:
         backlog = self.t.tx_backlog()
         if backlog > TXQ_LIMIT:  # a pacing transport holds enough: STOPs and PROBEs must not queue behind more
             self._tx_wait = min(0.002, max(0.001, backlog - TXQ_LIMIT / 2))
+            return False
+        if st.repair and self.t.tx_queued() > TXQ_REPAIR:  # a retransmission asked for next must not wait long
+            self._tx_wait = 0.001
             return False
         share = max(1, self.cfg.burst // len(active))
         parts = []

@@ -213,6 +213,13 @@ class Transport(abc.ABC):
         """
         return 0.0
 
+    def tx_queued(self) -> int:
+        """Bytes ``send`` handed the kernel that have not left this host yet (the socket's send
+        queue, the device's qdisc included; 0 where the transport cannot tell): what a packet sent
+        now waits behind.  A caller that is repairing loss keeps it short (the collective's
+        ``TXQ_REPAIR``)."""
+        return 0
+
     @abc.abstractmethod
     def stats(self) -> dict:
         """Counters: rx_packets, rx_bytes, tx_packets, tx_bytes, rx_invalid,

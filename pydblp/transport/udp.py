@@ -35,7 +35,9 @@ narrower than 64 rows reads through an internal spill batch and gets the rest
 on the next calls.
 Counters of their own: ``tx_gso_packets`` (sent inside multi-datagram
 messages), ``tx_gso_off``, ``rx_gro_packets`` (received merged),
-``tx_blocked`` (waits for send-buffer room).
+``tx_blocked`` (waits for send-buffer room).  ``tx_queued()`` reads the
+socket's send queue (``TIOCOUTQ``: what has not left the host yet, the
+device's qdisc included), so a caller can keep it short.
 
 One dual-stack IPv6 socket (``IPV6_V6ONLY`` off) carries IPv4 and IPv6 peers
 (IPv4 as ``::ffff:a.b.c.d``); where IPv6 is disabled it falls back to an
@@ -51,13 +53,16 @@ a clean and a lossy block).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
+import fcntl
 import ipaddress
 import os
 import select
 import socket
 import sys
+import termios
 import time
 
 import numpy as np
@@ -172,6 +177,7 @@ class UdpTransport(Transport):
         self._frames = self._frames_mv = self._frames_h = None  # GRO receive: whole datagrams, one per row
         self._host_peer: dict[str, int] = {}  # a source address as recvmsg gives it -> peer id (-1: none)
         self._spill, self._spill_n, self._spill_at = None, 0, 0  # merged datagrams a narrow batch left
+        self._outq = array.array("i", [0])  # tx_queued's ioctl result
         self.gro = False
         self._tx_mmsg = np.zeros(cap, MMSG_DTYPE)
         self._tx_iov = np.zeros((cap, 2), IOV_DTYPE)
@@ -699,6 +705,14 @@ class UdpTransport(Transport):
 
     def fileno(self) -> int:
         return self._fd
+
+    def tx_queued(self) -> int:
+        """The socket's send queue (``TIOCOUTQ``: memory of the datagrams not yet out of the host,
+        qdisc included; a datagram counts a little over its size)."""
+        if self._fd < 0:
+            return 0
+        fcntl.ioctl(self._fd, termios.TIOCOUTQ, self._outq)
+        return self._outq[0]
 
     def close(self) -> None:
         if self._sock is not None:

@@ -763,6 +763,11 @@ class XskTransport(Transport):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
         return k
 
+    def tx_queued(self) -> int:
+        """With ``tx="kernel"``, its UDP socket's send queue; AF_XDP transmit: 0 (paced here, and
+        the copy-mode driver path holds no queue of its own)."""
+        return self._ktx.tx_queued() if self._ktx is not None else 0
+
     def tx_backlog(self) -> float:
         if not self._Bps or self._wprod == int(self._tx.prod[0]):
             return 0.0

@@ -69,3 +69,30 @@ def test_udp_open_close_20x_leaks_nothing(pair):
         t.close()
         assert t.closed
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("kind", ["udp", "xsk-kernel-tx"])
+def test_tx_queued_counts_what_waits_in_the_qdisc(pair, kind):
+    """``tx_queued`` is the socket's send queue: behind an 8 Mbit/s TBF, 300 datagrams (~220 KB,
+    over 0.2 s of link) are mostly still queued right after ``send``, and the queue is empty once
+    they are out, every one received.  The collective keeps it short in rounds that repair."""
+    from pydblp import net
+    from tests.linux.test_transport_xsk import xsk
+
+    ns, dev = pair["ns"][0], pair["dev"][0]
+    tbf = {"rate": 1_000_000, "burst": 6000, "latency": 2_000_000}  # bytes/s, bytes, us
+    with net.ipr(ns) as ip:
+        ip.tc("add", "tbf", ip.link_lookup(ifname=dev)[0], 0x10000, **tbf)
+    try:
+        with (udp(pair, 0) if kind == "udp" else xsk(pair, 0, tx="kernel")) as ta, udp(pair, 1) as ub:
+            pb = ta.add_peer(ADDR[4][1], ub.port)
+            assert ta.tx_queued() == 0
+            assert ta.send(packets(0, 300, 0, 1, job=JOB_UDP, peer=pb)) == 300
+            assert ta.tx_queued() > 150_000  # (counted as socket memory: a little over the bytes)
+            into, got, deadline = Batch.empty(4096, MAXLEN), 0, time.monotonic() + 5.0
+            while (got < 300 or ta.tx_queued()) and time.monotonic() < deadline:
+                got += len(ub.recv(into, timeout=0.05))
+            assert got == 300 and ta.tx_queued() == 0
+    finally:
+        with net.ipr(ns) as ip:
+            ip.tc("del", "tbf", ip.link_lookup(ifname=dev)[0], 0x10000, **tbf)

@@ -781,6 +781,28 @@ def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
     assert sent == [100] and o.sent == 100 and rank0.col._tx_wait is None
 
 
+def test_a_round_that_repairs_keeps_the_kernel_queue_short(rank0, monkeypatch):
+    """In a round that repairs (a NACK or BITMAP seen), no data goes while the kernel's send queue
+    holds more than TXQ_REPAIR (a retransmission asked for next would wait behind it); in a clean
+    round the queue is not looked at (nothing waits behind it, and each look costs a loop turn)."""
+    from pydblp.collective import core
+
+    sent, queued = [], [core.TXQ_REPAIR + 1]
+    monkeypatch.setattr(rank0.t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
+    monkeypatch.setattr(rank0.t, "tx_queued", lambda: queued[0])
+    o = rank0.st.outs[(False, 1)]
+    o.avail = 40
+    rank0.col._send_some(rank0.st, 100.0)
+    assert sent == [40] and not rank0.st.repair  # clean: the queue does not matter
+    o.avail = o.n
+    rank0.st.repair = True
+    assert rank0.col._send_some(rank0.st, 100.0) is False
+    assert sent == [40] and o.sent == 40 and rank0.col._tx_wait == pytest.approx(0.001)
+    queued[0] = core.TXQ_REPAIR // 2
+    rank0.col._send_some(rank0.st, 100.0)
+    assert sent == [40, 60] and o.sent == 100 and rank0.col._tx_wait is None
+
+
 def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     """After a NACK, a repair that brings less than half of the missing chunks (a burst is still
     on) keeps the backoff (next NACK after 4 ms of quiet, not 2); one that brings most resets it."""
