@@ -356,7 +356,7 @@ class UdpTransport(Transport):
                 if c > 1:
                     self._c["rx_gro_packets"] += c
                 if c:
-                    # a control packet (STOP copies come merged): answer it now, linger no more
+                    # a control packet (several may come merged): answer it now, linger no more
                     urgent = urgent or self._frames[used * row + KIND_AT] != DATA_KIND
                     runs.append((c, g, last, peer))
                     used += c

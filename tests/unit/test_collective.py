@@ -491,16 +491,18 @@ def _drop_sent(t, drop):
     t.send = lossy
 
 
-def test_a_lost_stop_costs_no_probe(ranks):
-    """Every STOP goes out twice: with the first copy of each lost (dropped at the sender, as the
-    wire would), no sender waits for its probe timeout (fixed at 0.5 s here, so a round that waited
-    shows), and every round is exact."""
+def test_a_lost_stop_holds_no_round(ranks):
+    """A STOP goes out once, and losing it costs no round time: with the first STOP for every
+    message lost (dropped at the sender, as the wire would), every round is exact and none waits
+    for the probe timeout (fixed at 0.5 s here, so a round that waited shows).  A reduce-scatter
+    message ends with its owner's all-gather (no probe); an all-gather message trails, is probed
+    0.5 s later and ends with the STOP that answers it."""
     rk = ranks(2, phase="static:0", probe_min=0.5, probe_max=0.5)
     for c in rk.cols:
         c._probe_timeout = 0.5
-    dropped = set()  # (sender, round, dst, flags) of the STOPs whose first copy was lost
+    dropped = set()  # (sender, round, dst, flags) of the messages whose first STOP was lost
 
-    def first_copy(r):
+    def first_stop(r):
         def drop(h):
             hit = np.zeros(len(h), bool)
             for i in np.flatnonzero(h["kind"] == wire.Kind.STOP):
@@ -512,7 +514,7 @@ def test_a_lost_stop_costs_no_probe(ranks):
         return drop
 
     for r, t in enumerate(rk.ts):
-        _drop_sent(t, first_copy(r))
+        _drop_sent(t, first_stop(r))
     xs = inputs(2, 30_000, rounds=4)
     res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(4)])
     assert not errs
@@ -522,13 +524,11 @@ def test_a_lost_stop_costs_no_probe(ranks):
     assert len(dropped) >= 8  # at least the all-gather STOP of every rank and round
     assert [rec.probes for c in rk.cols for rec in c.records] == [0] * 8
     assert max(rec.latency for c in rk.cols for rec in c.records) < 0.25
-    # the last round's all-gather, which trails past its return, is acknowledged by the second copy
-    # well before its probe would go (0.5 s)
-    deadline = time.monotonic() + 0.3
+    deadline = time.monotonic() + 3.0
     while any(not o.done for c in rk.cols for o in list(c._trail.values())) and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.02)
     assert all(o.done for c in rk.cols for o in list(c._trail.values()))
-    assert [c.counters["trail_probes"] for c in rk.cols] == [0, 0]
+    assert all(c.counters["trail_probes"] >= 1 for c in rk.cols)
 
 
 def _allgather_tail(rnd, dst, k):
@@ -608,7 +608,7 @@ def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
         h["round"] = rnd & 0xFFFFFFFF
         rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
         got = rank0.sent()
-        assert [k for k, *_ in got] == ([wire.Kind.STOP] * 2 if answered else []), rnd
+        assert [k for k, *_ in got] == ([wire.Kind.STOP] if answered else []), rnd
     # the STOP carries the probe's chunk count and tolerance
     h["round"] = (rank0.st.round - 2) & 0xFFFFFFFF
     rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
@@ -695,7 +695,7 @@ def test_receiver_never_nacks_loss_within_the_bound(rank0):
     assert rank0.sent() == []
     rank0.data([c for c in range(50, 100) if c not in (70, 71)], t + 2.0)  # 4 lost: the bound allows 4
     rank0.col._nacks(rank0.st, t + 3.0)
-    assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] * 2 and rank0.st.nacks == 0  # STOP_COPIES
+    assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] and rank0.st.nacks == 0
 
 
 def test_all_gather_data_ends_the_senders_reduce_scatter_message(rank0):
