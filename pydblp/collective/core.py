@@ -287,6 +287,7 @@ class _Out:
         self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
         self.trailing = False                # the round has returned; this waits for its STOP (Collective._trail)
+        self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
         self.t_sent_all = None
         self.t_last = 0.0
         self.probes = 0        # all probes sent
