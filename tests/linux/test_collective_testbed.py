@@ -47,10 +47,14 @@ def hosts(tb):
             h.close()
 
 
-def transports(tb, kind, hosts=None):
+def transports(tb, kind, hosts=None, paced=False):
+    """One transport per worker; ``paced``: AF_XDP transmit paced at the links' rate, as
+    ``bench/allreduce.py`` runs it (it bypasses the NIC's TBF: unpaced, senders flood a
+    receiver's switch port at CPU speed)."""
     if kind in ("xsk", "xsk-ktx"):
         tx = "kernel" if kind == "xsk-ktx" else "xsk"
-        return [XskTransport("eth0", netns=tb.ns(r), host=hosts[r], tx=tx) for r in range(WORLD)]
+        rate = tb.rate_bps if paced and tx == "xsk" else 0
+        return [XskTransport("eth0", netns=tb.ns(r), host=hosts[r], tx=tx, rate=rate) for r in range(WORLD)]
     return [UdpTransport("eth0", netns=tb.ns(r)) for r in range(WORLD)]
 
 
@@ -91,13 +95,17 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode):
     rng = np.random.default_rng(1)
     sizes = (1, 100_003, 2 * 1024 * 1024 // 4)
     xs = {n: [rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)] for n in sizes}
-    res, cols = run_ranks(clean, transports(clean, kind, hosts),
+    # paced: an unpaced 3-to-1 incast (ps mode) can overflow the receiver's switch port, a loss
+    # the fabric did not inject; the links' rate is what the bench measures at
+    res, cols = run_ranks(clean, transports(clean, kind, hosts, paced=True),
                           lambda r, c: [c.allreduce(xs[n][r]) for n in sizes], mode=mode)
     for i, n in enumerate(sizes):
         exact = np.mean(xs[n], axis=0)
         for r in range(WORLD):
             np.testing.assert_allclose(res[r][i], exact, atol=1e-5)
-    assert all(rec.min_delivered == 1.0 and rec.retransmits == 0 for c in cols for rec in c.records)
+    repaired = [(c.rank, rec.index, rec.min_delivered, rec.retransmits, rec.probes, rec.nacks, c.counters)
+                for c in cols for rec in c.records if rec.min_delivered < 1.0 or rec.retransmits]
+    assert not repaired, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
 
 
 def test_loss_within_bound_completes_without_retransmission(clean, hosts, kind):
