@@ -98,6 +98,7 @@ SIOCGIFHWADDR = 0x8927
 XDP_PACKET_HEADROOM = 256  # copy-mode receive writes a frame this far into its UMEM frame
 FRAME_HEADERS = 14 + wire.DATAGRAM_OVERHEAD  # Ethernet, then IPv6 (the longer IP header), UDP, DBLP
 
+
 def frame_size_for(payload: int) -> int:
     """The UMEM frame size (2048 or 4096) whose receive frames hold a DBLP datagram of ``payload``
     bytes whole: 2048 up to 1698 bytes (1408, the collective's default chunk, fits), else 4096
