@@ -260,8 +260,10 @@ class RoundRecord:
     latency: float
     delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
     min_delivered: float = 1.0
-    retransmits: int = 0    # chunks of this round's messages resent while it ran (a trailing
-    probes: int = 0         # message's, after it returned: counters["trail_retransmits"], ["trail_probes"])
+    # retransmits and probes: of this round's messages while it ran; a trailing message's after
+    # it returned are in counters["trail_retransmits"] and ["trail_probes"]
+    retransmits: int = 0    # chunks resent
+    probes: int = 0
     nacks: int = 0          # unsolicited BITMAPs this rank sent as a receiver
     bytes_sent: int = 0
     bytes_received: int = 0
