@@ -57,8 +57,10 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "gloo", "floor"], required=True)
+    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "xsk-bc", "xsk-ktx-bc", "udp-bc", "gloo", "floor"],
+                   required=True, help="-bc: pydblp with a broadcast all-gather to --group")
     p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
+    p.add_argument("--group", help="JSON [addr, port, mac] reaching every rank (the -bc transports)")
     p.add_argument("--iface", default="eth0")
     p.add_argument("--job", type=int, default=31)
     p.add_argument("--tol", type=float, default=0.05)
@@ -82,7 +84,8 @@ class Pydblp:
         peers = [tuple(p) for p in json.loads(a.peers)]
         self.host = None
         port = peers[a.rank][1]
-        if a.transport in ("xsk", "xsk-ktx"):
+        kind = a.transport.removesuffix("-bc")
+        if kind in ("xsk", "xsk-ktx"):
             from pydblp.host import HostProgram
             from pydblp.transport.xsk import XskTransport, frame_size_for
 
@@ -90,7 +93,7 @@ class Pydblp:
             self.host.register_job(a.job, a.world, a.rank, "xsk")
             t = XskTransport(a.iface, port=port, host=self.host, spin=a.spin,
                              frame_size=frame_size_for(a.chunk_bytes or Config().chunk_bytes),
-                             rate=a.rate, tx="kernel" if a.transport == "xsk-ktx" else "xsk")
+                             rate=a.rate, tx="kernel" if kind == "xsk-ktx" else "xsk")
         else:
             from pydblp.transport.udp import UdpTransport
 
@@ -101,7 +104,10 @@ class Pydblp:
             cfg.burst = a.send_burst
         if a.chunk_bytes:
             cfg.chunk_bytes = a.chunk_bytes
-        self.col = Collective(t, a.rank, a.world, peers, cfg)
+        group = None
+        if kind != a.transport:
+            cfg.allgather, group = "broadcast", tuple(json.loads(a.group))
+        self.col = Collective(t, a.rank, a.world, peers, cfg, group=group)
 
     def prepare(self, x: np.ndarray):
         return x

@@ -11,6 +11,9 @@ stays up for all of that transport's blocks:
   ``xsk-ktx`` the same, transmitting through a kernel UDP socket (``XskTransport(tx="kernel")``:
             GSO, the NIC's TBF paces) instead of the AF_XDP tx ring and a Python pacer
   ``udp``   pydblp Collective over UdpTransport (no XDP on the worker)
+  ``xsk-bc``, ``xsk-ktx-bc``, ``udp-bc``  the same with a broadcast all-gather
+            (``Config(allgather="broadcast")``, ``group`` the testbed's broadcast address: an
+            owner sends its all-gather once, the fabric replicates it); not in the default set
   ``gloo``  ``torch.distributed.all_reduce`` on a gloo process group (TCP over eth0), then /world
   ``floor`` the least a Python allreduce over plain UDP sockets does here: pydblp's chunks,
             shards and schedule, GSO sends and GRO receives, an 8-byte header and nothing else
@@ -50,8 +53,8 @@ in that run: Gloo's burst median over the shortest burst round the links
 allow (``burst_round_least``: ``1 - tol`` of a rank's ``2 (W-1)/W x tensor``
 through its rate limit, while the burst lasts with ``--burst-ratio`` of it lost).
 
-pydblp runs ``Config(mode="tar", phase="static:TOL", estimator="unbiased")``
-with ``--tol`` (default 0.05: a round completes once 95 % of every message
+pydblp runs ``Config(mode=--mode, phase="static:TOL", estimator="unbiased")``
+(``--mode`` tar, the default, or ps: a parameter server, rank 0) with ``--tol`` (default 0.05: a round completes once 95 % of every message
 arrived; more loss is repaired by PROBE/BITMAP retransmission) and
 ``peer_timeout`` ``--peer-timeout`` (30 s), transports with ``spin=--spin``
 (default 0: no busy-polling, the ranks share the CPUs).  Gloo runs its default
@@ -113,7 +116,8 @@ from pydblp.testbed import Testbed  # noqa: E402
 
 MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
-TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo", "floor")
+TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo", "floor")  # the default set
+BROADCAST = ("xsk-bc", "xsk-ktx-bc", "udp-bc")  # pydblp with a broadcast all-gather (opt in)
 CONDITIONS = ("clean", "loss", "burst")
 # the workers' interpreter (theirs is this one): its build moves pydblp's CPU-bound rounds (bench/README)
 PYTHON = f"Python {sys.version.split()[0]} ({os.path.realpath(sys.executable)})"
@@ -139,15 +143,17 @@ class WorkerSet:
         self.procs, self.errs, self.bufs = [], [], []
         for r in range(self.world):
             argv = [sys.executable, str(WORKER), "--rank", str(r), "--world", str(self.world),
-                    "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol),
+                    "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol), "--mode", args.mode,
                     "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
             if args.send_burst:
                 argv += ["--send-burst", str(args.send_burst)]
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--spin", str(args.spin)]
-            if transport == "xsk" and not args.no_pace:
+            if transport.startswith("xsk") and not transport.startswith("xsk-ktx") and not args.no_pace:
                 argv += ["--rate", str(tb.rate_bps)]  # AF_XDP bypasses the TBF: pace at its rate
+            if transport.endswith("-bc"):
+                argv += ["--group", json.dumps(tb.group(wire.DEFAULT_PORT))]
             argv += ["--fabric", fabric, "--sync", str(sync)]
             err = open(tmp / f"{self.tag}-rank{r}.err", "w+")
             self.errs.append(err)
@@ -342,28 +348,42 @@ def repeat_ratios(run: dict, tr: str, key: str, cond: str) -> tuple:
             s["p50"] / f["p50"] if tr != "floor" and "p50" in f else None)
 
 
-def burst_round_least(mib: float, world: int, tol: float, ratio: float, burst_s: float, rate_bps: int) -> float:
+def link_share(world: int, mode: str = "tar", broadcast: bool = False) -> float:
+    """Tensors the busiest rank must send through its link in an allreduce round: ``2 (W-1)/W``
+    (any allreduce that spreads the work evenly: Gloo's ring, transpose allreduce); with a broadcast
+    all-gather ``(W-1)/W + 1/W``; a parameter server ``W-1`` (its all-gather), broadcast 1."""
+    if mode == "ps":
+        return 1.0 if broadcast else float(world - 1)
+    return (world - 1) / world + (1 if broadcast else world - 1) / world
+
+
+def burst_round_least(mib: float, world: int, tol: float, ratio: float, burst_s: float, rate_bps: int,
+                      share: float | None = None) -> float:
     """The shortest a burst round can be, in seconds, for any transport on these links.
 
-    Each rank must put at least ``(1 - tol)`` of its share of the allreduce's data,
-    ``2 (W-1)/W x tensor``, through its NIC's rate limit; while a burst of ``ratio`` loss
-    lasts only ``1 - ratio`` of what crosses the link arrives.  The burst starts with the
-    round: a round of T >= ``burst_s`` then delivers at most ``rate x (T - ratio x burst_s)``
-    (headers and control packets left out: a lower bound)."""
-    data = (1 - tol) * 2 * (world - 1) / world * mib * MiB * 8 / rate_bps  # seconds of link
+    Each rank must put at least ``(1 - tol)`` of its share of the allreduce's data
+    (``share`` tensors, default ``link_share(world)``: ``2 (W-1)/W``) through its NIC's rate
+    limit; while a burst of ``ratio`` loss lasts only ``1 - ratio`` of what crosses the link
+    arrives.  The burst starts with the round: a round of T >= ``burst_s`` then delivers at
+    most ``rate x (T - ratio x burst_s)`` (headers and control packets left out: a lower bound)."""
+    share = link_share(world) if share is None else share
+    data = (1 - tol) * share * mib * MiB * 8 / rate_bps  # seconds of link
     if ratio < 1 and data / (1 - ratio) < burst_s:
         return data / (1 - ratio)  # done before the burst ends
     return data + min(ratio, 1.0) * burst_s
 
 
-def burst_ceiling(run: dict, tr: str, key: str, world: int, tol: float, ratio: float, rate_bps: int):
+def burst_ceiling(run: dict, tr: str, key: str, world: int, tol: float, ratio: float, rate_bps: int,
+                  mode: str = "tar"):
     """Gloo's burst median over the shortest burst round any transport can have (the burst ``tr``
-    got): the highest 'Gloo / x' burst ratio reachable in this repeat (None: not measured)."""
+    got; with ``tr``'s share of the data: see ``link_share``): the highest 'Gloo / x' burst ratio
+    reachable in this repeat (None: not measured)."""
     s = run.get(tr, {}).get(key, {}).get("burst") or {}
     g = run.get("gloo", {}).get(key, {}).get("burst") or {}
     if not s.get("burst_len") or "burst_med" not in g or not rate_bps:  # (no rate limit: no bound)
         return None
-    return g["burst_med"] / burst_round_least(float(key), world, tol, ratio, s["burst_len"], rate_bps)
+    share = link_share(world, mode, tr in BROADCAST)
+    return g["burst_med"] / burst_round_least(float(key), world, tol, ratio, s["burst_len"], rate_bps, share)
 
 
 def combine(runs: list[dict], transports: list[str]) -> dict:
@@ -398,9 +418,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1,8,32", help="tensor sizes, MiB of float32 (default 1,8,32)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="measured rounds per block (default 60 up to 1 MiB, 12 up to 8 MiB, 6 above)")
-    ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    ap.add_argument("--transports", default=",".join(TRANSPORTS),
+                    help=f"comma-separated, of {', '.join(TRANSPORTS + BROADCAST)} (default: {','.join(TRANSPORTS)})")
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
+    ap.add_argument("--mode", default="tar", choices=("tar", "ps"), help="pydblp Config.mode (default tar)")
     ap.add_argument("--loss", type=float, default=0.01, help="random loss of the loss condition")
     ap.add_argument("--burst-ratio", type=float, default=0.8)
     ap.add_argument("--burst-len", default="gloo",
@@ -433,8 +455,8 @@ def main(argv=None) -> int:
         ap.error(f"--workers {args.workers}: use 2..8")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: use 1 or more")
-    if not set(transports) <= set(TRANSPORTS) or not set(conds) <= set(CONDITIONS) or not sizes:
-        ap.error(f"transports within {TRANSPORTS}, conditions within {CONDITIONS}")
+    if not set(transports) <= set(TRANSPORTS + BROADCAST) or not set(conds) <= set(CONDITIONS) or not sizes:
+        ap.error(f"transports within {TRANSPORTS + BROADCAST}, conditions within {CONDITIONS}")
     if "burst" in conds and "clean" not in conds:
         conds.insert(0, "clean")  # the burst duration is the clean p50
     conds = [c for c in CONDITIONS if c in conds]
@@ -585,7 +607,8 @@ def main(argv=None) -> int:
                                                     "burst_gloo_over_pydblp": rb, "p50_vs_floor": rf}
                     if cond == "burst":
                         ratios[f"{tr}/{key}/{cond}"]["burst_ceiling"] = median_of(
-                            [burst_ceiling(run, tr, key, args.workers, args.tol, args.burst_ratio, rate_bps)
+                            [burst_ceiling(run, tr, key, args.workers, args.tol, args.burst_ratio, rate_bps,
+                                           args.mode)
                              for run in runs])
                     if len(runs) > 1:
                         ratios[f"{tr}/{key}/{cond}"]["per_repeat"] = [
@@ -622,7 +645,8 @@ def main(argv=None) -> int:
         if any(t[4] is not None for t in targets.values()):
             print(f"  ('any transport': Gloo's burst median over the shortest burst round these links allow: "
                   f"{1 - args.tol:.0%} of a rank's data through its {rate_bps / 1e9:g} Gbit/s limit, with "
-                  f"{args.burst_ratio:.0%} of what crosses it lost while the burst lasts)")
+                  f"{args.burst_ratio:.0%} of what crosses it lost while the burst lasts; a rank's data: "
+                  f"2 (W-1)/W of the tensor, or what a broadcast all-gather or --mode ps leaves on the busiest link)")
     floor = {key: res.get("floor", {}).get(key, {}).get("clean", {}) for key in [f"{m:g}" for m in sizes]}
     if any("p50" in f for f in floor.values()):
         print("floor (plain UDP sockets: pydblp's chunks and schedule, GSO/GRO, no loss handling), clean p50:")

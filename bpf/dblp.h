@@ -16,6 +16,7 @@
 #define DBLP_MAX_NCHUNKS  (1 << 24)
 #define DBLP_MAX_PRIO     7
 #define DBLP_TOL_SCALE    255
+#define DBLP_DST_ALL      0xFFFF  /* dst of DATA sent to every rank at once (broadcast all-gather) */
 
 /* kind */
 #define DBLP_KIND_DATA    1

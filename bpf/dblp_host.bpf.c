@@ -142,9 +142,10 @@ int dblp_host(struct xdp_md *ctx)
 	if (!job)
 		return drop(DBLP_REASON_JOB);
 	u16 src = bpf_ntohs(h->src), dst = bpf_ntohs(h->dst);
-	if (src >= job->world_size || dst >= job->world_size)
+	if (src >= job->world_size || (dst >= job->world_size && dst != DBLP_DST_ALL))
 		return drop(DBLP_REASON_RANK);
-	if (dst != job->rank)
+	/* DST_ALL: DATA broadcast to every rank; control packets name one */
+	if (dst != job->rank && !(dst == DBLP_DST_ALL && h->kind == DBLP_KIND_DATA))
 		return drop(DBLP_REASON_DST);
 
 	/* Shed least important data first, never past the message's own budget. */

@@ -15,11 +15,16 @@
  * pass thresh[p]; prio 0 and non-DBLP traffic never), at most
  * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
  * src, dst).  The queue decides drops only; it never delays a frame.
- * TCP, UDP and everything else unicast are treated alike; broadcast and
- * multicast frames pass untouched (counted as FLOOD on the ingress port).
- * A frame that survives is forwarded: XDP_REDIRECT to its egress port (a
- * switch in XDP: no skb, bridge or netfilter work per frame); what the fdb
- * does not know goes up to the Linux bridge with XDP_PASS.
+ * TCP, UDP and everything else unicast are treated alike.  A frame that
+ * survives is forwarded: XDP_REDIRECT to its egress port (a switch in XDP:
+ * no skb, bridge or netfilter work per frame); what the fdb does not know
+ * goes up to the Linux bridge with XDP_PASS.
+ *
+ * Broadcast and multicast frames: DBLP DATA to every rank (dst DBLP_DST_ALL,
+ * a broadcast all-gather) is replicated here to every other port through the
+ * devmap `bcast` (BPF_F_BROADCAST), whose egress program `fabric_egress`
+ * applies each port's faults to its own copy, as for unicast; everything
+ * else (ARP, ...) goes up to the bridge untouched (FLOOD on the ingress port).
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -35,6 +40,8 @@ BPF_HASH(port_state, u32, struct fabric_state, FABRIC_MAX_PORTS);
 BPF_HASH(fdb, struct fabric_mac, u32, FABRIC_MAX_PORTS);
 BPF_PERCPU_HASH(counters, struct fabric_ckey, struct fabric_cval, FABRIC_MAX_PORTS * FABRIC_NCAUSES);
 BPF_TABLE("lru_hash", struct fabric_msg, u32, msgs, FABRIC_MSG_ENTRIES);
+/* every port, with fabric_egress as its program: broadcast DBLP DATA goes to all but the ingress */
+BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, bcast, FABRIC_MAX_PORTS);
 
 static __always_inline void count(u32 ifindex, u32 cause, u64 bytes)
 {
@@ -112,40 +119,26 @@ static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
 	return off < cfg->burst_dur_ns;
 }
 
-int fabric(struct xdp_md *ctx)
+/* Apply egress port `out_if`'s faults to a frame: 0 forward it, 1 drop it
+ * (counted either way), -1 the port has no state (forward, counted PASS).
+ * `bcast`: a copy of a broadcast frame (its early-drop budget is per port). */
+static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u32 out_if, int bcast)
 {
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
-	u64 len = dblp_frame_len(ctx);
-	u32 in_if = ctx->ingress_ifindex;
-
-	if ((void *)(eth + 1) > data_end)
-		return XDP_PASS;
-
-	struct fabric_mac mac = {};
-	__builtin_memcpy(mac.addr, eth->h_dest, ETH_ALEN);
-	u32 *egress = (mac.addr[0] & 1) ? NULL : fdb.lookup(&mac);
-	if (!egress) {
-		count(in_if, FABRIC_C_FLOOD, len);
-		return XDP_PASS;
-	}
-	u32 out_if = *egress;
 	struct fabric_cfg *cfg = port_cfg.lookup(&out_if);
 	struct fabric_state *st = port_state.lookup(&out_if);
 	if (!cfg || !st) {
 		count(out_if, FABRIC_C_PASS, len);
-		return XDP_PASS;
+		return -1;
 	}
 	u64 now = bpf_ktime_get_ns();
 
 	if (in_burst(cfg, now) && chance(cfg->burst_ratio)) {
 		count(out_if, FABRIC_C_BURST, len);
-		return XDP_DROP;
+		return 1;
 	}
 	if (chance(cfg->loss)) {
 		count(out_if, FABRIC_C_LOSS, len);
-		return XDP_DROP;
+		return 1;
 	}
 	if (cfg->flags & FABRIC_F_GE) {
 		u32 bad = st->ge_bad;
@@ -155,18 +148,19 @@ int fabric(struct xdp_md *ctx)
 		st->ge_bad = bad;
 		if (chance(bad ? cfg->ge_loss_bad : cfg->ge_loss_good)) {
 			count(out_if, FABRIC_C_GE, len);
-			return XDP_DROP;
+			return 1;
 		}
 	}
 	if (!(cfg->flags & FABRIC_F_QUEUE)) {
 		count(out_if, FABRIC_C_PASS, len);
-		return bpf_redirect(out_if, 0);
+		return 0;
 	}
 
 	/* Virtual queue.  Early-drop candidates: DBLP DATA with prio > 0 and a
 	 * non-zero bound.  The message counter is found before taking the port
-	 * lock (no helper calls under it) and claimed under it: a message has a
-	 * single destination, so its counter is only touched under this lock. */
+	 * lock (no helper calls under it) and claimed under it: a message (a
+	 * broadcast one: its copy to this port) has a single egress port, so its
+	 * counter is only touched under this lock. */
 	struct dblp_hdr *h = dblp_of(eth, data_end);
 	u32 prio = 0, *spent = NULL;
 	u64 thresh = 0, bound = 0;
@@ -178,7 +172,7 @@ int fabric(struct xdp_md *ctx)
 	if (thresh && bound) {
 		struct fabric_msg key = {
 			.job = h->job, .round = h->round, .tensor = h->tensor,
-			.src = h->src, .dst = h->dst,
+			.src = h->src, .dst = h->dst, .port = bcast ? (u16)out_if : 0,
 		};
 		spent = msgs.lookup(&key);
 		if (!spent) {
@@ -218,14 +212,60 @@ int fabric(struct xdp_md *ctx)
 
 	if (verdict == 1) {
 		count(out_if, FABRIC_C_TAIL, len);
-		return XDP_DROP;
+		return 1;
 	}
 	if (verdict == 2) {
 		count(out_if, FABRIC_C_EARLY + prio, len);
-		return XDP_DROP;
+		return 1;
 	}
 	if (verdict == 3)
 		count(out_if, FABRIC_C_BOUND, len);
 	count(out_if, FABRIC_C_PASS, len);
-	return bpf_redirect(out_if, 0);
+	return 0;
+}
+
+/* Ingress of every port: unicast by the fdb, broadcast DBLP DATA to the devmap. */
+int fabric(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	u64 len = dblp_frame_len(ctx);
+	u32 in_if = ctx->ingress_ifindex;
+
+	if ((void *)(eth + 1) > data_end)
+		return XDP_PASS;
+
+	struct fabric_mac mac = {};
+	__builtin_memcpy(mac.addr, eth->h_dest, ETH_ALEN);
+	if (mac.addr[0] & 1) {
+		struct dblp_hdr *h = dblp_of(eth, data_end);
+
+		if (h && h->dst == bpf_htons(DBLP_DST_ALL))
+			return bcast.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
+		count(in_if, FABRIC_C_FLOOD, len);
+		return XDP_PASS;
+	}
+	u32 *egress = fdb.lookup(&mac);
+	if (!egress) {
+		count(in_if, FABRIC_C_FLOOD, len);
+		return XDP_PASS;
+	}
+	u32 out_if = *egress;
+	int verdict = faults(eth, data_end, len, out_if, 0);
+	if (verdict < 0)
+		return XDP_PASS;
+	return verdict ? XDP_DROP : bpf_redirect(out_if, 0);
+}
+
+/* Egress of a broadcast copy (the devmap's program): that port's faults. */
+int fabric_egress(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > data_end)
+		return XDP_PASS;
+	return faults(eth, data_end, dblp_frame_len(ctx), ctx->egress_ifindex, 1) > 0 ? XDP_DROP : XDP_PASS;
 }

@@ -75,7 +75,7 @@ struct fabric_msg {
 	__u16 tensor;
 	__u16 src;
 	__u16 dst;
-	__u16 pad;
+	__u16 port;            /* a broadcast message's copy: its egress ifindex (low 16 bits); else 0 */
 };
 
 struct fabric_mac {

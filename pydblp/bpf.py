@@ -34,6 +34,7 @@ BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_TYPE_XDP = 6
 BPF_F_XDP_HAS_FRAGS = 1 << 5  # the program handles multi-buffer frames (5.18+)
+BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: a devmap entry's egress program
 PERCPU_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 _NR_BPF = 321  # x86_64
 
@@ -226,11 +227,12 @@ def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
 _frags: bool | None = None
 
 
-def _prog_load(insns: int, count: int, license_addr: int, name: bytes, flags: int, log=None) -> int:
+def _prog_load(insns: int, count: int, license_addr: int, name: bytes, flags: int, log=None,
+               attach_type: int = 0) -> int:
     attr = ct.create_string_buffer(128)
-    struct.pack_into("=IIQQIIQII16s", attr, 0, BPF_PROG_TYPE_XDP, count, insns, license_addr,
+    struct.pack_into("=IIQQIIQII16sII", attr, 0, BPF_PROG_TYPE_XDP, count, insns, license_addr,
                      1 if log is not None else 0, len(log) if log is not None else 0,
-                     _addr(log) if log is not None else 0, 0, flags, name[:15])
+                     _addr(log) if log is not None else 0, 0, flags, name[:15], 0, attach_type)
     return _sys_bpf(BPF_PROG_LOAD, attr)
 
 
@@ -265,39 +267,46 @@ def compile_xdp(name: str, func: str, cflags: list[str] | tuple[str, ...] = ()):
     stay within a page.  ``fn.fd`` is the program, ``fn.frags`` which load
     it got; ``b.cleanup()`` closes both.
     """
-    from bcc import BPF, libbcc
-
     frags = xdp_frags_supported()
     b = compile(name, [*cflags, f"-DDBLP_FRAGS={int(frags)}"])
-    key = func.encode()
-    if not frags:
-        fn = b.load_func(key, BPF.XDP)
-        fn.frags = False
-        return b, fn
-    lib = libbcc.lib
     try:
-        start = lib.bpf_function_start(b.module, key)
-        if not start:
-            raise BPFError(errno.ENOENT, f"no function {func!r} in {name}")
-        lic_buf = ct.create_string_buffer(lib.bpf_module_license(b.module))
-        lic = _addr(lic_buf)
-        count = lib.bpf_function_size(b.module, key) // 8
-        try:
-            fd = _prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS)
-        except BPFError as e:
-            log = ct.create_string_buffer(1 << 20)  # again with the verifier's log, for the message
-            try:
-                os.close(_prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS, log))
-            except BPFError:
-                pass
-            raise BPFError(e.errno, f"loading {func} from {name}: {e.strerror}\n"
-                           + log.value.decode(errors="replace")[-2000:]) from None
+        return b, load_xdp(b, func, frags)
     except BaseException:
         b.cleanup()
         raise
+
+
+def load_xdp(b, func: str, frags: bool, attach_type: int = 0):
+    """Load XDP function ``func`` of compiled bcc object ``b`` (see :func:`compile_xdp`), multi-buffer
+    if ``frags``; ``attach_type`` ``BPF_XDP_DEVMAP`` for a devmap entry's egress program.  Returns
+    bcc's Function (``fn.fd``, ``fn.frags``); ``b.cleanup()`` closes it."""
+    from bcc import BPF, libbcc
+
+    key = func.encode()
+    if not frags:
+        fn = b.load_func(key, BPF.XDP, attach_type=attach_type or -1)
+        fn.frags = False
+        return fn
+    lib = libbcc.lib
+    start = lib.bpf_function_start(b.module, key)
+    if not start:
+        raise BPFError(errno.ENOENT, f"no function {func!r} in the compiled object")
+    lic_buf = ct.create_string_buffer(lib.bpf_module_license(b.module))
+    lic = _addr(lic_buf)
+    count = lib.bpf_function_size(b.module, key) // 8
+    try:
+        fd = _prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS, attach_type=attach_type)
+    except BPFError as e:
+        log = ct.create_string_buffer(1 << 20)  # again with the verifier's log, for the message
+        try:
+            os.close(_prog_load(start, count, lic, key, BPF_F_XDP_HAS_FRAGS, log, attach_type))
+        except BPFError:
+            pass
+        raise BPFError(e.errno, f"loading {func}: {e.strerror}\n"
+                       + log.value.decode(errors="replace")[-2000:]) from None
     fn = b.funcs[key] = BPF.Function(b, key, fd)
     fn.frags = True
-    return b, fn
+    return fn
 
 
 def pin_dir(kind: str, ifname: str, netns: str | None) -> Path:

@@ -30,6 +30,7 @@ DEFAULT_PORT = 47800
 MAX_NCHUNKS = 1 << 24
 MAX_PRIO = 7
 TOL_SCALE = 255
+DST_ALL = 0xFFFF  # dst of DATA sent to every rank at once (a broadcast all-gather); control packets name one
 
 
 class Kind(enum.IntEnum):
@@ -187,9 +188,9 @@ def validate(buf: bytes | memoryview, world_size: int | None = None,
         return Reason.CHUNK
     if job == 0:
         return Reason.JOB
-    if world_size is not None and (src >= world_size or dst >= world_size):
+    if world_size is not None and (src >= world_size or (dst >= world_size and dst != DST_ALL)):
         return Reason.RANK
-    if rank is not None and dst != rank:
+    if rank is not None and dst != rank and not (dst == DST_ALL and kind == Kind.DATA):
         return Reason.DST
     if key:  # an empty key means no key, as in encode
         if not taglen or not hmac.compare_digest(tag(key, buf[: n - TAG_LEN]), bytes(buf[n - TAG_LEN:])):
@@ -326,9 +327,9 @@ def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
         (Reason.JOB, h["job"] == 0),
     ]
     if world_size is not None:
-        checks.append((Reason.RANK, (h["src"] >= world_size) | (h["dst"] >= world_size)))
+        checks.append((Reason.RANK, (h["src"] >= world_size) | ((h["dst"] >= world_size) & (h["dst"] != DST_ALL))))
     if rank is not None:
-        checks.append((Reason.DST, h["dst"] != rank))
+        checks.append((Reason.DST, (h["dst"] != rank) & ~((h["dst"] == DST_ALL) & (h["kind"] == Kind.DATA))))
     out = np.zeros(len(h), np.uint8)
     anybad = checks[0][1].copy()
     for _, bad in checks[1:]:

@@ -8,7 +8,11 @@ of ``chunk_bytes``; chunk rows are split into ``world`` shards and shard k
 belongs to rank k.  Reduce-scatter: every rank sends shard k straight to
 rank k.  The owner estimates the mean (``zero`` or ``unbiased``) and sends
 the result to every rank (all-gather).  Every packet crosses one hop.
-Parameter server (``mode="ps"``): one shard, owned by rank 0.
+Parameter server (``mode="ps"``): one shard, owned by rank 0.  With
+``Config(allgather="broadcast")`` an owner sends its all-gather's first pass
+once, to ``Collective``'s ``group`` address (destination ``wire.DST_ALL``), and
+the switch replicates it; every receiver's bound, STOP, BITMAPs and
+retransmissions stay its own, as below.
 
 Completion (DBLP): a message of n chunks with tolerance ``tol`` (1/255
 units in the header) is done once ``n - floor(n * tol / 255)`` chunks have
@@ -130,6 +134,7 @@ from pydblp.transport.base import Batch, Transport
 DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
+DST_ALL = wire.DST_ALL
 RETX = int(wire.Flag.RETX)
 TAG = int(wire.Flag.TAG)
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
@@ -185,6 +190,7 @@ class _Alarm:
 
 
 CHUNK_MAX = 8000  # Config.check's bound
+ALLGATHERS = ("unicast", "broadcast")
 
 
 def link_chunk_bytes(mtu: int) -> int:
@@ -210,6 +216,8 @@ class Config:
     mode: str = "tar"                # "tar" (transpose allreduce) or "ps" (parameter server, rank 0)
     estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (sum/arrived)
     fill: str = "stale"              # all-gather misses: "stale" or "local"
+    allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
+                                     # Collective's group address; the network replicates it)
     priority: str = "magnitude"      # "magnitude", "position" or "none"
     phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
     chunk_bytes: int | None = 1408   # payload per packet (fits MTU 1500 over IPv4 and IPv6); None:
@@ -229,6 +237,7 @@ class Config:
         for name, value, allowed in (("mode", self.mode, ("tar", "ps")),
                                      ("estimator", self.estimator, estimators.ESTIMATORS),
                                      ("fill", self.fill, estimators.FILLS),
+                                     ("allgather", self.allgather, ALLGATHERS),
                                      ("priority", self.priority, estimators.PRIORITIES)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
@@ -248,6 +257,14 @@ class Config:
         if self.burst < 1:
             raise ValueError(f"burst {self.burst}: use 1 or more packets")
         phases.make(self.phase)  # a bad phase spec or tolerance
+
+    def check_group(self, group) -> None:
+        """Raise ValueError unless ``group`` (Collective's) is given exactly when ``allgather`` is
+        "broadcast"."""
+        if (self.allgather == "broadcast") != (group is not None):
+            raise ValueError("allgather 'broadcast' needs group=(address, port): an address every rank receives "
+                             "(the subnet's broadcast address)" if group is None else
+                             "group is used only with Config(allgather='broadcast')")
 
 
 @dataclass
@@ -288,6 +305,8 @@ class _Out:
         self.nseq = self.n                   # the next retransmission's number (both made by the first BITMAP)
         self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
+        self.members = ()                    # broadcast all-gather: the messages whose first pass this one
+                                             # sends (their own ``sent`` follows it; they never send one)
         self.trailing = False                # the round has returned; this waits for its STOP (Collective._trail)
         self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
         self.t_sent_all = None
@@ -363,6 +382,14 @@ class Collective:
     ``peers[r]`` is ``(addr, port)`` or ``(addr, port, mac)`` of rank r (this
     rank's own entry is ignored).  Not thread-safe: one caller at a time.
 
+    ``group``: with ``Config.allgather="broadcast"`` (and only then), ``(addr, port)`` or
+    ``(addr, port, mac)`` that reaches every rank at once: an IPv4 subnet broadcast address
+    (``198.19.255.255`` in the testbed's 198.18.0.0/15; MAC ``ff:ff:ff:ff:ff:ff``) on one
+    L2 segment whose switch replicates it.  An owner then sends its all-gather's first pass
+    once, to ``group``, with destination ``wire.DST_ALL``, instead of once per rank: a third
+    of the all-gather's bytes on its link with 4 ranks.  Each receiver's bound, STOP, BITMAPs
+    and retransmissions stay its own (unicast), so loss on one receiver's port costs only it.
+
     Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
     late probes, serves the last rounds' trailing all-gather messages
     (retransmissions asked for, probes) and keeps the next round's packets; it
@@ -371,10 +398,12 @@ class Collective:
     ends it.
     """
 
-    def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None):
+    def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
+                 group: tuple | None = None):
         self.cfg = config or Config()
         c = self.cfg
         c.check()
+        c.check_group(group)
         if not 1 <= world <= 0xFFFF:
             raise ValueError(f"world {world}: use 1..65535")
         if not 0 <= rank < world:
@@ -391,6 +420,10 @@ class Collective:
             if r != rank:
                 addr, port, *mac = p
                 self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
+        self._gid = -1  # the group's peer id (broadcast all-gather)
+        if group is not None:
+            addr, port, *mac = group
+            self._gid = transport.add_peer(addr, port, mac[0] if mac else None)
         self._rx = Batch.empty(RECV_BATCH, max(c.chunk_bytes, 64))
         self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
         self._txh = wire.empty_batch(0)
@@ -538,6 +571,7 @@ class Collective:
     def _start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> _Round:
         st = _Round()
         st.reduce = reduce
+        st.bcast = None  # broadcast all-gather: the message that sends its first pass to every rank
         self.round = (self.round + 1) & MASK32
         st.round, st.tensor, st.index = self.round, tensor, self.index
         st.tol = self.controller.tol(self.index)
@@ -708,12 +742,21 @@ class Collective:
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
         # (the last owner to reduce has none left: all of it goes at once)
         split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
+        members = []
         for dst in range(self.world):
             if dst != self.rank and b > a:
                 o = st.outs[(True, dst)] = _Out(True, dst, st.y[a:b], prio, st.tol8, st.round, st.tensor)
-                if split:
-                    o.avail = o.n // 2
+                members.append(o)
+        first = members
+        if self._gid >= 0 and members:  # one first pass to the group; each member only follows it
+            bc = st.bcast = _Out(True, DST_ALL, st.y[a:b], prio, st.tol8, st.round, st.tensor)
+            bc.members = members
+            for o in members:
+                o.avail = 0
+            first = [bc]
         if split:
+            for o in first:
+                o.avail = o.n // 2
             st.ag_rest = time.monotonic() + AG_SPLIT
 
     # ---- sending ---------------------------------------------------------
@@ -729,11 +772,14 @@ class Collective:
         ``_tx_wait`` says how long to wait.
         """
         self._tx_wait = None
+        bc = st.bcast
         if st.ag_rest is not None and now >= st.ag_rest:  # the all-gather's second half may go
             st.ag_rest = None
-            for o in st.outs.values():
+            for o in (st.outs.values() if bc is None else (bc,)):  # (a broadcast's members follow it)
                 o.avail = o.n
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.avail or o.nretx)]
+        if bc is not None and bc.sent < bc.avail and not all(o.done for o in bc.members):
+            active.append(bc)
         if self._trail:  # retransmissions an earlier round's trailing all-gather was asked for
             active += [o for o in self._trail.values() if not o.done and o.nretx]
         if not active:
@@ -762,6 +808,12 @@ class Collective:
                 if o.sent == o.n:
                     o.t_sent_all = now
             o.t_last = now
+        if bc is not None:
+            for o in bc.members:  # they went out with the group's copy
+                if o.sent < bc.sent:
+                    o.sent = o.avail = bc.sent
+                    o.t_last = now
+                    o.t_sent_all = bc.t_sent_all
         self._send_batch(st, parts)
         more = any(o.sent < o.avail or o.nretx for o in active)
         if not more and st.ag_rest is not None:
@@ -833,7 +885,7 @@ class Collective:
                 lo = int(idx[0])
                 rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
                 payload[i:j] = rows.view(np.uint8)
-                peer[i:j] = self._pid[o.dst]
+                peer[i:j] = self._gid if o.dst == DST_ALL else self._pid[o.dst]
                 i = j
         self._send(Batch(h, payload, lens, peer, k))
 
@@ -861,7 +913,8 @@ class Collective:
         if self._qmask is None:
             m = np.zeros(1, wire.HEADER_DTYPE)
             for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
-                m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
+                if f != "dst" or self._gid < 0:  # (broadcast all-gather: _match checks dst on its own)
+                    m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
             m["flags"] = int(wire.Flag.TAG)
             self._qmask = np.tile(m.view(np.uint64), RECV_BATCH)
             self._qtmp = np.empty_like(self._qmask)
@@ -878,13 +931,20 @@ class Collective:
         """Which packets of ``h`` are DATA of round ``st`` for this rank (of this job, tensor,
         dtype and chunk size; sources unchecked): True for all of them (the usual batch, in three
         numpy calls on the headers' 64-bit words), else a bool per packet (None: ``h`` is not
-        laid out for it)."""
+        laid out for it).  With a broadcast all-gather, all-gather DATA to ``DST_ALL`` is for
+        this rank too."""
         k = 4 * len(h)
         if k > len(self._qmask) or not h.flags.c_contiguous:
             return None
         t = self._qtmp[:k]
         np.bitwise_and(h.view(np.uint64), self._qmask[:k], out=t)
         eq = t == st.qval[:k]
+        if self._gid >= 0:
+            d = h["dst"]
+            mine = (d == self.rank) | ((d == DST_ALL) & ((h["flags"] & AG) != 0))
+            if eq.all() and mine.all():
+                return True
+            return eq.reshape(-1, 4).all(axis=1) & mine
         return True if eq.all() else eq.reshape(-1, 4).all(axis=1)
 
     def _process(self, st: _Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray,
@@ -919,7 +979,8 @@ class Collective:
         foreign = late = bad = 0
         for i, f in zip(rows, fields):
             kind, rnd, src = f[F_KIND], f[F_ROUND], f[F_SRC]
-            if f[F_JOB] != job or f[F_DST] != me or src >= W or src == me:
+            if (f[F_JOB] != job or src >= W or src == me
+                    or (f[F_DST] != me and not (f[F_DST] == DST_ALL and kind == DATA and f[F_FLAGS] & AG))):
                 foreign += 1
             elif rnd == nxt:
                 keep.append(i)

@@ -46,6 +46,8 @@ STATE_DIR = Path(os.environ.get("DBLP_TESTBED_DIR", "/run/dblp/testbed"))
 PIN_BASE = bpf.PIN_ROOT / "testbed"
 DEFAULT_RATE = "1gbit"
 SUBNET_PREFIX = 15               # 198.18.0.0/15
+BROADCAST_ADDR = "198.19.255.255"  # the subnet's broadcast address: every worker (the fabric replicates)
+BROADCAST_MAC = "ff:ff:ff:ff:ff:ff"
 HOST_SYSCTLS = {"net.core.netdev_max_backlog": 10000}  # raised while any testbed is up
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 MAX_WORKERS = 250
@@ -450,6 +452,11 @@ class Testbed:
 
     def mac(self, worker) -> str:
         return worker_mac(_worker_index(worker, self.n))
+
+    def group(self, port: int) -> tuple[str, int, str]:
+        """``(address, port, mac)`` that reaches every worker on UDP ``port`` at once (the subnet's
+        broadcast address): ``Collective``'s ``group`` for a broadcast all-gather."""
+        return (BROADCAST_ADDR, port, BROADCAST_MAC)
 
     @property
     def ports(self) -> dict[str, int]:

@@ -46,6 +46,7 @@ STATE = struct.Struct("=IIQQQ")      # struct fabric_state (lock, ge_bad, backlo
 CKEY = struct.Struct("=II")          # struct fabric_ckey
 CVAL = struct.Struct("=QQ")          # struct fabric_cval
 MSG = struct.Struct("=IIHHHH")       # struct fabric_msg (DBLP fields as on the wire: big-endian bytes)
+DEVMAP_VAL = struct.Struct("=Ii")    # struct bpf_devmap_val: ifindex, egress program fd
 MAC = struct.Struct("=6sH")          # struct fabric_mac
 U32 = struct.Struct("=I")
 MAPS = ("port_cfg", "port_state", "fdb", "counters", "msgs")
@@ -354,7 +355,9 @@ def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, b
     ``ports``: port name -> switch-side ifindex (ifnames equal the port names);
     ``macs``: port name -> MAC of the worker behind it.  Returns the program id.
     The bcc object is released before returning: the attachments and pins keep
-    the program and maps alive until the switch namespace and pins go.
+    the program and maps alive until the switch namespace and pins go (the
+    devmap ``bcast`` and its egress program live as long as the program).
+    One loaded object serves one testbed: its ``bcast`` entries are this one's ports.
     """
     from pydblp import net
 
@@ -377,6 +380,11 @@ def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, b
                 fab.maps["port_state"].update(U32.pack(idx), STATE.pack(0, 0, 0, 0, 0))
         finally:
             fab.close()
+        egress = b.funcs.get(b"fabric_egress") or bpf.load_xdp(b, "fabric_egress", fn.frags, bpf.BPF_XDP_DEVMAP)
+        bcast = bpf.Map(b[b"bcast"].map_fd, owned=False)
+        with net.in_netns(switch_ns):  # (the kernel finds a devmap entry's ifindex in the caller's netns)
+            for i, idx in enumerate(ports.values()):  # struct bpf_devmap_val: ifindex, program fd
+                bcast.update(U32.pack(i), DEVMAP_VAL.pack(idx, egress.fd))
         for name in ports:
             net.xdp_attach(name, fn.fd, mode=net.Mode(mode), netns=switch_ns)
         pid = prog_id_of(fn.fd)

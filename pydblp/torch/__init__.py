@@ -56,7 +56,7 @@ class State:
     def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
                            port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
                            config: Config | None = None, store=None, spin: float = 0.0,
-                           rate: float = 0) -> "State":
+                           rate: float = 0, group: tuple | None = None) -> "State":
         """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
 
         ``transport``: ``udp`` (any user), ``xsk`` (AF_XDP: root; attaches
@@ -71,6 +71,9 @@ class State:
         0: none) paces the xsk transport at a link's line rate: AF_XDP transmit
         bypasses qdiscs, so a TBF on ``iface`` does not limit it (``udp`` and
         ``xsk-ktx`` transmit through the qdisc and ignore ``rate``).
+        ``group`` with ``Config(allgather="broadcast")``: ``(address, port)`` every rank
+        receives, e.g. the subnet's broadcast address (see :class:`~pydblp.collective.Collective`);
+        every rank must listen on that ``port``.
 
         ``Config(chunk_bytes=None)`` sizes chunks to the links: every rank
         publishes ``iface``'s MTU and all use :func:`~pydblp.collective.link_chunk_bytes`
@@ -86,6 +89,7 @@ class State:
         by_link = cfg.chunk_bytes is None  # the links decide, once every rank's MTU is known
         # before anything is opened or published
         (dataclasses.replace(cfg, chunk_bytes=DEFAULT_CHUNK) if by_link else cfg).check()
+        cfg.check_group(group)
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
         if transport not in ("udp", "xsk", "xsk-ktx"):
@@ -124,7 +128,7 @@ class State:
                 mtus = [p.get("mtu") for p in recs]
                 chunk = link_chunk_bytes(min(mtus)) if all(mtus) else DEFAULT_CHUNK
                 cfg = dataclasses.replace(cfg, chunk_bytes=chunk)  # (<= widest: min(mtus) <= mine)
-            col = Collective(t, rank, world, peers, cfg)
+            col = Collective(t, rank, world, peers, cfg, group=group)
         except BaseException:  # nothing this call opened outlives it
             if t is not None:
                 t.close()

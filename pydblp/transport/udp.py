@@ -99,6 +99,15 @@ KIND_AT = wire.HEADER_DTYPE.fields["kind"][1]  # the kind byte's offset in a hea
 DATA_KIND = int(wire.Kind.DATA)  # any other kind (a control packet) ends a linger: it wants an answer
 LINGER_STEP = 0.0005     # s: a lingering receive reads what came this often and returns once it has `want`
 
+SO_ATTACH_FILTER = 26
+# classic BPF socket filter: drop what this host looped back to itself (a broadcast it sent:
+# PACKET_LOOPBACK), take the rest whole.  ldb [SKF_AD_OFF + SKF_AD_PKTTYPE]; jeq #5, drop; ret -1; ret 0
+_NO_LOOPBACK = (ctypes.c_uint64 * 4)(*(int.from_bytes(ins, "little") for ins in (
+    (0x30).to_bytes(2, "little") + bytes([0, 0]) + (0xFFFFF004).to_bytes(4, "little"),
+    (0x15).to_bytes(2, "little") + bytes([1, 0]) + (5).to_bytes(4, "little"),
+    (0x06).to_bytes(2, "little") + bytes([0, 0]) + (0xFFFFFFFF).to_bytes(4, "little"),
+    (0x06).to_bytes(2, "little") + bytes([0, 0]) + (0).to_bytes(4, "little"))))
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
 _libc.sendmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
@@ -161,9 +170,11 @@ class UdpTransport(Transport):
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
                                  "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off",
-                                 "rx_gro_packets"), 0)
+                                 "rx_gro_packets", "tx_looped"), 0)
         self._peers: list = []
         self._peer_key: dict[bytes, int] = {}
+        self._bcast = np.zeros(0, bool)  # per peer: a broadcast address (the kernel loops our copy back)
+        self._nbcast = 0
         self._addrs: list[tuple] = []  # socket addresses of the peers, for sendmsg
         self._names = np.zeros((0, SOCKADDR_LEN), np.uint8)
         cap = max_batch
@@ -210,6 +221,11 @@ class UdpTransport(Transport):
                         s.setsockopt(socket.SOL_SOCKET, force, val)
                     except OSError:  # not root: capped by net.core.[rw]mem_max
                         s.setsockopt(socket.SOL_SOCKET, opt, val)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)  # a peer may be a subnet's broadcast address
+                # (whose copy the kernel loops back to this host: never received, filtered before any copy)
+                s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER,
+                             len(_NO_LOOPBACK).to_bytes(2, sys.byteorder) + bytes(6)
+                             + ctypes.addressof(_NO_LOOPBACK).to_bytes(8, sys.byteorder))
                 if ifname:
                     try:
                         s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, ifname.encode())
@@ -259,12 +275,28 @@ class UdpTransport(Transport):
         self._peers.append(ip)
         self._peer_key.setdefault(self._addr_key(row[0]), len(self._peers) - 1)  # first registration wins
         self._host_peer.clear()  # a source seen before it was registered is looked up again
+        self._bcast = np.append(self._bcast, self._is_broadcast(ip))
+        self._nbcast = int(self._bcast.sum())
         if self.family == socket.AF_INET6:
             mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed) if ip.version == 4 else ip
             self._addrs.append((str(mapped), port, 0, 0))
         else:
             self._addrs.append((str(ip), port))
         return len(self._peers) - 1
+
+    def _is_broadcast(self, ip) -> bool:
+        """Whether this host routes ``ip`` as a broadcast (IPv4): connecting a socket without
+        SO_BROADCAST to it is refused with EACCES, the kernel's own routing decision."""
+        if ip.version != 4:
+            return False
+        with net.in_netns(self.netns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((str(ip), 9))
+            except PermissionError:
+                return True
+            except OSError:
+                return False
+        return False
 
     def _addr_key(self, name: np.ndarray) -> bytes:
         """The address bytes of a sockaddr row (what ``_match`` compares; ports are not)."""
@@ -598,6 +630,9 @@ class UdpTransport(Transport):
                 if r > 0:
                     k = int(count[done: done + r].sum())
                     self._c["tx_gso_packets"] += k - int(np.count_nonzero(~seg[done: done + r]))
+                    if self._nbcast:  # each message to a broadcast address comes back once (per datagram
+                        to = self._bcast[peer[rows][first[done: done + r]]]  # without GRO here)
+                        self._c["tx_looped"] += int(to.sum()) if self.gro else int(count[done: done + r][to].sum())
                     pk += k
                     done += r
                     continue
@@ -660,6 +695,7 @@ class UdpTransport(Transport):
                 continue
             self._c["tx_packets"] += 1
             self._c["tx_bytes"] += lens[i] + wire.HEADER_LEN
+            self._c["tx_looped"] += int(self._bcast[peer[i]])
             sent += 1
         return sent
 
@@ -699,7 +735,8 @@ class UdpTransport(Transport):
         s = dict(self._c)
         if self._sock is not None:
             info = np.frombuffer(self._sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 64), "<u4")
-            s["rx_dropped"] = int(info[SK_MEMINFO_DROPS])
+            # (the socket filter's drops of this host's own broadcasts are counted there too: not loss)
+            s["rx_dropped"] = max(0, int(info[SK_MEMINFO_DROPS]) - s["tx_looped"])
             s["rx_queued_bytes"] = int(info[0])
         return s
 

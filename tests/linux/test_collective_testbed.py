@@ -62,7 +62,8 @@ def run_ranks(tb, ts, fn, **cfg):
     cfg.setdefault("job", JOB)
     cfg.setdefault("peer_timeout", 20.0)
     peers = [(tb.addr(r), ts[r].port, tb.mac(r)) for r in range(WORLD)]
-    cols = [Collective(ts[r], r, WORLD, peers, Config(**cfg)) for r in range(WORLD)]
+    group = tb.group(ts[0].port) if cfg.get("allgather") == "broadcast" else None
+    cols = [Collective(ts[r], r, WORLD, peers, Config(**cfg), group=group) for r in range(WORLD)]
     res, errs = {}, {}
 
     def go(r):
@@ -90,15 +91,16 @@ def kind(request, hosts):
     return request.param
 
 
-@pytest.mark.parametrize("mode", ["tar", "ps"])
-def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode):
+@pytest.mark.parametrize("mode, allgather", [("tar", "unicast"), ("ps", "unicast"), ("tar", "broadcast"),
+                                             ("ps", "broadcast")])
+def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode, allgather):
     rng = np.random.default_rng(1)
     sizes = (1, 100_003, 2 * 1024 * 1024 // 4)
     xs = {n: [rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)] for n in sizes}
     # paced: an unpaced 3-to-1 incast (ps mode) can overflow the receiver's switch port, a loss
     # the fabric did not inject; the links' rate is what the bench measures at
     res, cols = run_ranks(clean, transports(clean, kind, hosts, paced=True),
-                          lambda r, c: [c.allreduce(xs[n][r]) for n in sizes], mode=mode)
+                          lambda r, c: [c.allreduce(xs[n][r]) for n in sizes], mode=mode, allgather=allgather)
     for i, n in enumerate(sizes):
         exact = np.mean(xs[n], axis=0)
         for r in range(WORLD):
@@ -106,6 +108,31 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode):
     repaired = [(c.rank, rec.index, rec.min_delivered, rec.retransmits, rec.probes, rec.nacks, c.counters)
                 for c in cols for rec in c.records if rec.min_delivered < 1.0 or rec.retransmits]
     assert not repaired, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
+    # bytes each rank sent in the largest round, in tensors: reduce-scatter (W-1)/W, then its
+    # all-gather (1/W of the tensor) once per peer, or once in all with a broadcast
+    sent = [c.records[-1].bytes_sent / (4 * sizes[-1]) for c in cols]
+    ag = 1 if allgather == "broadcast" else WORLD - 1
+    want = [(WORLD - 1) / WORLD + ag / WORLD for _ in range(WORLD)] if mode == "tar" else \
+        [ag] + [1] * (WORLD - 1)  # ps: rank 0 owns everything
+    assert all(w <= x < w * 1.05 for w, x in zip(want, sent)), (sent, want)
+
+
+@pytest.mark.parametrize("allgather", ["unicast", "broadcast"])
+def test_broadcast_shards_gives_every_rank_each_owners_shard(clean, hosts, allgather):
+    """Bounded-drift parameter broadcast: rank r gets shard k of owner k's values, exactly,
+    whether owners send a copy per rank or one copy to the group."""
+    n = 300_001
+    x = [np.full(n, r + 1, np.float32) for r in range(WORLD)]
+    res, cols = run_ranks(clean, transports(clean, "udp"), lambda r, c: c.broadcast_shards(x[r]),
+                          allgather=allgather)
+    C = cols[0].C
+    T = -(-n // C)
+    want = np.empty(T * C, np.float32)
+    for k in range(WORLD):
+        want[k * T // WORLD * C: (k + 1) * T // WORLD * C] = k + 1
+    for r in range(WORLD):
+        np.testing.assert_array_equal(res[r], want[:n])
+    assert all(rec.min_delivered == 1.0 and not rec.retransmits for c in cols for rec in c.records)
 
 
 def test_loss_within_bound_completes_without_retransmission(clean, hosts, kind):
@@ -121,11 +148,13 @@ def test_loss_within_bound_completes_without_retransmission(clean, hosts, kind):
     assert sum(p["loss"]["packets"] for p in clean.stats().values()) > 0
 
 
-def test_loss_above_bound_is_repaired_to_the_bound(clean, hosts, kind):
-    clean.loss(0.3)  # data and control alike
+@pytest.mark.parametrize("allgather", ["unicast", "broadcast"])
+def test_loss_above_bound_is_repaired_to_the_bound(clean, hosts, kind, allgather):
+    clean.loss(0.3)  # data and control alike (a broadcast's copies each on their own port)
     x = [np.full(100_000, r + 1, np.float32) for r in range(WORLD)]
     res, cols = run_ranks(clean, transports(clean, kind, hosts),
-                          lambda r, c: [c.allreduce(x[r]) for _ in range(3)], phase="static:0.05")
+                          lambda r, c: [c.allreduce(x[r]) for _ in range(3)], phase="static:0.05",
+                          allgather=allgather)
     recs = [rec for c in cols for rec in c.records]
     assert sum(rec.retransmits for rec in recs) > 0
     assert sum(rec.nacks for rec in recs) > 0  # receivers asked for repair without waiting for probes

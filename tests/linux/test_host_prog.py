@@ -157,6 +157,19 @@ def test_malformed_dropped_with_reason(prog, case):
         assert wire.validate(payload, world_size=WORLD, rank=RANK) == case
 
 
+def test_broadcast_data_is_every_ranks_and_control_to_all_is_not(prog):
+    """DATA to DST_ALL (a broadcast all-gather) is admitted like DATA to this rank; a control
+    packet to DST_ALL is dropped (DST): it answers one rank.  userspace agrees."""
+    ok = data(dst=wire.DST_ALL, flags=wire.Flag.ALLGATHER)
+    assert run(prog, dblp_frame(ok)) == (XDP_PASS, {"nosock": 1})
+    assert wire.validate(ok, world_size=WORLD, rank=RANK) == wire.Reason.OK
+    probe = data(dst=wire.DST_ALL, kind=wire.Kind.PROBE)
+    assert run(prog, dblp_frame(probe)) == (XDP_DROP, {"drop": {"dst": 1}})
+    assert wire.validate(probe, world_size=WORLD, rank=RANK) == wire.Reason.DST
+    far = data(dst=wire.DST_ALL - 1)  # past the world, not DST_ALL
+    assert run(prog, dblp_frame(far)) == (XDP_DROP, {"drop": {"rank": 1}})
+
+
 def test_truncated_frame_claiming_more_is_short(prog):
     frame = dblp_frame(data(payload=b"z" * 200))
     verdict, d = run(prog, frame[:-100])  # IP/UDP lengths now exceed the frame

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pydblp import bpf, net, wire
@@ -193,6 +194,50 @@ def test_burst_window_udp_timestamps(clean):
     assert len(inside) > 20 and not (set(inside) & got), "everything inside the window is dropped"
     assert set(outside) <= got, "nothing outside the window is dropped"
     assert tb.stats()["w1"]["burst"]["packets"] == len(sent) - len(got)
+
+
+def test_broadcast_dblp_is_replicated_with_each_ports_faults(clean):
+    """DBLP DATA to every rank, sent once to the subnet's broadcast address, reaches every other
+    worker; each copy meets its own port's faults (all of w2's lost, none of w1's or w3's), and
+    the sender never receives the copy its kernel loops back.  Other broadcasts flood untouched."""
+    from pydblp.transport.base import Batch
+    from pydblp.transport.udp import UdpTransport
+
+    tb = clean
+    tb.loss(1.0, port="w2")
+    ts = [UdpTransport("eth0", netns=tb.ns(w)) for w in tb.workers]
+    try:
+        addr, port, mac = tb.group(ts[0].port)
+        all_id = ts[0].add_peer(addr, port, mac)
+        ts[0].add_peer(tb.addr("w1"), port)
+        assert ts[0]._bcast.tolist() == [True, False]  # the kernel's routing says which is a broadcast
+        n = 20
+        h = wire.empty_batch(n)
+        h["kind"], h["job"], h["src"], h["dst"], h["flags"] = wire.Kind.DATA, 7, 0, wire.DST_ALL, wire.Flag.ALLGATHER
+        h["chunk"], h["nchunks"], h["len"] = range(n), n, 64
+        assert ts[0].send(Batch(h, np.zeros((n, 64), np.uint8), np.full(n, 64), np.full(n, all_id), n)) == n
+        got = {}
+        for w, t in zip(tb.workers, ts):
+            b, end = Batch.empty(64, 2048), time.monotonic() + 0.5
+            got[w] = 0
+            while time.monotonic() < end and got[w] < n:
+                got[w] += t.recv(b, timeout=0.05).n
+        assert got == {"w0": 0, "w1": n, "w2": 0, "w3": n}, got
+        s0 = ts[0].stats()
+        assert s0["tx_looped"] >= 1 and s0["rx_dropped"] == 0 and s0["rx_packets"] == 0, s0
+        s = tb.stats()
+        assert s["w1"]["pass"]["packets"] == s["w3"]["pass"]["packets"] == n
+        assert s["w2"]["loss"]["packets"] == n and "pass" not in s["w0"]
+        # other broadcasts (here plain UDP) go up to the bridge, which floods them untouched
+        u = sock(tb.ns("w0"))
+        u.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        u.sendto(b"hello", (addr, 9))
+        u.close()
+        time.sleep(0.05)
+        assert tb.stats()["w0"]["flood"]["packets"] >= 1
+    finally:
+        for t in ts:
+            t.close()
 
 
 def test_tcp_suffers_the_same_network(clean):

@@ -57,3 +57,18 @@ def test_ceiling_is_gloos_burst_median_over_the_bound():
 def test_no_rate_limit_no_ceiling():
     run = _run()
     assert bench.burst_ceiling(run, "udp", "8", 4, 0.05, 0.8, 0) is None
+
+
+def test_a_broadcast_allgather_or_a_server_moves_the_bound_with_the_busiest_link():
+    """What the busiest rank sends, in tensors: 2 (W-1)/W for an even allreduce; a broadcast
+    all-gather 1; a parameter server W-1, or 1 when it broadcasts.  The bound scales with it."""
+    assert bench.link_share(4) == pytest.approx(1.5)
+    assert bench.link_share(4, broadcast=True) == pytest.approx(1.0)
+    assert bench.link_share(4, "ps") == 3 and bench.link_share(4, "ps", True) == 1
+    assert bench.burst_round_least(1, 4, 0.0, 0.8, 0.0, GBIT, share=1.0) == pytest.approx(LINK_1MIB_4W / 1.5)
+    run = _run()
+    run["udp-bc"] = run["udp"]
+    even = bench.burst_ceiling(run, "udp", "8", 4, 0.0, 0.8, GBIT)
+    bc = bench.burst_ceiling(run, "udp-bc", "8", 4, 0.0, 0.8, GBIT)
+    assert bc > even  # less data through the link: a shorter least burst round
+    assert bench.burst_ceiling(run, "udp", "8", 4, 0.0, 0.8, GBIT, mode="ps") < even

@@ -831,13 +831,25 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     ((0, 2), {"peer_timeout": 0}, "peer_timeout 0"), ((0, 2), {"deadline": -1}, "deadline -1"),
     ((0, 2), {"probe_min": 0.01, "probe_max": 0.005}, "probe_max 0.005"), ((0, 2), {"burst": 0}, "burst 0"),
     ((2, 2), {}, "rank 2: use 0..1"), ((-1, 2), {}, "rank -1"), ((0, 0), {}, "world 0"),
-    ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5")])
+    ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5"),
+    ((0, 2), {"allgather": "multicast"}, "allgather 'multicast'"),
+    ((0, 2), {"allgather": "broadcast"}, "allgather 'broadcast' needs group=")])
 def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
     """Each bad knob gets its own ValueError naming it, before any peer is added to the transport."""
     t = UdpTransport(port=0)
     try:
         with pytest.raises(ValueError, match=says.replace(".", r"\.")):
             Collective(t, *args, [("127.0.0.1", 9), ("127.0.0.1", 9)], Config(**cfg))
+        assert t._peers == []
+    finally:
+        t.close()
+
+
+def test_a_group_without_a_broadcast_allgather_is_refused():
+    t = UdpTransport(port=0)
+    try:
+        with pytest.raises(ValueError, match="group is used only with Config.allgather='broadcast'."):
+            Collective(t, 0, 2, [("127.0.0.1", 9), ("127.0.0.1", 9)], group=("127.255.255.255", 9))
         assert t._peers == []
     finally:
         t.close()

@@ -127,6 +127,7 @@ MALFORMED = [
     (Reason.RANK, lambda: GOOD, {"world_size": 3}),   # src 3
     (Reason.JOB, lambda: poke(GOOD, "job", 0), {}),
     (Reason.DST, lambda: GOOD, {"world_size": 8, "rank": 6}),
+    (Reason.DST, lambda: poke(poke(GOOD, "dst", wire.DST_ALL), "kind", Kind.STOP), {"world_size": 8, "rank": 6}),
     (Reason.TAG, lambda: GOOD, {"key": KEY}),                                   # missing tag
     (Reason.TAG, lambda: wire.encode(sample_header(), b"0123456789", key=b"other"), {"key": KEY}),
     (Reason.TAG, lambda: _tamper(wire.encode(sample_header(), b"0123456789", key=KEY), 40), {"key": KEY}),
@@ -163,6 +164,8 @@ def test_boundaries_are_valid():
     last = poke(poke(GOOD, "nchunks", wire.MAX_NCHUNKS), "chunk", wire.MAX_NCHUNKS - 1)
     assert wire.validate(last) is Reason.OK
     assert wire.validate(GOOD, world_size=8, rank=7) is Reason.OK
+    # DATA to every rank (a broadcast all-gather) is every rank's, whatever the world
+    assert wire.validate(poke(GOOD, "dst", wire.DST_ALL), world_size=8, rank=6) is Reason.OK
     for k in Kind:
         assert wire.validate(poke(GOOD, "kind", k)) is Reason.OK
 
