@@ -32,10 +32,13 @@ from pydblp.collective import Config
 
 rank, kind, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 chunk = None if sys.argv[4] == "link" else int(sys.argv[4])  # link: sized to the links' MTU
+allgather = sys.argv[5] if len(sys.argv) > 5 else "unicast"
+group = ("198.19.255.255", 47800) if allgather == "broadcast" else None  # the testbed's broadcast address
 dist.init_process_group("gloo", init_method=f"tcp://198.18.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
-state = ptorch.State.from_process_group(kind, iface="eth0", config=Config(job=7, peer_timeout=20.0,
-                                                                          chunk_bytes=chunk))
+state = ptorch.State.from_process_group(kind, iface="eth0", group=group,
+                                        config=Config(job=7, peer_timeout=20.0, chunk_bytes=chunk,
+                                                      allgather=allgather))
 try:
     # 300k floats: ~850 packets a rank and round, both ways
     x = np.arange(300_000, dtype=np.float32) * (rank + 1)
@@ -57,7 +60,8 @@ try:
     assert recs and all(r.min_delivered == 1.0 and not r.below_bound for r in recs)
     t = state.collective.t
     print(f"ok {rank} rounds {len(recs)} transport {type(t).__name__}:{getattr(t, 'tx', '-')} "
-          f"chunk {state.collective.cfg.chunk_bytes} rx {t.stats()['rx_packets']}", flush=True)
+          f"chunk {state.collective.cfg.chunk_bytes} rx {t.stats()['rx_packets']} "
+          f"allgather {state.collective.cfg.allgather}", flush=True)
 finally:
     state.close()
     dist.destroy_process_group()
@@ -70,16 +74,17 @@ def tb(bpf_xdp):
         yield t
 
 
-@pytest.mark.parametrize("kind", ["udp", "xsk", "xsk-ktx"])
-def test_state_from_process_group_in_the_testbed(tb, kind):
-    port = 29600 + ["udp", "xsk", "xsk-ktx"].index(kind)
-    outs = run_in_workers(tb, lambda r: [sys.executable, "-c", RANK, str(r), kind, str(port), "1408"], ENV, 120,
-                          f"State.from_process_group({kind!r})")
+@pytest.mark.parametrize("kind, allgather", [("udp", "unicast"), ("xsk", "unicast"), ("xsk-ktx", "unicast"),
+                                             ("udp", "broadcast"), ("xsk-ktx", "broadcast")])
+def test_state_from_process_group_in_the_testbed(tb, kind, allgather):
+    port = 29600 + ["udp", "xsk", "xsk-ktx"].index(kind) + 3 * (allgather == "broadcast")
+    outs = run_in_workers(tb, lambda r: [sys.executable, "-c", RANK, str(r), kind, str(port), "1408", allgather],
+                          ENV, 120, f"State.from_process_group({kind!r}, {allgather})")
     # the state attached the host program (xsk, xsk-ktx) and detached it on close
     for r in range(WORLD):
         assert host.attached_program("eth0", tb.ns(r)) is None
     want = {"udp": "UdpTransport:-", "xsk": "XskTransport:xsk", "xsk-ktx": "XskTransport:kernel"}[kind]
-    assert all(f"transport {want}" in out for out in outs), outs
+    assert all(f"transport {want}" in out and f"allgather {allgather}" in out for out in outs), outs
 
 
 @pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])

@@ -84,6 +84,10 @@ def test_from_process_group_rejects_bad_arguments_before_opening_anything(tmp_pa
         store = dist.distributed_c10d._get_default_store()
         with pytest.raises(ValueError, match="estimator 'median'"):
             ptorch.State.from_process_group("udp", config=Config(job=9, estimator="median"))
+        with pytest.raises(ValueError, match="allgather 'broadcast' needs group="):
+            ptorch.State.from_process_group("udp", config=Config(job=9, allgather="broadcast"))
+        with pytest.raises(ValueError, match="group is used only with"):
+            ptorch.State.from_process_group("udp", config=Config(job=9), group=("127.255.255.255", 9))
         assert store.num_keys() == keys_before
     finally:
         dist.destroy_process_group()
