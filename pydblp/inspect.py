@@ -145,7 +145,8 @@ def _dtype(value: int) -> str:
 
 def header_line(h: wire.Header) -> str:
     """The DBLP part of a summary line."""
-    return (f"{_kind(h.kind)} job {h.job} round {h.round} tensor {h.tensor} rank {h.src}->{h.dst} "
+    dst = "all" if h.dst == wire.DST_ALL else h.dst  # a broadcast all-gather
+    return (f"{_kind(h.kind)} job {h.job} round {h.round} tensor {h.tensor} rank {h.src}->{dst} "
             f"chunk {h.chunk}/{h.nchunks} prio {h.prio} len {h.len} flags {_flags(h.flags)}")
 
 

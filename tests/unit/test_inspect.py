@@ -109,6 +109,11 @@ def test_summary_line():
         "chunk 9/1000 prio 4 len 100 flags RETX|ALLGATHER")
 
 
+def test_summary_names_a_broadcast_allgathers_destination_all():
+    h = Header(kind=wire.Kind.DATA, job=77, src=1, dst=wire.DST_ALL, nchunks=8, flags=wire.Flag.ALLGATHER)
+    assert " rank 1->all chunk 0/8 " in inspect.summary(frame(wire.encode(h, b"x" * 8)))
+
+
 def test_summary_ipv6_and_tag():
     pkt = frame(wire.encode(Header(kind=wire.Kind.PROBE, job=3), b"", key=KEY), sport=47800, dport=5555, v6=True)
     line = inspect.summary(pkt)
