@@ -346,6 +346,7 @@ examples:
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
+  dblp experiment --mode ps --allgather broadcast DBLP's setup: a parameter server, its result broadcast
 """
 
 
@@ -368,6 +369,10 @@ def _add_experiment(sub):
     p.add_argument("--loss", type=float, default=0.0, help="background random loss on every port")
     p.add_argument("--tol", type=float, default=0.016, help="static tolerance, DBLP's P_low (default 0.016)")
     p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
+    p.add_argument("--mode", choices=["tar", "ps"], default="tar",
+                   help="pydblp's collective: transpose allreduce (default) or a parameter server (rank 0)")
+    p.add_argument("--allgather", choices=["unicast", "broadcast"], default="unicast",
+                   help="pydblp's all-gather: a copy per rank (default) or one to the testbed's broadcast address")
     p.add_argument("--target", type=float, help="accuracy (digits, default 0.9) or perplexity (text, 8.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="dblp-experiment", help="output directory (default ./dblp-experiment)")
@@ -397,7 +402,7 @@ def _cmd_experiment(args) -> int:
     opt = runner.Options(workers=args.workers, model=args.model, steps=args.steps, transports=transports,
                          net=args.net, seed=args.seed, bursts=args.bursts, burst_ms=args.burst_ms,
                          loss=args.loss, tol=args.tol, estimator=args.estimator, target=args.target,
-                         out_dir=args.out)
+                         out_dir=args.out, mode=args.mode, allgather=args.allgather)
     try:
         rep = runner.run(opt)
     except RuntimeError as e:

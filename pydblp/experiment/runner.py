@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pydblp import wire
+
 TRANSPORTS = ("gloo", "static", "dblp")
 
 
@@ -37,6 +39,8 @@ class Options:
     loss: float = 0.0               # background random loss
     tol: float = 0.016              # static tolerance and DBLP's P_low
     estimator: str = "unbiased"
+    mode: str = "tar"               # pydblp Config.mode: "tar" or "ps" (DBLP's setup)
+    allgather: str = "unicast"      # pydblp Config.allgather: "broadcast" sends to the testbed's group address
     target: float | None = None     # accuracy (digits) or perplexity (text) to reach
     out_dir: str = "dblp-experiment"
     batch: int = 32
@@ -85,7 +89,8 @@ def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -
                       str(opt.workers), "--master", master, "--transport", transport, "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(opt.seed), "--tol", str(opt.tol), "--estimator", opt.estimator,
-                      "--batch", str(opt.batch), "--rate", str(tb.rate_bps)]
+                      "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
+                      "--allgather", opt.allgather, "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (their --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     errs = [open(Path(opt.out_dir) / f"{transport}.rank{r}.log", "w") for r in range(opt.workers)]

@@ -42,6 +42,9 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=0.016, help="static tolerance; dblp's P_low")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
+    p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
+    p.add_argument("--allgather", choices=["unicast", "broadcast"], default="unicast", help="pydblp Config.allgather")
+    p.add_argument("--group", help="JSON [address, port, mac] every rank receives (--allgather broadcast)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--rate", type=float, default=0.0,
@@ -84,8 +87,11 @@ def main(argv=None) -> int:
             from pydblp.collective import Config, Dblp, Static
 
             phase = Static(a.tol) if a.transport == "static" else Dblp(p_low=a.tol)
-            cfg = Config(job=11, phase=phase, estimator=a.estimator, peer_timeout=a.peer_timeout)
-            state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate)
+            cfg = Config(job=11, phase=phase, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
+                         allgather=a.allgather)
+            group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
+            state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
+                                                    group=group)
             ddp.register_comm_hook(state, ptorch.hook)
         opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if a.model == "digits"
                else torch.optim.Adam(ddp.parameters(), lr=lr))
