@@ -175,7 +175,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "burst_round_ms": float(np.median(sync[in_burst]) * 1e3) if in_burst.any() else None,
         "clean_round_ms": float(np.median(sync[~in_burst]) * 1e3) if (~in_burst).any() else None,
         "delivered": float(np.mean([r["delivered"] for r in rounds])) if rounds else 1.0,
-        "retransmits": int(sum(r["retx"] for r in rounds)) if rounds else None,
+        "retransmits": int(sum(r["retx"] for r in rounds)) + run.final.get("trail_retransmits", 0) if rounds else None,
         "tcp_retransmits": run.final.get("tcp_retransmits"),
         "below_bound_rounds": int(sum(r["below"] for r in rounds)) if rounds else 0,
     }
