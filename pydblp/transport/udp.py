@@ -156,6 +156,12 @@ class UdpTransport(Transport):
     A received datagram's peer id comes from its source address alone, not
     its port: the first peer registered at an address names everything
     from it.
+
+    A peer may be an IPv4 broadcast address (the socket has SO_BROADCAST):
+    one send reaches every host on the segment.  The kernel loops a copy of
+    each such message back to this host; a socket filter drops it before
+    any copy to user space, ``stats()["tx_looped"]`` counts those messages
+    and ``rx_dropped`` leaves them out.
     """
 
     kind = "udp"
@@ -270,12 +276,13 @@ class UdpTransport(Transport):
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
         ip = parse_ip(addr)
         port = check_port(port, "peer port")
+        bcast = self._is_broadcast(ip)
         row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]
         self._names = np.concatenate([self._names, row])
         self._peers.append(ip)
         self._peer_key.setdefault(self._addr_key(row[0]), len(self._peers) - 1)  # first registration wins
         self._host_peer.clear()  # a source seen before it was registered is looked up again
-        self._bcast = np.append(self._bcast, self._is_broadcast(ip))
+        self._bcast = np.append(self._bcast, bcast)
         self._nbcast = int(self._bcast.sum())
         if self.family == socket.AF_INET6:
             mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed) if ip.version == 4 else ip
