@@ -57,8 +57,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--transport", choices=["xsk", "xsk-ktx", "udp", "xsk-bc", "xsk-ktx-bc", "udp-bc", "gloo", "floor"],
-                   required=True, help="-bc: pydblp with a broadcast all-gather to --group")
+    p.add_argument("--transport", required=True, help="-bc: pydblp with a broadcast all-gather to --group",
+                   choices=["xsk", "xsk-ktx", "udp", "xsk-bc", "xsk-ktx-bc", "udp-bc", "gloo", "floor"])
     p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
     p.add_argument("--group", help="JSON [addr, port, mac] reaching every rank (the -bc transports)")
     p.add_argument("--iface", default="eth0")

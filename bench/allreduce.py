@@ -54,10 +54,11 @@ allow (``burst_round_least``: ``1 - tol`` of a rank's ``2 (W-1)/W x tensor``
 through its rate limit, while the burst lasts with ``--burst-ratio`` of it lost).
 
 pydblp runs ``Config(mode=--mode, phase="static:TOL", estimator="unbiased")``
-(``--mode`` tar, the default, or ps: a parameter server, rank 0) with ``--tol`` (default 0.05: a round completes once 95 % of every message
-arrived; more loss is repaired by PROBE/BITMAP retransmission) and
-``peer_timeout`` ``--peer-timeout`` (30 s), transports with ``spin=--spin``
-(default 0: no busy-polling, the ranks share the CPUs).  Gloo runs its default
+(``--mode`` tar, the default, or ps: a parameter server, rank 0) with ``--tol``
+(default 0.05: a round completes once 95 % of every message arrived; more loss
+is repaired by PROBE/BITMAP retransmission) and ``peer_timeout`` ``--peer-timeout``
+(30 s), transports with ``spin=--spin`` (default 0: no busy-polling, the ranks share
+the CPUs).  Gloo runs its default
 allreduce with ``GLOO_SOCKET_IFNAME=eth0``.  Every worker calls
 ``torch.set_num_threads(1)``; workers are not pinned (4 ranks share the
 machine's CPUs; ``--workers 2`` gives each rank a vCPU of its own on this
@@ -89,6 +90,7 @@ Needs root.
 
     .venv/bin/python bench/allreduce.py [--workers 4] [--sizes 1,8,32] [--rounds N] [--tol 0.05]
                                         [--transports xsk,xsk-ktx,udp,gloo,floor] [--conditions clean,loss,burst]
+                                        [--mode tar|ps]
                                         [--repeats 1] [--json out.json]
 """
 
@@ -143,14 +145,14 @@ class WorkerSet:
         self.procs, self.errs, self.bufs = [], [], []
         for r in range(self.world):
             argv = [sys.executable, str(WORKER), "--rank", str(r), "--world", str(self.world),
-                    "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol), "--mode", args.mode,
-                    "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
+                    "--transport", transport, "--peers", json.dumps(peers), "--tol", str(args.tol),
+                    "--mode", args.mode, "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
             if args.send_burst:
                 argv += ["--send-burst", str(args.send_burst)]
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--spin", str(args.spin)]
-            if transport.startswith("xsk") and not transport.startswith("xsk-ktx") and not args.no_pace:
+            if transport.removesuffix("-bc") == "xsk" and not args.no_pace:
                 argv += ["--rate", str(tb.rate_bps)]  # AF_XDP bypasses the TBF: pace at its rate
             if transport.endswith("-bc"):
                 argv += ["--group", json.dumps(tb.group(wire.DEFAULT_PORT))]

@@ -90,7 +90,8 @@ def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(opt.seed), "--tol", str(opt.tol), "--estimator", opt.estimator,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
-                      "--allgather", opt.allgather, "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (their --port)
+                      "--allgather", opt.allgather,
+                      "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     errs = [open(Path(opt.out_dir) / f"{transport}.rank{r}.log", "w") for r in range(opt.workers)]

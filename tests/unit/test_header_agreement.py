@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(GCC is None, reason="gcc not installed: cannot c
 
 # C macro prefix -> the Python enum whose members it mirrors
 ENUMS = {"KIND_": wire.Kind, "DTYPE_": wire.Dtype, "FLAG_": wire.Flag, "REASON_": wire.Reason}
-SCALARS = ("MAGIC", "VERSION", "HEADER_LEN", "TAG_LEN", "DEFAULT_PORT", "MAX_NCHUNKS", "MAX_PRIO", "TOL_SCALE", "DST_ALL")
+SCALARS = ("MAGIC", "VERSION", "HEADER_LEN", "TAG_LEN", "DEFAULT_PORT", "MAX_NCHUNKS", "MAX_PRIO", "TOL_SCALE",
+           "DST_ALL")
 
 
 def python_constants() -> dict[str, int]:
