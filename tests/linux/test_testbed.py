@@ -240,6 +240,32 @@ def test_broadcast_dblp_is_replicated_with_each_ports_faults(clean):
             t.close()
 
 
+def test_broadcast_copies_have_an_early_drop_budget_each(clean):
+    """A broadcast message overloading every port's virtual queue: each port early-drops up to
+    the message's bound on its own copy (the budget is per message and port, not shared)."""
+    from pydblp.transport.base import Batch
+    from pydblp.transport.udp import UdpTransport
+
+    tb = clean
+    tb.queue("8mbit", buffer=48 * 1024)
+    n, tol = 400, 51  # bound 80 chunks
+    t = UdpTransport("eth0", netns=tb.ns("w0"))
+    try:
+        pid = t.add_peer(*tb.group(t.port))
+        h = wire.empty_batch(n)
+        h["kind"], h["job"], h["src"], h["dst"], h["flags"] = wire.Kind.DATA, 7, 0, wire.DST_ALL, wire.Flag.ALLGATHER
+        h["chunk"], h["nchunks"], h["tol"], h["prio"], h["len"] = range(n), n, tol, 7, 1000
+        assert t.send(Batch(h, np.zeros((n, 1000), np.uint8), np.full(n, 1000), np.full(n, pid), n)) == n
+        time.sleep(0.2)
+    finally:
+        t.close()
+    s = tb.stats()
+    early = {w: s[w].get("early7", {}).get("packets", 0) for w in ("w1", "w2", "w3")}
+    assert early == {"w1": 80, "w2": 80, "w3": 80}, (early, s)
+    spent = sorted(struct.unpack("=I", v)[0] for _, v in tb.fabric.maps["msgs"].items())
+    assert spent == [80, 80, 80]
+
+
 def test_tcp_suffers_the_same_network(clean):
     tb = clean
     srv = sock(tb.ns("w3"), socket.SOCK_STREAM)
