@@ -8,7 +8,10 @@ process changes faults at run time.
 Faults are per *egress* port: the switch-side veth ``wK`` carries frames to
 worker K, and a fault set on ``wK`` acts on frames delivered to worker K.  The
 program runs at the ingress of the port a frame arrives on and finds the
-egress port from the destination MAC (the ``fdb`` map, filled here).
+egress port from the destination MAC (the ``fdb`` map, filled here).  DBLP
+data to every rank (``wire.DST_ALL``, a broadcast all-gather) is copied to
+every other port through the devmap ``bcast`` (filled here), whose egress
+program applies each port's faults to its copy.
 
 The structs below mirror ``bpf/fabric.h``; tests/linux/test_fabric.py checks
 them against the compiled object's types.
@@ -322,7 +325,8 @@ class Fabric:
 
         Causes: pass, loss, ge, burst, tail, early0..7, bound (early drop refused
         because the message's bound was spent; forwarded), flood (broadcast or
-        unknown destination, counted on the ingress port).
+        unknown destination handed to the bridge, counted on the ingress port; a
+        broadcast all-gather's copies count on their egress ports like unicast).
         """
         out = {name: {"config": self.config(idx).describe()} for name, idx in self.ports.items()}
         cm = self.maps["counters"]
