@@ -157,11 +157,12 @@ class UdpTransport(Transport):
     its port: the first peer registered at an address names everything
     from it.
 
-    A peer may be an IPv4 broadcast address (the socket has SO_BROADCAST):
+    A peer may be an IPv4 broadcast address (the socket then gets SO_BROADCAST):
     one send reaches every host on the segment.  The kernel loops a copy of
-    each such message back to this host; a socket filter drops it before
-    any copy to user space, ``stats()["tx_looped"]`` counts those messages
-    and ``rx_dropped`` leaves them out.
+    each such message back to this host; a socket filter (attached with the
+    first such peer) drops it before any copy to user space,
+    ``stats()["tx_looped"]`` counts those messages and ``rx_dropped`` leaves
+    them out.
     """
 
     kind = "udp"
@@ -227,11 +228,6 @@ class UdpTransport(Transport):
                         s.setsockopt(socket.SOL_SOCKET, force, val)
                     except OSError:  # not root: capped by net.core.[rw]mem_max
                         s.setsockopt(socket.SOL_SOCKET, opt, val)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)  # a peer may be a subnet's broadcast address
-                # (whose copy the kernel loops back to this host: never received, filtered before any copy)
-                s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER,
-                             len(_NO_LOOPBACK).to_bytes(2, sys.byteorder) + bytes(6)
-                             + ctypes.addressof(_NO_LOOPBACK).to_bytes(8, sys.byteorder))
                 if ifname:
                     try:
                         s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, ifname.encode())
@@ -277,6 +273,11 @@ class UdpTransport(Transport):
         ip = parse_ip(addr)
         port = check_port(port, "peer port")
         bcast = self._is_broadcast(ip)
+        if bcast and not self._nbcast:  # the first broadcast peer: allow sending to it, and drop the copy
+            s = self._sock              # the kernel loops back to this host before any copy to user space
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+            s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, len(_NO_LOOPBACK).to_bytes(2, sys.byteorder)
+                         + bytes(6) + ctypes.addressof(_NO_LOOPBACK).to_bytes(8, sys.byteorder))
         row = np.frombuffer(_sockaddr(self.family, ip, port), np.uint8)[None]
         self._names = np.concatenate([self._names, row])
         self._peers.append(ip)
