@@ -387,8 +387,10 @@ class Collective:
     (``198.19.255.255`` in the testbed's 198.18.0.0/15; MAC ``ff:ff:ff:ff:ff:ff``) on one
     L2 segment whose switch replicates it.  An owner then sends its all-gather's first pass
     once, to ``group``, with destination ``wire.DST_ALL``, instead of once per rank: a third
-    of the all-gather's bytes on its link with 4 ranks.  Each receiver's bound, STOP, BITMAPs
-    and retransmissions stay its own (unicast), so loss on one receiver's port costs only it.
+    of the all-gather's bytes on its link with 4 ranks (what each rank receives is unchanged,
+    so this serves a parameter server, ``mode="ps"``, far more than a transpose allreduce).
+    Each receiver's bound, STOP, BITMAPs and retransmissions stay its own (unicast), so loss
+    on one receiver's port costs only it.
 
     Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
     late probes, serves the last rounds' trailing all-gather messages
