@@ -25,6 +25,9 @@ BPF_TABLE("lru_hash", struct dblp_msg_key, u32, shed, DBLP_SHED_ENTRIES);
 BPF_PERCPU_ARRAY(counters, u64, DBLP_CNT_MAX);
 /* per-CPU arrival window for the in-kernel rate estimate: [start ns, count] */
 BPF_PERCPU_ARRAY(rate, u64, 2);
+/* DBLP control packets (PROBE, BITMAP, STOP...) redirected to AF_XDP sockets, read by userspace
+ * through mmap: a receive lingering for data returns once one comes (it wants an answer) */
+BPF_F_TABLE("array", u32, u64, ctrl_seen, 1, BPF_F_MMAPABLE);
 
 #define RATE_WINDOW_NS 1000000ULL
 
@@ -183,6 +186,13 @@ int dblp_host(struct xdp_md *ctx)
 	if (job->transport == DBLP_TRANSPORT_UDP) {
 		count(DBLP_CNT_DBLP_PASS);
 		return XDP_PASS;
+	}
+	if (h->kind != DBLP_KIND_DATA) {
+		u32 zero = 0;
+		u64 *seen = ctrl_seen.lookup(&zero);
+
+		if (seen)
+			__sync_fetch_and_add(seen, 1);
 	}
 	int act = xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
 	count(act == XDP_REDIRECT ? DBLP_CNT_REDIRECT : DBLP_CNT_NOSOCK);

@@ -14,6 +14,7 @@ checks them against the C side.
 from __future__ import annotations
 
 import enum
+import mmap
 import struct
 import weakref
 
@@ -42,7 +43,7 @@ STRUCTS = {
 }
 JOB, MSG_KEY, HOST_CFG = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
                           for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg"))
-MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate")
+MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen")
 
 # Default pressure at which each priority is shed: prio 7 first, prio 0 never.
 DEFAULT_SHED_AT = (0, 900, 800, 700, 600, 500, 400, 300)
@@ -135,6 +136,12 @@ class HostMaps:
         return out
 
     # -- AF_XDP sockets --
+    def control_seen(self) -> mmap.mmap:
+        """A read-only mapping whose first 8 bytes (a native-endian u64) count the DBLP control
+        packets (any kind but DATA) this program redirected to AF_XDP sockets: a receive that
+        lingers for data stops once the count moves.  The caller closes it."""
+        return mmap.mmap(self.maps["ctrl_seen"].fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+
     def xsk_insert(self, queue: int, fd: int) -> None:
         """Steer the rx queue's valid DBLP packets to socket ``fd`` (bind and fill it first)."""
         if not 0 <= queue < MAX_QUEUES:

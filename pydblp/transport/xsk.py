@@ -72,6 +72,7 @@ from pydblp.transport.base import Batch, Transport, TransportError, check_port, 
 
 AF_XDP = 44
 SOL_XDP = 283
+_U64 = struct.Struct("=Q")  # the host program's control-packet count (HostMaps.control_seen)
 XDP_MMAP_OFFSETS = 1
 XDP_RX_RING = 2
 XDP_TX_RING = 3
@@ -186,7 +187,7 @@ class XskTransport(Transport):
         if tx == "kernel" and rate:
             raise ValueError("rate paces the AF_XDP tx ring; with tx='kernel' the device's qdisc paces (drop rate)")
         self.tx = tx
-        self._ktx = None
+        self._ktx = self._ctrl = None
         if tx == "kernel":  # the tx ring stays idle: a token UMEM share, not 8 MiB populated for nothing
             tx_frames = min(tx_frames, 64)
         if rate < 0 or (rate_burst is not None and rate_burst < 4 * frame_size):
@@ -208,6 +209,10 @@ class XskTransport(Transport):
             pressure = host.set_pressure
         self._pressure_fn = pressure
         self._pressure = -1
+        # pydblp's host program counts the control packets it redirects (HostMaps.control_seen):
+        # a lingering receive stops once one came since the last receive
+        self._ctrl = host.control_seen() if host is not None and hasattr(host, "control_seen") else None
+        self._ctrl_last = self._ctrl_count()
         self._inserted = False
         if frame_size not in (2048, 4096):
             raise ValueError("frame_size must be 2048 or 4096 (aligned UMEM chunks)")
@@ -453,7 +458,9 @@ class XskTransport(Transport):
                     if avail or pace is None or (end is not None and time.monotonic() >= end):
                         break
                     pace = self._pump()
-        if 0 < avail < want and linger > 0:  # coalesce: let more arrive, still releasing paced frames
+        seen = self._ctrl_count()
+        if 0 < avail < want and linger > 0 and seen == self._ctrl_last:
+            # coalesce: let more arrive, still releasing paced frames, until a control packet comes
             end = time.monotonic() + linger
             while avail < want:
                 left = end - time.monotonic()
@@ -462,6 +469,10 @@ class XskTransport(Transport):
                 pace = self._pump()
                 time.sleep(builtins.min(left, 0.0005 if pace is None else builtins.min(pace, 0.0005)))
                 avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
+                seen = self._ctrl_count()
+                if seen != self._ctrl_last:
+                    break
+        self._ctrl_last = seen
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
         n = min(avail, cap)
         if n == 0:
@@ -1012,6 +1023,10 @@ class XskTransport(Transport):
             s.update((k, v) for k, v in self._ktx.stats().items() if k.startswith("tx_"))
         return s
 
+    def _ctrl_count(self) -> int | None:
+        """The host program's count of control packets redirected (None: no such count)."""
+        return None if self._ctrl is None else _U64.unpack_from(self._ctrl)[0]
+
     def fileno(self) -> int:
         return self._fd
 
@@ -1019,6 +1034,9 @@ class XskTransport(Transport):
         if self._ktx is not None:
             self._ktx.close()
             self._ktx = None
+        if self._ctrl is not None:
+            self._ctrl.close()
+            self._ctrl = None
         if self._sock is None:
             return
         try:

@@ -170,6 +170,20 @@ def test_broadcast_data_is_every_ranks_and_control_to_all_is_not(prog):
     assert run(prog, dblp_frame(far)) == (XDP_DROP, {"drop": {"rank": 1}})
 
 
+def test_control_packets_redirected_are_counted_for_userspace(prog):
+    """The count a lingering AF_XDP receive watches (mmap of ctrl_seen): every control packet
+    of an xsk job moves it, DATA and dropped packets do not."""
+    import struct
+
+    with prog.control_seen() as m:
+        before = struct.unpack_from("=Q", m)[0]
+        for kind in (wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP):
+            run(prog, dblp_frame(data(kind=kind)))
+        run(prog, dblp_frame(data()))
+        run(prog, dblp_frame(data(kind=wire.Kind.STOP, dst=RANK + 1)))  # dropped (DST)
+        assert struct.unpack_from("=Q", m)[0] - before == 3
+
+
 def test_truncated_frame_claiming_more_is_short(prog):
     frame = dblp_frame(data(payload=b"z" * 200))
     verdict, d = run(prog, frame[:-100])  # IP/UDP lengths now exceed the frame

@@ -424,6 +424,39 @@ def test_recv_coalesces_a_trickle_into_one_batch(pair):
         assert chk.add(got) == 20 and (chk.seen == 1).all()
 
 
+def test_a_control_packet_ends_a_linger(pair):
+    """As over UDP: a control packet (any kind but DATA) wants an answer, so a lingering recv
+    returns once one came, not at the linger's end.  The host program counts the control packets
+    it redirects (HostMaps.control_seen, read through mmap); DATA does not move the count."""
+    import threading
+
+    with xsk(pair, 0) as ta, xsk(pair, 1) as tb:
+        pb = ta.add_peer(ADDR[4][1])
+        count = tb._ctrl_count()
+        assert ta.send(packets(0, 3, 0, 1, JOB, pb)) == 3
+        stop = packets(3, 1, 0, 1, JOB, pb)
+        stop.headers["kind"] = wire.Kind.STOP
+        later = threading.Timer(0.05, lambda: ta.send(stop))
+        later.start()
+        t = time.monotonic()
+        try:
+            got = tb.recv(Batch.empty(256, MAXLEN), timeout=1.0, want=50, linger=2.0)  # 3 DATA in the ring
+        finally:
+            later.join()
+        assert time.monotonic() - t < 1.0, "waited out the linger"
+        assert tb._ctrl_count() == count + 1
+        kinds = got.headers["kind"].tolist()
+        if int(wire.Kind.STOP) not in kinds:  # (the STOP came after the ring was read)
+            kinds += tb.recv(Batch.empty(256, MAXLEN), timeout=1.0).headers["kind"].tolist()
+        assert sorted(kinds) == [int(wire.Kind.DATA)] * 3 + [int(wire.Kind.STOP)]
+        # a control packet already in the ring before a recv: no linger at all
+        assert ta.send(stop) == 1 and ta.send(packets(4, 1, 0, 1, JOB, pb)) == 1
+        time.sleep(0.05)
+        t = time.monotonic()
+        got = tb.recv(Batch.empty(256, MAXLEN), timeout=1.0, want=50, linger=2.0)
+        assert len(got) == 2 and time.monotonic() - t < 1.0
+
+
 def test_add_peer_resolves_the_mac_on_demand(pair):
     """No static neighbour for a third address: add_peer makes the kernel ARP for it."""
     a, b = pair["ns"]
