@@ -191,9 +191,11 @@ class Transport(abc.ABC):
         then, if fewer than ``want`` have arrived, up to ``linger`` seconds
         more for them (interrupt coalescing: fewer, larger batches while a
         stream trickles in at line rate), then takes whatever has arrived;
-        ``UdpTransport`` ends the linger as soon as a control packet (any kind
-        but DATA) is read, since it wants an answer (AF_XDP's linger counts ring
-        entries and does not look at them).  Only packets that pass
+        the linger ends as soon as a control packet (any kind but DATA) has
+        come, since it wants an answer (``UdpTransport`` sees it in what it
+        reads; ``XskTransport`` with pydblp's host program in the program's
+        count of control packets redirected, ``HostMaps.control_seen``; with
+        another program it lingers on).  Only packets that pass
         :func:`pydblp.wire.validate_batch` are returned; the rest are counted
         in ``stats()["rx_invalid"]``.  Payloads longer than ``into.maxlen``
         are truncated and counted in ``stats()["rx_truncated"]``.
