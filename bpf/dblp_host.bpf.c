@@ -25,8 +25,9 @@ BPF_TABLE("lru_hash", struct dblp_msg_key, u32, shed, DBLP_SHED_ENTRIES);
 BPF_PERCPU_ARRAY(counters, u64, DBLP_CNT_MAX);
 /* per-CPU arrival window for the in-kernel rate estimate: [start ns, count] */
 BPF_PERCPU_ARRAY(rate, u64, 2);
-/* DBLP control packets (PROBE, BITMAP, STOP...) redirected to AF_XDP sockets, read by userspace
- * through mmap: a receive lingering for data returns once one comes (it wants an answer) */
+/* Valid DBLP control packets (PROBE, BITMAP, STOP...) of AF_XDP jobs, counted before their
+ * redirect and read by userspace through mmap: a receive lingering for data returns once one
+ * comes (it wants an answer) */
 BPF_F_TABLE("array", u32, u64, ctrl_seen, 1, BPF_F_MMAPABLE);
 
 #define RATE_WINDOW_NS 1000000ULL

@@ -137,9 +137,10 @@ class HostMaps:
 
     # -- AF_XDP sockets --
     def control_seen(self) -> mmap.mmap:
-        """A read-only mapping whose first 8 bytes (a native-endian u64) count the DBLP control
-        packets (any kind but DATA) this program redirected to AF_XDP sockets: a receive that
-        lingers for data stops once the count moves.  The caller closes it."""
+        """A read-only mapping whose first 8 bytes (a native-endian u64) count the valid DBLP
+        control packets (any kind but DATA) of AF_XDP jobs this program let through (redirected,
+        or passed where the queue has no socket): a receive that lingers for data stops once the
+        count moves.  The caller closes it."""
         return mmap.mmap(self.maps["ctrl_seen"].fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
 
     def xsk_insert(self, queue: int, fd: int) -> None:
@@ -192,6 +193,11 @@ def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     if not (d / "config").exists():
         where = f" --netns {netns}" if netns else ""
         raise HostError(f"pydblp is not loaded on {ifname}{where}: run `dblp load {ifname}{where}`")
+    missing = [name for name in MAPS if not (d / name).exists()]
+    if missing:  # pins of a program from another pydblp version, still attached
+        where = f" --netns {netns}" if netns else ""
+        raise HostError(f"the program pinned on {ifname} lacks map(s) {', '.join(missing)} (another pydblp "
+                        f"version): `dblp unload {ifname}{where}` and `dblp load {ifname}{where}` again")
     return HostMaps({name: bpf.Map.pinned(d / name) for name in MAPS}, ifname, netns)
 
 

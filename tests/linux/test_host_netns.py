@@ -86,6 +86,15 @@ def test_cli_load_traffic_counters_unload_all(pair, capsys):
     assert c["dblp_pass"] == n
     assert c["drop"]["magic"] == 1 and c["drop"]["job"] == 1
     assert c["pass"] >= 1  # the other-port datagram (and any ARP)
+    # pins of another pydblp version (a map this one needs is not there): one line saying what to do
+    pin = bpf.pin_dir("host", "vb", b) / "ctrl_seen"
+    with bpf.Map.pinned(pin) as kept:  # (the attached program keeps the map; the pin goes for a while)
+        pin.unlink()
+        try:
+            with pytest.raises(host.HostError, match=r"lacks map\(s\) ctrl_seen .*`dblp unload vb --netns"):
+                host.open_pinned("vb", b)
+        finally:
+            bpf.obj_pin(kept.fd, pin)
     capsys.readouterr()
     assert cli.main(["status"]) == 0
     out = capsys.readouterr().out
