@@ -1,9 +1,10 @@
 # make test: set the host up and run the whole suite (root for the privileged part).
 # make demo: set the host up and run the main job.
+# make smoke: build sdist + wheel and check they install and load in clean venvs (root).
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo smoke clean
 setup:
 	tools/setup
 
@@ -13,5 +14,8 @@ test: setup
 demo: setup
 	.venv/bin/dblp experiment
 
+smoke: setup
+	tools/smoke-install
+
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build dist *.egg-info pydblp/bpf_src

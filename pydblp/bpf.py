@@ -17,7 +17,18 @@ from pathlib import Path
 
 from pydblp import net
 
-BPF_DIR = Path(os.environ.get("DBLP_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
+
+def _bpf_dir() -> Path:
+    """Where the BPF sources are: ``$DBLP_BPF_DIR``, else the installed package's copy
+    (``pydblp/bpf_src``, put there by the build: setup.py), else the checkout's ``bpf/``."""
+    if os.environ.get("DBLP_BPF_DIR"):
+        return Path(os.environ["DBLP_BPF_DIR"])
+    here = Path(__file__).resolve().parent
+    packaged = here / "bpf_src"
+    return packaged if (packaged / "dblp.h").exists() else here.parent / "bpf"
+
+
+BPF_DIR = _bpf_dir()
 BPFFS = Path("/sys/fs/bpf")
 PIN_ROOT = BPFFS / "dblp"
 
@@ -216,7 +227,11 @@ def test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:
 
 def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
     """Compile ``bpf/<name>`` with bcc (a few seconds); returns the ``bcc.BPF`` object."""
-    from bcc import BPF
+    try:
+        from bcc import BPF
+    except ModuleNotFoundError:
+        raise BPFError("bcc does not import: install Debian's python3-bpfcc and link it "
+                       "into this venv (README, 'Install')") from None
 
     src = BPF_DIR / name
     if not src.exists():

@@ -380,6 +380,7 @@ def _add_experiment(sub):
 
 
 def _cmd_experiment(args) -> int:
+    from pydblp._extras import require
     from pydblp.collective.phase import DBLP_K
     from pydblp.experiment import report, runner
 
@@ -399,6 +400,8 @@ def _cmd_experiment(args) -> int:
     for ok, what in checks:
         if not ok:
             raise UsageError(what.format(**vars(args)))
+    # before a testbed comes up: the plots need matplotlib, the digits data set scikit-learn
+    require("the main job", "matplotlib", *(("sklearn",) if args.model == "digits" else ()))
     opt = runner.Options(workers=args.workers, model=args.model, steps=args.steps, transports=transports,
                          net=args.net, seed=args.seed, bursts=args.bursts, burst_ms=args.burst_ms,
                          loss=args.loss, tol=args.tol, estimator=args.estimator, target=args.target,
@@ -452,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from pydblp._extras import MissingExtra
     from pydblp.bpf import BPFError
     from pydblp.net import NetError
 
@@ -459,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return args.func(args) or 0
-    except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError) as e:
+    except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError, MissingExtra) as e:
         print(f"dblp {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,9 @@ directions, so ``rdpcap``/``sniff`` show DBLP fields::
 :func:`pydblp.wire.validate` on the UDP payload bytes, not with scapy's
 dissection, so a malformed packet is reported with its reason and never
 raises.
+
+Needs scapy (``pip install 'pydblp[inspect]'``); importing this module
+without it raises :class:`pydblp._extras.MissingExtra`, which says so.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 
-from scapy.fields import ByteEnumField, ByteField, FlagsField, IntField, ShortField, XShortField
-from scapy.layers.inet import IP, UDP
-from scapy.layers.inet6 import IPv6
-from scapy.packet import Packet, bind_bottom_up, bind_layers
+from pydblp._extras import require
 
-from pydblp import wire
+require("pydblp.inspect", "scapy")
+
+from scapy.fields import ByteEnumField, ByteField, FlagsField, IntField, ShortField, XShortField  # noqa: E402
+from scapy.layers.inet import IP, UDP  # noqa: E402
+from scapy.layers.inet6 import IPv6  # noqa: E402
+from scapy.packet import Packet, bind_bottom_up, bind_layers  # noqa: E402
+
+from pydblp import wire  # noqa: E402
 
 _FLAG_NAMES = [f.name for f in sorted(wire.Flag, key=int)]
 assert [1 << i for i in range(len(_FLAG_NAMES))] == sorted(int(f) for f in wire.Flag)

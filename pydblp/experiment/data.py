@@ -12,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pydblp._extras import require
+
 TEXT_MODULES = ("argparse.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
                 "subprocess.py", "textwrap.py", "typing.py", "shutil.py")
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2):
     """(x_train, y_train, x_test, y_test): float32 images (N, 1, 8, 8) scaled to [0, 1], int64 labels."""
+    require("the digits data set (dblp experiment --model digits)", "sklearn")
     from sklearn.datasets import load_digits
 
     d = load_digits()

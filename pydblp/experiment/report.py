@@ -65,6 +65,9 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def plots(rep: dict, out: Path) -> list[Path]:
+    from pydblp._extras import require
+
+    require("the experiment's plots", "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,7 +14,8 @@ Everything is built with pyroute2 netlink.  Addresses come from 198.18.0.0/15
 is no default route.  Neighbours are static (no ARP on the fabric), IPv6 is
 off (no ND/MLD chatter in the counters), RPS is on for every veth (veth
 reorders otherwise), and each worker NIC has a TBF rate limit (1 Gbit/s by
-default, DESIGN.md section 8).
+default: with XDP on the veths two vCPUs cannot keep up with raw veth speed,
+docs/testbed.md).
 
 A JSON state file per testbed (``/run/dblp/testbed/NAME.json``) is written
 *before* anything is created, so ``down`` finds and removes everything a
