@@ -80,12 +80,23 @@ class Protocol:
         self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, ag, dst,
                                                   # nchunks, tol8, chunk, payload)
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
-        self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs
-        self.estimate = 0.005                     # this rank's own estimate (s), from the STOP delays it measures
+        self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
+                                                  # this rank's own is :attr:`estimate`
+        self.estimate = 0.005
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
+
+    @property
+    def estimate(self) -> float:
+        """This rank's own probe timeout estimate (s), from the STOP delays it measures; every STOP
+        it sends carries it."""
+        return self.timeouts[self.rank]
+
+    @estimate.setter
+    def estimate(self, value: float) -> None:
+        self.timeouts[self.rank] = value
 
     @property
     def probe_timeout(self) -> float:
@@ -94,7 +105,6 @@ class Protocol:
         Each rank adapts its estimate to the STOP delays it measures and carries it in every
         STOP it sends, so all ranks converge on one value (OptiReduce-style agreement).
         """
-        self.timeouts[self.rank] = self.estimate
         known = sorted(t for t in self.timeouts if t is not None)
         mid = len(known) // 2
         return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
