@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         gen = torch.Generator().manual_seed(a.seed * 1000 + rank)
         step, t_start = 0, time.monotonic()
         for epoch in range(a.epochs):
-            n_rec, t0 = len(col.records), time.monotonic()
+            i_rec, t0 = col.index, time.monotonic()
             order = mine[torch.randperm(len(mine), generator=gen)]
             tot = torch.zeros(3)  # loss sum, correct, samples
             for i in range(per_epoch):
@@ -158,11 +158,11 @@ def main(argv=None) -> int:
             log(f"epoch {epoch + 1}/{a.epochs}  steps {step}  loss {tot[0] / max(tot[2], 1):.4f}  "
                 f"train acc {tot[1] / max(tot[2], 1):.3f}  test acc {acc:.3f}  param spread {spread:.2e}  "
                 f"{time.monotonic() - t0:.1f} s")
-            log(f"  rank 0 collective: {round_stats(col.records[n_rec:])}")
+            log(f"  rank 0 collective: {round_stats([r for r in col.records if r.index >= i_rec])}")
             if a.steps and step >= a.steps:
                 break
         log(f"done: {step} steps in {time.monotonic() - t_start:.1f} s; "
-            f"all rounds: {round_stats(col.records)}; counters {col.counters}")
+            f"latest rounds (Config.records_max): {round_stats(col.records)}; counters {col.counters}")
         dist.barrier()  # nobody stops answering late probes before every rank has finished
         return 0
     except (CollectiveError, RuntimeError) as e:  # DDP may re-raise the hook's error as RuntimeError

@@ -1,11 +1,16 @@
 """Bounded-loss collectives: transpose allreduce and parameter server over a Transport.
 
-Pure numpy: usable without torch.  See :mod:`pydblp.collective.core` for the
-protocol and failure semantics, :mod:`~pydblp.collective.estimators` for the
-estimators and priorities, :mod:`~pydblp.collective.phase` for tolerance control.
+Pure numpy: usable without torch.  The protocol, its bounds and failure semantics are
+described in docs/protocol.md.  Modules: :mod:`~pydblp.collective.engine` (:class:`Collective`),
+:mod:`~pydblp.collective.protocol` (one rank's rounds, step by step),
+:mod:`~pydblp.collective.matcher` (the receive path), :mod:`~pydblp.collective.messages`
+(per-message and per-round state), :mod:`~pydblp.collective.config` (knobs, records,
+constants), :mod:`~pydblp.collective.estimators` (estimators and priorities),
+:mod:`~pydblp.collective.phase` (tolerance control).
 """
 
-from pydblp.collective.core import Collective, CollectiveError, Config, RoundRecord, link_chunk_bytes
+from pydblp.collective.config import CollectiveError, Config, RoundRecord, link_chunk_bytes
+from pydblp.collective.engine import Collective
 from pydblp.collective.phase import Dblp, PhaseController, Schedule, Static
 
 __all__ = ["Collective", "CollectiveError", "Config", "RoundRecord", "link_chunk_bytes",

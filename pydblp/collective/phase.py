@@ -10,12 +10,14 @@ critical.  Critical rounds use ``p_low``; the others ``p_low + k``.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable
 
 import numpy as np
 
 DBLP_K = 0.40  # DBLP's P_high - P_low: 40 percentage points
+HISTORY_MAX = 1024  # measurements Dblp.history keeps
 
 
 class PhaseController:
@@ -57,7 +59,9 @@ class Dblp(PhaseController):
         self.p_low, self.k, self.freq, self.eta = p_low, k, freq, eta
         self.critical = True
         self.g_prev: float | None = None
-        self.history: list[tuple[int, float, bool]] = []  # (round index, G, critical)
+        # the latest measurements, for inspection: (round index, G, critical); bounded, so a long
+        # run's memory stays flat
+        self.history: collections.deque[tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_MAX)
 
     def tol(self, index: int) -> float:
         return self.p_low if self.critical else self.p_low + self.k

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=120))
     state = None
+    rounds: list[dict] = []  # every round's record, compact (Config.on_record)
     try:
         if a.model == "digits":
             model = models.DigitsCNN()
@@ -88,7 +89,9 @@ def main(argv=None) -> int:
 
             phase = Static(a.tol) if a.transport == "static" else Dblp(p_low=a.tol)
             cfg = Config(job=11, phase=phase, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
-                         allgather=a.allgather)
+                         allgather=a.allgather, on_record=lambda r: rounds.append(
+                             {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
+                              "retx": r.retransmits, "below": r.below_bound}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
             state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
                                                     group=group)
@@ -121,10 +124,7 @@ def main(argv=None) -> int:
                       "step": step, "t": time.monotonic() - t_start})
         final = {"final": True, "wall": time.monotonic() - t_start, "tcp_retransmits": tcp_retransmits() - retrans0}
         if state is not None:
-            recs = state.collective.records
-            final["rounds"] = [{"tol": r.tol, "phase": r.phase, "latency": r.latency,
-                                "delivered": r.min_delivered, "retx": r.retransmits,
-                                "below": r.below_bound} for r in recs]
+            final["rounds"] = rounds  # every round's (Collective.records keeps only the latest)
             # an all-gather's repairs after its round returned (a server's, mostly) are in no record
             final["trail_retransmits"] = state.collective.counters["trail_retransmits"]
         emit(final)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from pydblp import wire
-from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedule, Static, estimators
+from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedule, Static, config, estimators
+from pydblp.collective.protocol import Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
 
@@ -177,7 +178,7 @@ def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
     xs = inputs(3, 30_000, rounds=2, seed=3)
     first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
-    assert bool(rk.cols[0]._last) == (fill == "stale")  # the local fill keeps no copy of each result
+    assert bool(rk.cols[0].protocol.stale) == (fill == "stale")  # the local fill keeps no copy of each result
     kept = {r: f.copy() for r, f in first.items()}
     for f in first.values():  # the caller owns a result: changing it must not change the stale fill
         f[:] = np.nan
@@ -344,12 +345,12 @@ def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want):
     rk = ranks(3)
     for r, c in enumerate(rk.cols):
         t = 0.03 if r in slow_ranks else 0.002
-        c.cfg.probe_min = c.cfg.probe_max = c._probe_timeout = t
+        c.cfg.probe_min = c.cfg.probe_max = c.protocol.estimate = t
     xs = inputs(3, 20_000, rounds=3)
     _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
     assert not errs
     for r, c in enumerate(rk.cols):
-        assert c._timeouts == pytest.approx([0.03 if q in slow_ranks else 0.002 for q in range(3)])
+        assert c.protocol.timeouts == pytest.approx([0.03 if q in slow_ranks else 0.002 for q in range(3)])
         assert c.probe_timeout == pytest.approx(want)
 
 
@@ -358,9 +359,8 @@ class Rank0:
 
     def __init__(self, tol=0.05):
         self.t = UdpTransport(port=0)
-        self.col = Collective(self.t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 1)], Config(phase=f"static:{tol}"))
-        self.col._poll_lock.acquire()  # the idle responder stays away from the transport
-        self.st = self.col._start(np.zeros(200 * self.col.C, np.float32), 0, True)
+        self.col = Protocol(self.t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 1)], Config(phase=f"static:{tol}"))
+        self.st = self.col.start(np.zeros(200 * self.col.C, np.float32), 0, True)
 
     def data(self, chunks, now, ag=False):
         """DATA of rank 1's reduce-scatter message to rank 0 (chunks of shard 0, 100 rows), or with
@@ -370,18 +370,17 @@ class Rank0:
         h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.DATA, 1, st.round, 1, 0
         h["flags"] = wire.Flag.ALLGATHER if ag else 0
         h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = chunks, n, st.tol8, width, wire.Dtype.F32
-        self.col._process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
+        self.col.process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
 
     def sent(self):
         """Control packets queued since the last call, as (kind, dst, first chunk, bits)."""
         out = [(k, dst, chunk, np.unpackbits(np.frombuffer(pl, np.uint8), bitorder="little"))
-               for _, _, k, _, dst, _, _, chunk, pl in self.col._ctrl]
-        self.col._ctrl.clear()
+               for _, _, k, _, dst, _, _, chunk, pl in self.col.ctrl]
+        self.col.ctrl.clear()
         return out
 
     def close(self):
-        self.col._poll_lock.release()
-        self.col.close()
+        self.t.close()
 
 
 @pytest.fixture
@@ -399,15 +398,15 @@ def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
     rank0.data([c for c in range(100) if c not in lost], t)
     inn = rank0.st.ins[(False, 1)]
     assert (inn.count, inn.hi, inn.need) == (60, 100, 96)
-    rank0.col._nacks(rank0.st, t + 0.001)
+    rank0.col.nacks(rank0.st, t + 0.001)
     assert rank0.sent() == []  # not quiet long enough
-    rank0.col._nacks(rank0.st, t + 0.0025)
+    rank0.col.nacks(rank0.st, t + 0.0025)
     (kind, dst, first, bits), = rank0.sent()
     assert (kind, dst, first) == (wire.Kind.BITMAP, 1, 0)
     np.testing.assert_array_equal(bits[:100].astype(bool), [c not in lost for c in range(100)])
-    rank0.col._nacks(rank0.st, t + 0.005)
+    rank0.col.nacks(rank0.st, t + 0.005)
     assert rank0.sent() == []  # 4 ms after the first NACK, not 2
-    rank0.col._nacks(rank0.st, t + 0.007)
+    rank0.col.nacks(rank0.st, t + 0.007)
     assert len(rank0.sent()) == 1 and rank0.st.nacks == 2
 
 
@@ -418,17 +417,17 @@ def test_nack_backs_off_its_interval_not_the_silence(rank0):
     lost = set(range(30, 70))
     t = 100.0
     rank0.data([c for c in range(100) if c not in lost], t)
-    rank0.col._nacks(rank0.st, t + 0.0025)
+    rank0.col.nacks(rank0.st, t + 0.0025)
     assert len(rank0.sent()) == 1
     rank0.data([30, 31], t + 0.005)  # 2 of the 40 asked for
-    rank0.col._nacks(rank0.st, t + 0.0065)
+    rank0.col.nacks(rank0.st, t + 0.0065)
     assert rank0.sent() == []  # 1.5 ms of silence
-    rank0.col._nacks(rank0.st, t + 0.0071)
+    rank0.col.nacks(rank0.st, t + 0.0071)
     (kind, dst, first, bits), = rank0.sent()  # 2.1 ms of silence, 4.6 ms since the last NACK
     assert kind == wire.Kind.BITMAP and bits[30] and bits[31] and not bits[32]
-    rank0.col._nacks(rank0.st, t + 0.0110)
+    rank0.col.nacks(rank0.st, t + 0.0110)
     assert rank0.sent() == []  # 3.9 ms since the last NACK
-    rank0.col._nacks(rank0.st, t + 0.0112)
+    rank0.col.nacks(rank0.st, t + 0.0112)
     assert len(rank0.sent()) == 1  # 4.1 ms: the interval stays at 2x, it does not grow to 4x
 
 
@@ -436,19 +435,17 @@ def test_an_owner_holds_back_half_its_allgather_in_a_round_that_repairs(rank0):
     """Once a round has repaired loss (a NACK went out), an owner's all-gather goes half at its
     reduce and the rest AG_SPLIT later, so a retransmission asked for meanwhile is not queued
     behind the whole message; without loss it goes at once."""
-    from pydblp.collective import core
-
     t = time.monotonic()
     rank0.data([c for c in range(100) if not 30 <= c < 70], t - 0.01)
-    rank0.col._nacks(rank0.st, t)
+    rank0.col.nacks(rank0.st, t)
     assert rank0.st.repair
     rank0.data(list(range(30, 70)), t)
-    rank0.col._reduce(rank0.st)
+    rank0.col.reduce(rank0.st)
     o = rank0.st.outs[(True, 1)]
     assert o.n == 100
-    rank0.col._send_some(rank0.st, time.monotonic())
-    assert o.sent == 50 and rank0.col._tx_wait > 0
-    rank0.col._send_some(rank0.st, time.monotonic() + core.AG_SPLIT)
+    rank0.col.send_some(rank0.st, time.monotonic())
+    assert o.sent == 50 and rank0.col.tx_wait > 0
+    rank0.col.send_some(rank0.st, time.monotonic() + config.AG_SPLIT)
     assert o.sent == 100
 
 
@@ -458,19 +455,19 @@ def test_an_owner_whose_own_messages_are_done_sends_its_whole_allgather(rank0):
     even in a round that repairs."""
     t = time.monotonic()
     rank0.data([c for c in range(100) if not 30 <= c < 70], t - 0.01)
-    rank0.col._nacks(rank0.st, t)
+    rank0.col.nacks(rank0.st, t)
     assert rank0.st.repair
     rank0.data(list(range(30, 70)), t)
     rank0.st.outs[(False, 1)].done = True  # rank 1 has reduced (its STOP or all-gather came)
-    rank0.col._reduce(rank0.st)
-    rank0.col._send_some(rank0.st, time.monotonic())
+    rank0.col.reduce(rank0.st)
+    rank0.col.send_some(rank0.st, time.monotonic())
     assert rank0.st.outs[(True, 1)].sent == 100
 
 
 def test_an_owner_sends_its_whole_allgather_in_a_clean_round(rank0):
     rank0.data(list(range(100)), time.monotonic())
-    rank0.col._reduce(rank0.st)
-    rank0.col._send_some(rank0.st, time.monotonic())
+    rank0.col.reduce(rank0.st)
+    rank0.col.send_some(rank0.st, time.monotonic())
     assert rank0.st.outs[(True, 1)].sent == 100
 
 
@@ -499,7 +496,7 @@ def test_a_lost_stop_holds_no_round(ranks):
     0.5 s later and ends with the STOP that answers it."""
     rk = ranks(2, phase="static:0", probe_min=0.5, probe_max=0.5)
     for c in rk.cols:
-        c._probe_timeout = 0.5
+        c.protocol.estimate = 0.5
     dropped = set()  # (sender, round, dst, flags) of the messages whose first STOP was lost
 
     def first_stop(r):
@@ -525,9 +522,9 @@ def test_a_lost_stop_holds_no_round(ranks):
     assert [rec.probes for c in rk.cols for rec in c.records] == [0] * 8
     assert max(rec.latency for c in rk.cols for rec in c.records) < 0.25
     deadline = time.monotonic() + 3.0
-    while any(not o.done for c in rk.cols for o in list(c._trail.values())) and time.monotonic() < deadline:
+    while any(c.trailing for c in rk.cols) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert all(o.done for c in rk.cols for o in list(c._trail.values()))
+    assert not any(c.trailing for c in rk.cols)
     assert all(c.counters["trail_probes"] >= 1 for c in rk.cols)
 
 
@@ -571,9 +568,9 @@ def test_a_round_returns_before_its_allgather_is_acknowledged_and_repairs_it_aft
     assert c0.counters["trail_probes"] >= 1 and c0.counters["trail_retransmits"] >= 5
     assert c0.records[0].retransmits == 0 and not c0.records[0].below_bound  # (its own round: nothing resent)
     deadline = time.monotonic() + 2.0  # rank 1's STOP ends the trailing message
-    while any(not o.done for o in list(c0._trail.values())) and time.monotonic() < deadline:
+    while c0.trailing and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all(o.done for o in list(c0._trail.values()))
+    assert c0.trailing == 0
 
 
 def test_a_trailing_message_to_a_dead_peer_is_dropped_after_peer_timeout(ranks):
@@ -587,13 +584,13 @@ def test_a_trailing_message_to_a_dead_peer_is_dropped_after_peer_timeout(ranks):
     assert not errs
     np.testing.assert_allclose(res[0], (xs[0][0] + xs[0][1]) / 2, rtol=1e-6)
     c0 = rk.cols[0]
-    assert len(c0._trail) == 1
+    assert c0.trailing == 1
     rk.cols[1].close()
     deadline = time.monotonic() + 5.0
     while c0.counters["trail_dropped"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert c0.counters["trail_dropped"] == 1 and c0.counters["trail_probes"] >= 1
-    assert not c0._trail
+    assert c0.trailing == 0
 
 
 def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
@@ -606,13 +603,13 @@ def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
     for rnd, answered in ((rank0.st.round - 2, True), (rank0.st.round - 5, True), (rank0.st.round - 1, False),
                           (rank0.st.round + 3, False)):
         h["round"] = rnd & 0xFFFFFFFF
-        rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
+        rank0.col.control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
         got = rank0.sent()
         assert [k for k, *_ in got] == ([wire.Kind.STOP] if answered else []), rnd
     # the STOP carries the probe's chunk count and tolerance
     h["round"] = (rank0.st.round - 2) & 0xFFFFFFFF
-    rank0.col._control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
-    assert {(q[2], q[5], q[6]) for q in rank0.col._ctrl} == {(wire.Kind.STOP, 77, 12)}
+    rank0.col.control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
+    assert {(q[2], q[5], q[6]) for q in rank0.col.ctrl} == {(wire.Kind.STOP, 77, 12)}
 
 
 def test_chunks_already_received_count_past_the_bound():
@@ -633,7 +630,7 @@ def test_chunks_already_received_count_past_the_bound():
             peer = tx.add_peer("127.0.0.1", r.t.port)
             assert tx.send(Batch(h, vals.view(np.uint8), np.full(n, C * 4, np.int32), np.full(n, peer, np.int32), n)) == n
         r.col.cfg.deadline = 0.05
-        r.col._run(st)
+        r.col.run(st)
         assert inn.count == 100
         np.testing.assert_array_equal(st.y[60:100], vals / 2)  # (rank 0's zeros + rank 1's) / 2 arrived
         np.testing.assert_array_equal(st.y[:60], 0)
@@ -648,8 +645,8 @@ def test_a_receive_lingers_only_for_data_on_its_way(rank0):
     rank0.data(list(range(60)), t)
     inn = rank0.st.ins[(False, 1)]
     assert (True, 1) in rank0.st.ins and rank0.st.ins[(True, 1)].count == 0
-    assert rank0.col._expected(rank0.st, t + 0.001) == inn.need - 60  # 36: the all-gather is not counted
-    assert rank0.col._expected(rank0.st, t + 0.0025) == 1
+    assert rank0.st.expected(t + 0.001) == inn.need - 60  # 36: the all-gather is not counted
+    assert rank0.st.expected(t + 0.0025) == 1
 
 
 def test_a_receive_before_the_reduce_lingers_for_the_reduce_scatter_only(rank0):
@@ -660,10 +657,10 @@ def test_a_receive_before_the_reduce_lingers_for_the_reduce_scatter_only(rank0):
     rank0.data(list(range(50)), t, ag=True)  # rank 1 reduced first: its all-gather flows
     rs, ag = rank0.st.ins[(False, 1)], rank0.st.ins[(True, 1)]
     assert ag.count == 50 and not rank0.st.reduced
-    assert rank0.col._expected(rank0.st, t + 0.001) == rs.need - 60  # 36, not 36 + 46
+    assert rank0.st.expected(t + 0.001) == rs.need - 60  # 36, not 36 + 46
     rank0.data(list(range(60, 100)), t + 0.001)
-    rank0.col._reduce(rank0.st)
-    assert rank0.col._expected(rank0.st, t + 0.0015) == ag.need - 50  # 46: the all-gather now
+    rank0.col.reduce(rank0.st)
+    assert rank0.st.expected(t + 0.0015) == ag.need - 50  # 46: the all-gather now
 
 
 def test_a_nacked_message_nacks_its_lost_tail_too(rank0):
@@ -673,14 +670,14 @@ def test_a_nacked_message_nacks_its_lost_tail_too(rank0):
     again (before, it waited for the sender's probe timeout)."""
     t = 100.0
     rank0.data([c for c in range(90) if not 30 <= c < 70], t)
-    rank0.col._nacks(rank0.st, t + 0.0025)
+    rank0.col.nacks(rank0.st, t + 0.0025)
     assert len(rank0.sent()) == 1
     rank0.data(list(range(30, 70)), t + 0.004)
     inn = rank0.st.ins[(False, 1)]
     assert (inn.count, inn.hi, inn.need) == (90, 90, 96)
-    rank0.col._nacks(rank0.st, t + 0.0055)
+    rank0.col.nacks(rank0.st, t + 0.0055)
     assert rank0.sent() == []  # 1.5 ms of silence
-    rank0.col._nacks(rank0.st, t + 0.0065)
+    rank0.col.nacks(rank0.st, t + 0.0065)
     (kind, dst, first, bits), = rank0.sent()
     assert kind == wire.Kind.BITMAP
     np.testing.assert_array_equal(bits[:100].astype(bool), np.arange(100) < 90)
@@ -691,10 +688,10 @@ def test_receiver_never_nacks_loss_within_the_bound(rank0):
     coming) leaves the bound within reach: no NACK however long it stays silent."""
     t = 100.0
     rank0.data([c for c in range(50) if c not in (3, 4)], t)
-    rank0.col._nacks(rank0.st, t + 1.0)
+    rank0.col.nacks(rank0.st, t + 1.0)
     assert rank0.sent() == []
     rank0.data([c for c in range(50, 100) if c not in (70, 71)], t + 2.0)  # 4 lost: the bound allows 4
-    rank0.col._nacks(rank0.st, t + 3.0)
+    rank0.col.nacks(rank0.st, t + 3.0)
     assert [k for k, *_ in rank0.sent()] == [wire.Kind.STOP] and rank0.st.nacks == 0
 
 
@@ -705,7 +702,7 @@ def test_all_gather_data_ends_the_senders_reduce_scatter_message(rank0):
     o.sent, o.t_sent_all, o.t_last = o.n, 100.0, 100.0
     rank0.data([0], 100.001, ag=True)
     assert o.done
-    rank0.col._timers(rank0.st, 101.0)
+    rank0.col.timers(rank0.st, 101.0)
     assert [k for k, *_ in rank0.sent()] == []
 
 
@@ -719,7 +716,7 @@ def test_sender_retransmits_only_what_has_gone_out(rank0):
     h["kind"], h["job"], h["round"], h["src"], h["dst"], h["chunk"] = wire.Kind.BITMAP, 1, rank0.st.round, 1, 0, 0
     bits = np.zeros(104, bool)
     bits[:10] = True  # chunks 0..9 arrived, 10..99 did not
-    rank0.col._control(rank0.st, h.item(), np.packbits(bits, bitorder="little"), 100.0, current=True)
+    rank0.col.control(rank0.st, h.item(), np.packbits(bits, bitorder="little"), 100.0, current=True)
     assert np.flatnonzero(o.retx).tolist() == list(range(10, 30))
     assert o.nretx == 20 and o.timeouts == 0 and not o.done
 
@@ -746,12 +743,12 @@ def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeyp
     def bitmap(have, t):
         bits = np.zeros(104, bool)
         bits[list(have)] = True
-        rank0_exact.col._control(rank0_exact.st, h.item(), np.packbits(bits, bitorder="little"), t, current=True)
+        rank0_exact.col.control(rank0_exact.st, h.item(), np.packbits(bits, bitorder="little"), t, current=True)
         return np.flatnonzero(o.retx).tolist()
 
     every = set(range(100))
     assert bitmap(every - set(range(10, 30)), 100.010) == list(range(10, 30))  # no round trip known: all
-    rank0_exact.col._send_some(rank0_exact.st, 100.011)  # 10..29 resent, numbers 100..119
+    rank0_exact.col.send_some(rank0_exact.st, 100.011)  # 10..29 resent, numbers 100..119
     assert o.nretx == 0 and o.seq[10:30].tolist() == list(range(100, 120))
     # 10..19 are in, 4 ms after they went: 20..29, sent after 19, may still be on their way
     assert bitmap(every - set(range(20, 30)), 100.015) == [] and o.rtt == pytest.approx(0.004)
@@ -759,7 +756,7 @@ def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeyp
     assert bitmap(every - set(range(20, 25)), 100.016) == [20, 21, 22, 23, 24]
     assert bitmap(every - {23, 24}, 100.0162) == [23, 24]  # shown in: out of the queue before they go
     assert o.rtt == pytest.approx(0.0052)  # 20..22 went at 100.011
-    rank0_exact.col._send_some(rank0_exact.st, 100.017)
+    rank0_exact.col.send_some(rank0_exact.st, 100.017)
     assert bitmap(every - {23, 24}, 100.024) == []  # 7 ms after they went: on their way
     assert bitmap(every - {23, 24}, 100.0252) == [23, 24]  # 8.2 ms (> 1.5 x 5.2): lost
 
@@ -767,40 +764,36 @@ def test_sender_resends_what_is_lost_not_what_is_on_its_way(rank0_exact, monkeyp
 def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
     """A transport that paces itself (tx_backlog > 0) gets no more data while it holds more than
     TXQ_LIMIT, so a STOP queued next waits at most that long; once it drains, sending resumes."""
-    from pydblp.collective import core
-
     sent = []
     monkeypatch.setattr(rank0.t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
     o = rank0.st.outs[(False, 1)]
-    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: core.TXQ_LIMIT + 0.004)
-    assert rank0.col._send_some(rank0.st, 100.0) is False
+    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: config.TXQ_LIMIT + 0.004)
+    assert rank0.col.send_some(rank0.st, 100.0) is False
     assert sent == [] and o.sent == 0
-    assert rank0.col._tx_wait == pytest.approx(0.002)  # capped: the loop still wakes up for packets
-    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: core.TXQ_LIMIT / 2)
-    rank0.col._send_some(rank0.st, 100.0)
-    assert sent == [100] and o.sent == 100 and rank0.col._tx_wait is None
+    assert rank0.col.tx_wait == pytest.approx(0.002)  # capped: the loop still wakes up for packets
+    monkeypatch.setattr(rank0.t, "tx_backlog", lambda: config.TXQ_LIMIT / 2)
+    rank0.col.send_some(rank0.st, 100.0)
+    assert sent == [100] and o.sent == 100 and rank0.col.tx_wait is None
 
 
 def test_a_round_that_repairs_keeps_the_kernel_queue_short(rank0, monkeypatch):
     """In a round that repairs (a NACK or BITMAP seen), no data goes while the kernel's send queue
     holds more than TXQ_REPAIR (a retransmission asked for next would wait behind it); in a clean
     round the queue is not looked at (nothing waits behind it, and each look costs a loop turn)."""
-    from pydblp.collective import core
-
-    sent, queued = [], [core.TXQ_REPAIR + 1]
+    sent, queued = [], [config.TXQ_REPAIR + 1]
     monkeypatch.setattr(rank0.t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
     monkeypatch.setattr(rank0.t, "tx_queued", lambda: queued[0])
     o = rank0.st.outs[(False, 1)]
     o.avail = 40
-    rank0.col._send_some(rank0.st, 100.0)
+    rank0.col.send_some(rank0.st, 100.0)
     assert sent == [40] and not rank0.st.repair  # clean: the queue does not matter
     o.avail = o.n
     rank0.st.repair = True
-    assert rank0.col._send_some(rank0.st, 100.0) is False
-    assert sent == [40] and o.sent == 40 and rank0.col._tx_wait == pytest.approx(0.001)
-    queued[0] = core.TXQ_REPAIR // 2
-    rank0.col._send_some(rank0.st, 100.0)
-    assert sent == [40, 60] and o.sent == 100 and rank0.col._tx_wait is None
+    assert rank0.col.send_some(rank0.st, 100.0) is False
+    assert sent == [40] and o.sent == 40 and rank0.col.tx_wait == pytest.approx(0.001)
+    queued[0] = config.TXQ_REPAIR // 2
+    rank0.col.send_some(rank0.st, 100.0)
+    assert sent == [40, 60] and o.sent == 100 and rank0.col.tx_wait is None
 
 
 def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
@@ -809,18 +802,18 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     t = 100.0
     lost = list(range(20, 60))
     rank0.data([c for c in range(100) if c not in lost], t)
-    rank0.col._nacks(rank0.st, t + 0.0025)
+    rank0.col.nacks(rank0.st, t + 0.0025)
     assert len(rank0.sent()) == 1  # first NACK: 40 missing
     t2 = t + 0.003
     rank0.data(lost[:10], t2)  # 10 of 40 got through
-    rank0.col._nacks(rank0.st, t2 + 0.0025)
+    rank0.col.nacks(rank0.st, t2 + 0.0025)
     assert rank0.sent() == []  # still backing off: 2.5 ms < 4 ms
-    rank0.col._nacks(rank0.st, t2 + 0.0041)
+    rank0.col.nacks(rank0.st, t2 + 0.0041)
     assert len(rank0.sent()) == 1  # second NACK: 30 missing
     t3 = t2 + 0.005
     rank0.data(lost[10:35], t3)  # 25 of 30: the repair got through, but 5 still missing > bound (4)
     assert rank0.st.ins[(False, 1)].nacks == 0
-    rank0.col._nacks(rank0.st, t3 + 0.0025)
+    rank0.col.nacks(rank0.st, t3 + 0.0025)
     assert len(rank0.sent()) == 1  # back to the 2 ms quiet
 
 
@@ -840,7 +833,7 @@ def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
     try:
         with pytest.raises(ValueError, match=says.replace(".", r"\.")):
             Collective(t, *args, [("127.0.0.1", 9), ("127.0.0.1", 9)], Config(**cfg))
-        assert t._peers == []
+        assert t.add_peer("127.0.0.1", 9) == 0  # the first peer: the refusal registered none
     finally:
         t.close()
 
@@ -850,7 +843,7 @@ def test_a_group_without_a_broadcast_allgather_is_refused():
     try:
         with pytest.raises(ValueError, match="group is used only with Config.allgather='broadcast'."):
             Collective(t, 0, 2, [("127.0.0.1", 9), ("127.0.0.1", 9)], group=("127.255.255.255", 9))
-        assert t._peers == []
+        assert t.add_peer("127.0.0.1", 9) == 0  # the first peer: the refusal registered none
     finally:
         t.close()
 
@@ -864,6 +857,12 @@ def test_a_closed_transport_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="transport is closed"):
         Collective(t, 0, 2, [("127.0.0.1", 9), ("127.0.0.1", 9)])
     assert threading.active_count() == threads
+
+
+def _responder(rank: int) -> threading.Thread:
+    """The idle responder of rank ``rank`` of the one collective alive (``pydblp-idle-<rank>``)."""
+    (t,) = [t for t in threading.enumerate() if t.name == f"pydblp-idle-{rank}"]
+    return t
 
 
 def _switches(thread: threading.Thread) -> int:
@@ -880,9 +879,9 @@ def test_the_idle_responder_sleeps_while_nothing_arrives(ranks):
     _, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
     time.sleep(0.05)  # the last STOPs are in; the responders serve the transports
-    before = [_switches(c._idler) for c in rk.cols]
+    before = [_switches(_responder(r)) for r in range(2)]
     time.sleep(0.2)
-    assert [_switches(c._idler) - b for c, b in zip(rk.cols, before)] == [0, 0]
+    assert [_switches(_responder(r)) - b for r, b in enumerate(before)] == [0, 0]
 
 
 def test_a_round_after_a_pause_never_waits_for_the_idle_responder(ranks):
@@ -912,10 +911,10 @@ def test_back_to_back_rounds_leave_the_idle_responder_asleep(ranks):
     xs = inputs(2, 20_000, rounds=rounds)
     _, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
-    before = [_switches(c._idler) for c in rk.cols]
+    before = [_switches(_responder(r)) for r in range(2)]
     _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(rounds)])
     assert not errs
-    woken = [_switches(c._idler) - b for c, b in zip(rk.cols, before)]
+    woken = [_switches(_responder(r)) - b for r, b in enumerate(before)]
     assert max(woken) < rounds // 4, woken  # (a rank held up past IDLE_GRACE wakes it: rare)
 
 
@@ -935,8 +934,10 @@ def test_the_idle_responder_answers_a_probe_for_the_finished_round(ranks):
             pass
         h = wire.empty_batch(1)
         h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.PROBE, 1, rnd, 1, 0
-        h["chunk"], h["nchunks"], h["tol"], h["dtype"] = 0, rk.cols[0]._prev[1][(False, 1)].n, 0, wire.Dtype.RAW
-        assert t1.send(Batch.fill(h, np.zeros((1, 0), np.uint8), peer=c1._pid[0])) == 1
+        shard0 = -(-5000 // c1.C) // 2  # chunks of rank 1's reduce-scatter message to rank 0
+        h["chunk"], h["nchunks"], h["tol"], h["dtype"] = 0, shard0, 0, wire.Dtype.RAW
+        to0 = t1.add_peer("127.0.0.1", rk.ts[0].port)
+        assert t1.send(Batch.fill(h, np.zeros((1, 0), np.uint8), peer=to0)) == 1
         got, deadline = [], time.monotonic() + 2.0
         while not got and time.monotonic() < deadline:
             b = t1.recv(Batch.empty(16, 64), timeout=0.1)
@@ -953,7 +954,7 @@ def test_close_ends_the_idle_responder_and_leaves_no_descriptor():
     xs = inputs(2, 5000)
     _, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
-    idlers = [c._idler for c in rk.cols]
+    idlers = [_responder(r) for r in range(2)]
     rk.cols[0]._running = True  # one responder asleep on its alarm, one serving
     time.sleep(0.01)
     rk.close()

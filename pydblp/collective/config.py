@@ -1,0 +1,145 @@
+"""Knobs, records, errors and tuning constants of the bounded-loss collective.
+
+What each constant times or bounds is described in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydblp import wire
+from pydblp.collective import estimators, phase as phases
+
+# plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
+DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
+RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
+AG = int(wire.Flag.ALLGATHER)
+DST_ALL = wire.DST_ALL
+RETX = int(wire.Flag.RETX)
+TAG = int(wire.Flag.TAG)
+FEW = 8  # packets up to which a received batch is sorted one by one in Python
+MASK32 = 0xFFFFFFFF
+STASH_MAX = 65536  # packets of the next round kept before it starts
+RECV_BATCH = 2048  # packets taken from the transport per receive call
+DRAIN_READS = 8  # receives at most when taking in what has already arrived (a bound was reached)
+NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
+IDLE_GRACE = 0.002  # s without a round before the idle responder serves the transport
+LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
+LINGER_MIN = 16  # fewer data packets due than this: a receive takes what is there
+TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
+DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
+TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
+TXQ_REPAIR = 512 << 10  # bytes in the kernel's send queue past which a round that repairs hands it no more
+LOSS_RTTS = 1.5  # round trips after which a retransmission still missing from a BITMAP counts as lost
+AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
+RECORDS_MAX = 4096  # round records a Collective keeps by default (Config.records_max)
+
+
+CHUNK_MAX = 8000  # Config.check's bound
+ALLGATHERS = ("unicast", "broadcast")
+
+
+def link_chunk_bytes(mtu: int) -> int:
+    """The largest ``Config.chunk_bytes`` a link of ``mtu`` carries in one datagram, over IPv4 or
+    IPv6: ``mtu`` less the IPv6, UDP and DBLP headers, rounded down to a multiple of 64 bytes, at
+    most 8000.  MTU 1500 gives the default 1408; MTU 9000 gives 8000.  Raises ValueError below 144.
+    """
+    least = 64 + wire.DATAGRAM_OVERHEAD
+    if mtu < least:
+        raise ValueError(f"mtu {mtu}: a DBLP chunk of 64 bytes needs an MTU of at least {least}")
+    return min(CHUNK_MAX, (mtu - wire.DATAGRAM_OVERHEAD) // 64 * 64)
+
+
+class CollectiveError(RuntimeError):
+    """A round cannot complete: a peer is dead or unreachable, or the inputs disagree."""
+
+
+@dataclass
+class RoundRecord:
+    """What one round did, kept in ``Collective.records`` (and handed to ``Config.on_record``)."""
+
+    index: int
+    round: int
+    tensor: int
+    tol: float
+    phase: str
+    latency: float
+    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
+    min_delivered: float = 1.0
+    # retransmits and probes: of this round's messages while it ran; a trailing message's after
+    # it returned are in counters["trail_retransmits"] and ["trail_probes"]
+    retransmits: int = 0    # chunks resent
+    probes: int = 0
+    nacks: int = 0          # unsolicited BITMAPs this rank sent as a receiver
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    below_bound: bool = False
+
+
+@dataclass
+class Config:
+    """Knobs of a collective; every rank must use the same mode, chunk size and job."""
+
+    job: int = 1
+    mode: str = "tar"                # "tar" (transpose allreduce) or "ps" (parameter server, rank 0)
+    estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (sum/arrived)
+    fill: str = "stale"              # all-gather misses: "stale" or "local"
+    allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
+                                     # Collective's group address; the network replicates it)
+    priority: str = "magnitude"      # "magnitude", "position" or "none"
+    phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
+    chunk_bytes: int | None = 1408   # payload per packet (fits MTU 1500 over IPv4 and IPv6); None:
+                                     # pydblp.torch.State picks the links' size (link_chunk_bytes)
+    deadline: float | None = None    # seconds; a round may end below the bound only if set
+                                     # (owners stop waiting for contributions at half of it)
+    peer_timeout: float = 10.0       # a needed peer silent this long fails the round
+    probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
+    probe_max: float = 0.05
+    burst: int = 1024                # packets sent per loop turn before draining receive; what every
+                                     # sender has in flight must fit the receivers' rings (there is no
+                                     # pacing): AF_XDP's 16384 receive frames by default
+    records_max: int = RECORDS_MAX   # round records Collective.records keeps (the latest; older ones
+                                     # are dropped, so a long run's memory stays flat)
+    on_record: Callable[[RoundRecord], None] | None = None  # called with each round's record as the
+                                     # round ends (in the caller's thread; an exception it raises
+                                     # propagates out of allreduce after the round's state is kept)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first knob out of range (a :class:`Collective` checks its
+        config before it registers any peer; ``pydblp.torch`` before it opens anything)."""
+        for name, value, allowed in (("mode", self.mode, ("tar", "ps")),
+                                     ("estimator", self.estimator, estimators.ESTIMATORS),
+                                     ("fill", self.fill, estimators.FILLS),
+                                     ("allgather", self.allgather, ALLGATHERS),
+                                     ("priority", self.priority, estimators.PRIORITIES)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
+        if self.chunk_bytes is None:
+            raise ValueError("chunk_bytes None: give a size (pydblp.torch.State.from_process_group picks one "
+                             "from the links' MTU; link_chunk_bytes(mtu) computes it)")
+        if self.chunk_bytes % 4 or not 64 <= self.chunk_bytes <= CHUNK_MAX:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes}: use a multiple of 4 in 64..{CHUNK_MAX}")
+        if not 1 <= self.job <= 0xFFFFFFFF:
+            raise ValueError(f"job {self.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
+        for name, value in (("peer_timeout", self.peer_timeout), ("probe_min", self.probe_min),
+                            ("deadline", 1.0 if self.deadline is None else self.deadline)):
+            if not value > 0:
+                raise ValueError(f"{name} {value}: use a positive number of seconds")
+        if self.probe_max < self.probe_min:
+            raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
+        if self.burst < 1:
+            raise ValueError(f"burst {self.burst}: use 1 or more packets")
+        if self.records_max < 0:
+            raise ValueError(f"records_max {self.records_max}: use 0 or more records")
+        if self.on_record is not None and not callable(self.on_record):
+            raise ValueError(f"on_record {self.on_record!r}: give a callable taking a RoundRecord, or None")
+        phases.make(self.phase)  # a bad phase spec or tolerance
+
+    def check_group(self, group) -> None:
+        """Raise ValueError unless ``group`` (Collective's) is given exactly when ``allgather`` is
+        "broadcast"."""
+        if (self.allgather == "broadcast") != (group is not None):
+            raise ValueError("allgather 'broadcast' needs group=(address, port): an address every rank receives "
+                             "(the subnet's broadcast address)" if group is None else
+                             "group is used only with Config(allgather='broadcast')")

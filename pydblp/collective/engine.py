@@ -1,0 +1,221 @@
+"""The bounded-loss collective's public face: :class:`Collective`, one per rank.
+
+It runs rounds of the protocol (:class:`~pydblp.collective.protocol.Protocol`, described in
+docs/protocol.md) for one caller at a time, and between rounds answers peers from a thread of
+its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import select
+import threading
+import time
+
+import numpy as np
+
+from pydblp.collective.config import IDLE_GRACE, RECV_BATCH, CollectiveError, Config, RoundRecord
+from pydblp.collective.protocol import Protocol
+from pydblp.collective.timer import Alarm
+from pydblp.transport.base import Transport
+
+
+class Collective:
+    """Bounded-loss allreduce for one rank.
+
+    ``peers[r]`` is ``(addr, port)`` or ``(addr, port, mac)`` of rank r (this
+    rank's own entry is ignored).  Not thread-safe: one caller at a time.
+
+    ``group``: with ``Config.allgather="broadcast"`` (and only then), ``(addr, port)`` or
+    ``(addr, port, mac)`` that reaches every rank at once: an IPv4 subnet broadcast address
+    (``198.19.255.255`` in the testbed's 198.18.0.0/15; MAC ``ff:ff:ff:ff:ff:ff``) on one
+    L2 segment whose switch replicates it.  An owner then sends its all-gather's first pass
+    once, to ``group``, with destination ``wire.DST_ALL``, instead of once per rank: a third
+    of the all-gather's bytes on its link with 4 ranks (what each rank receives is unchanged,
+    so this serves a parameter server, ``mode="ps"``, far more than a transpose allreduce).
+    Each receiver's bound, STOP, BITMAPs and retransmissions stay its own (unicast), so loss
+    on one receiver's port costs only it.
+
+    Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
+    late probes, serves the last rounds' trailing all-gather messages
+    (retransmissions asked for, probes) and keeps the next round's packets; it
+    sleeps while nothing arrives and no probe is due, and is never woken by
+    rounds that follow each other within ``IDLE_GRACE`` (2 ms).  :meth:`close`
+    ends it.
+
+    Round records: :attr:`records` keeps the latest ``Config.records_max`` (4096 by default;
+    older ones are dropped, so memory stays flat over any number of rounds); ``Config.on_record``
+    is handed every record as its round ends.
+    """
+
+    def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
+                 group: tuple | None = None):
+        """Args:
+            transport: an open transport; the collective owns it from now on (:meth:`close`).
+            rank: this rank, 0..world-1.
+            world: the number of ranks, 1..65535.
+            peers: per rank, ``(addr, port)`` or ``(addr, port, mac)``.
+            config: the knobs (default ``Config()``).
+            group: the broadcast all-gather's address (see above).
+
+        Raises ValueError naming what is wrong (a knob, the rank, world, peer list, group, a
+        closed transport) before any peer is registered; OSError if the idle responder's
+        timer or thread cannot be made.
+        """
+        self.protocol = p = Protocol(transport, rank, world, peers, config, group)
+        self.cfg, self.t, self.rank, self.world, self.C = p.cfg, p.t, p.rank, p.world, p.C
+        self.controller = p.controller
+        self.records: collections.deque[RoundRecord] = p.records  # the latest rounds' (Config.records_max)
+        self.counters: dict[str, int] = p.counters
+        self._closing = False
+        self._poll_lock = threading.Lock()   # whoever holds it owns the transport
+        self._running = False                # a round runs or is about to take the lock
+        self._serving = False                # the idle responder polls the transport
+        self._alarm = Alarm()                # starts the idle responder IDLE_GRACE after a round
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # ends its poll
+        self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
+        try:
+            self._idler.start()
+        except BaseException:
+            self._alarm.close()
+            os.close(self._wake)
+            raise
+        self._alarm.set(IDLE_GRACE)
+
+    # ---- public ----------------------------------------------------------
+    @property
+    def index(self) -> int:
+        """Rounds this rank has finished."""
+        return self.protocol.index
+
+    @property
+    def round(self) -> int:
+        """The last round's number on the wire (wraps at 2**32)."""
+        return self.protocol.round
+
+    @property
+    def probe_timeout(self) -> float:
+        """The probe timeout in use (s): the median of every rank's latest own estimate.
+
+        Each rank adapts its estimate to the STOP delays it measures and
+        carries it in every STOP it sends, so all ranks converge on one
+        value (OptiReduce-style agreement) instead of each acting alone.
+        """
+        return self.protocol.probe_timeout
+
+    @property
+    def trailing(self) -> int:
+        """All-gather messages of finished rounds still waiting for their STOP (a snapshot)."""
+        return sum(not o.done for o in list(self.protocol.trail.values()))
+
+    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
+        """Return the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
+
+        Same shape as ``x``, float32.  Raises :class:`CollectiveError` when a
+        needed peer is silent for ``peer_timeout``.
+        """
+        if op not in ("mean", "sum"):
+            raise ValueError("op must be mean or sum")
+        out = self._round(x, tensor, reduce=True)
+        self.controller.observe(self.index - 1, out)
+        return out * np.float32(self.world) if op == "sum" else out
+
+    def broadcast_shards(self, x: np.ndarray, tensor: int = 0) -> np.ndarray:
+        """Every rank gets shard k of ``x`` from its owner k (an all-gather of absolute values).
+
+        Used for bounded-drift parameter broadcast (Weintraub et al.): a chunk
+        that does not arrive keeps this rank's own value, so ranks drift by
+        at most what one missed broadcast leaves, never a random walk.
+        Same bound, STOP/PROBE and failure semantics as :meth:`allreduce`.
+        """
+        return self._round(x, tensor, reduce=False)
+
+    def close(self) -> None:
+        """Stop answering peers and close the transport.
+
+        Peers still probing for the last round's STOPs, or waiting for a
+        retransmission of this rank's trailing all-gather, then time out:
+        close only after every rank has finished (``pydblp.torch.State.close``
+        barriers first).
+        """
+        if not self._closing:
+            self._closing = True
+            self._alarm.set(1e-9)
+            os.eventfd_write(self._wake, 1)
+            self._idler.join(timeout=5)
+            if not self._idler.is_alive():  # (else it is stuck in a transport call: leave its fds)
+                self._alarm.close()
+                os.close(self._wake)
+        self.t.close()
+
+    def _round(self, x: np.ndarray, tensor: int, reduce: bool) -> np.ndarray:
+        if self._closing:
+            raise CollectiveError("collective is closed")
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        p = self.protocol
+        self._running = True
+        self._alarm.set(0)
+        if self._serving:
+            os.eventfd_write(self._wake, 1)
+        with self._poll_lock:  # the idle responder leaves its poll at once; a receive of its runs to the end
+            try:
+                st = p.start(flat, tensor, reduce)
+                try:
+                    p.run(st)
+                finally:
+                    p.finish(st)
+            finally:
+                self._running = False
+                self._alarm.set(IDLE_GRACE)
+        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+
+    def _idle_loop(self) -> None:
+        """Between rounds: answer probes for the finished round, keep the next round's packets.
+
+        A receiver's STOP can be lost after it has finished; the sender then
+        probes, and someone must answer even if this rank's caller is busy
+        computing (or done).  This thread sleeps on an alarm that a round sets
+        for IDLE_GRACE as it ends and clears as the next begins: back-to-back
+        rounds keep the transport and never wake it (packets wait in the ring
+        meanwhile).  Once the alarm fires it polls the transport and the wake
+        descriptor, takes what arrives (the lock hands the transport over), and
+        leaves when a round begins, which writes the wake descriptor: a round
+        waits at most for one receive that has already begun, never for a poll.
+        """
+        p = self.protocol
+        fd, wake = self.t.fileno(), self._wake
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(wake, select.POLLIN)
+        while True:
+            self._alarm.wait()
+            self._serving = True  # (set before _running is read: _round reads them the other way round)
+            try:
+                while not self._closing and not self._running:
+                    backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
+                    due = p.trail_due(time.monotonic())  # a trailing message's probe or retransmissions
+                    waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
+                             + ([math.ceil(due * 1000)] if due is not None else []))
+                    ready = poller.poll(min(waits) if waits else None)
+                    if any(f == wake for f, _ in ready):
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(wake)
+                        continue
+                    if not self._poll_lock.acquire(blocking=False):
+                        continue  # a round has begun
+                    try:
+                        if not self._running:
+                            while p.take(None, 0.0) >= RECV_BATCH:
+                                pass
+                            if p.trail:
+                                p.serve_trail(time.monotonic())
+                            p.flush_ctrl()
+                    finally:
+                        self._poll_lock.release()
+            finally:
+                self._serving = False
+            if self._closing:
+                return

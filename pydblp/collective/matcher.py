@@ -1,0 +1,287 @@
+"""The receive path: sorts a received batch into a round's messages.
+
+:class:`Matcher` takes the packets one receive returned and
+
+* absorbs this round's DATA for this rank: payloads go straight into the round's reduce
+  buffer or result, masks and :class:`~pydblp.collective.messages.InMessage` counts follow;
+* stashes the next round's packets (bounded) until that round starts;
+* hands control packets (PROBE, STOP, BITMAP) back to the caller, which answers them;
+* counts and drops the rest (``foreign``, ``late``, ``duplicate``, ``bad_payload``, ...).
+
+It never sends: what a batch made due (STOPs for messages that reached their bound, control
+packets to answer) is returned.  The usual batch, all of it this round's DATA, is matched in
+three numpy calls on the headers' 64-bit words; a few packets and whatever else a batch holds
+are sorted one by one in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pydblp import wire
+from pydblp.collective.config import AG, DATA, DST_ALL, F32, FEW, MASK32, RECV_BATCH, STASH_MAX, TAG
+from pydblp.collective.messages import InMessage, Round
+from pydblp.wire import F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR
+
+
+@dataclass
+class Sorted:
+    """What one batch made due: messages that reached their bound and need a STOP (marked as
+    sent), and control packets to handle as ``(header fields, payload, current)`` (``current``:
+    of the round running, else of an earlier one)."""
+
+    stops: list = field(default_factory=list)
+    control: list = field(default_factory=list)
+
+
+class Matcher:
+    """Sorts received packets for one rank.
+
+    Args:
+        rank: this rank.
+        world: the number of ranks.
+        job: the job id packets must carry.
+        chunk_bytes: the payload of a DATA packet.
+        broadcast: all-gather DATA may come to ``wire.DST_ALL`` (a broadcast all-gather).
+        counters: the collective's counters, updated in place.
+    """
+
+    def __init__(self, rank: int, world: int, job: int, chunk_bytes: int, broadcast: bool, counters: dict):
+        self.rank, self.world, self.job, self.broadcast = rank, world, job, broadcast
+        self.C = chunk_bytes // 4
+        self.counters = counters
+        self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
+        m = np.zeros(1, wire.HEADER_DTYPE)  # the header bits every DATA packet for this rank shares
+        for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
+            if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
+                m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
+        m["flags"] = TAG
+        self._mask = np.tile(m.view(np.uint64), RECV_BATCH)
+        self._tmp = np.empty_like(self._mask)
+        v = self._rec = np.zeros(1, wire.HEADER_DTYPE)
+        v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, job
+        v["dst"], v["dtype"], v["len"] = rank, F32, self.C * 4
+        self._vals = np.tile(v.view(np.uint64), RECV_BATCH)
+
+    def begin(self, st: Round) -> list[tuple]:
+        """Match round ``st`` from now on; returns (and forgets) the packets stashed for it."""
+        v = self._rec
+        v["round"], v["tensor"] = st.round, st.tensor
+        self._vals[1::4] = v.view(np.uint64)[1]  # only the word with round and tensor changes
+        stash, self.stash = self.stash, []
+        return stash
+
+    def match(self, h: np.ndarray):
+        """Which packets of ``h`` are DATA of the round :meth:`begin` named, for this rank (of this
+        job, tensor, dtype and chunk size; sources unchecked): True for all of them, else a bool per
+        packet (None: ``h`` is not laid out for it).  With a broadcast all-gather, all-gather DATA
+        to ``DST_ALL`` is for this rank too."""
+        k = 4 * len(h)
+        if k > len(self._mask) or not h.flags.c_contiguous:
+            return None
+        t = self._tmp[:k]
+        np.bitwise_and(h.view(np.uint64), self._mask[:k], out=t)
+        eq = t == self._vals[:k]
+        if self.broadcast:
+            d = h["dst"]
+            mine = (d == self.rank) | ((d == DST_ALL) & ((h["flags"] & AG) != 0))
+            if eq.all() and mine.all():
+                return True
+            return eq.reshape(-1, 4).all(axis=1) & mine
+        return True if eq.all() else eq.reshape(-1, 4).all(axis=1)
+
+    def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float,
+                base: int) -> Sorted:
+        """Sort received packets: headers ``h``, payloads ``pay``, lengths ``lens``, at ``now``.
+
+        Args:
+            st: the round running, or None between rounds.
+            base: the round running, or between rounds the last one finished.
+
+        Returns:
+            The STOPs and control packets the batch made due (see :class:`Sorted`).
+        """
+        out = Sorted()
+        rest = None  # rows for the one-by-one path (None: all)
+        if st is not None and len(h) > FEW:
+            m = self.match(h)
+            if m is True:
+                self.absorb(st, h, pay, None, now, out)
+                return out
+            if m is not None:
+                rows = m.nonzero()[0]
+                if len(rows):
+                    self.absorb(st, wire.take(h, rows), pay, rows, now, out)
+                rest = (~m).nonzero()[0]
+        self._sort(st, h, pay, lens, rest, now, base, out)
+        return out
+
+    def _sort(self, st: Round | None, h, pay, lens, rows, now: float, base: int, out: Sorted) -> None:
+        """:meth:`process` packet by packet for rows ``rows`` of a batch (None: all of them)."""
+        fields = (h if rows is None else wire.take(h, rows)).tolist()
+        rows = range(len(h)) if rows is None else rows.tolist()
+        me, W, job, width = self.rank, self.world, self.job, self.C * 4
+        nxt, prev = (base + 1) & MASK32, (base - 1) & MASK32
+        data, keep, ctrl = [], [], []
+        foreign = late = bad = 0
+        for i, f in zip(rows, fields):
+            kind, rnd, src = f[F_KIND], f[F_ROUND], f[F_SRC]
+            if (f[F_JOB] != job or src >= W or src == me
+                    or (f[F_DST] != me and not (f[F_DST] == DST_ALL and kind == DATA and f[F_FLAGS] & AG))):
+                foreign += 1
+            elif rnd == nxt:
+                keep.append(i)
+                if st is not None:
+                    st.heard[src] = now  # a peer already in the next round is alive
+            elif st is None:  # (base: the finished round)
+                if kind != DATA:  # a probe for it, a STOP or BITMAP for a trailing message
+                    ctrl.append((f, i, False))
+                elif rnd == base:
+                    late += 1
+            elif rnd == base:
+                st.heard[src] = now
+                if kind != DATA:
+                    ctrl.append((f, i, True))
+                elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
+                      and not f[F_FLAGS] & TAG):
+                    data.append(i)
+                else:
+                    bad += 1
+                    if src not in st.misfit:
+                        kind = "" if f[F_DTYPE] == F32 else f" of dtype {f[F_DTYPE]}"
+                        st.misfit[src] = (now, f"tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
+                                               f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is at "
+                                               f"tensor {st.tensor} with {width}-byte float32 chunks")
+            elif kind != DATA:  # of an earlier round: a late probe, a STOP or BITMAP for a trailing message
+                if rnd == prev:
+                    st.heard[src] = now
+                ctrl.append((f, i, False))
+            elif rnd == prev:
+                st.heard[src] = now
+                late += 1
+        c = self.counters
+        c["foreign"] += foreign
+        c["late"] += late
+        c["bad_payload"] += bad
+        if keep:
+            self._keep(h, pay, lens, np.array(keep))
+        if data:
+            rows = np.array(data)
+            self.absorb(st, wire.take(h, rows), pay, rows, now, out)
+        out.control += [(f, pay[i, : lens[i]], current) for f, i, current in ctrl]
+
+    def _keep(self, h, pay, lens, rows) -> None:
+        """Stash packets ``rows`` of the next round (bounded: beyond it the loss machinery repairs)."""
+        room = STASH_MAX - sum(len(x[0]) for x in self.stash)
+        if room < len(rows):
+            self.counters["stash_full"] += len(rows) - max(room, 0)
+            rows = rows[: max(room, 0)]
+        if len(rows):
+            self.stash.append((wire.take(h, rows), pay[rows].copy(), lens[rows].copy()))
+            self.counters["stashed"] += len(rows)
+
+    def absorb(self, st: Round, h, pay, prow, now: float, out: Sorted) -> None:
+        """Take DATA packets of round ``st`` for this rank into it: headers ``h``, payloads
+        ``pay[prow]`` (``chunk_bytes`` each; ``prow`` None: ``pay``'s first rows).  A packet
+        from no peer rank (this one, or past the world) is counted in ``foreign``.
+
+        Payload bytes are read once, straight into the reduce buffer or the result, at the rows
+        the header names (a duplicate writes the same bytes again); arrival counts come from the
+        masks.  A packet whose chunk count does not match its message's (a rank with another
+        tensor size) is dropped and counted in ``bad_payload``.  Messages that reach their bound
+        are added to ``out.stops``.
+        """
+        W = self.world
+        src = h["src"].astype(np.intp)
+        per = np.bincount(src, minlength=W)
+        if len(per) > W or per[self.rank]:
+            ok = (src < W) & (src != self.rank)
+            self.counters["foreign"] += int(np.count_nonzero(~ok))
+            prow = (np.arange(len(h)) if prow is None else prow)[ok]
+            h, src = h[ok], src[ok]
+            per = np.bincount(src, minlength=W)
+        chunk = h["chunk"].astype(np.intp)
+        ag = h["flags"] & AG
+        nag = int(np.count_nonzero(ag))
+        touched = []
+        if nag and nag < len(h) and prow is None:
+            prow = np.arange(len(h))
+        if nag < len(h) and st.my_shard is not None and not st.reduced:  # contributions to my shard
+            if nag:
+                rs = (ag == 0).nonzero()[0]
+                self._absorb_rs(st, h[rs], pay, prow[rs], src[rs], chunk[rs], np.bincount(src[rs], minlength=W),
+                                now, touched)
+            else:
+                self._absorb_rs(st, h, pay, prow, src, chunk, per, now, touched)
+        if nag:  # all-gather results from shard owners
+            if nag < len(h):
+                sel = ag.nonzero()[0]
+                h, prow, src, chunk = h[sel], prow[sel], src[sel], chunk[sel]
+                per = np.bincount(src, minlength=W)
+            ok = h["nchunks"] == st.ag_n[src]  # (-1 for a rank that owns no shard for me)
+            if not ok.all():
+                h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, st.ag_n[src], now)
+            row = st.ag_first[src] + chunk
+            st.y[row] = self._chunks(pay, prow)
+            st.have[row] = True
+            np.maximum.at(st.hi[1], src, chunk + 1)
+            hi = st.hi[1].tolist()
+            for k, got in enumerate(per.tolist()):
+                if not got:
+                    continue
+                inn = st.ins[(True, k)]
+                rs_out = st.outs.get((False, k))
+                if rs_out is not None and not rs_out.done:
+                    rs_out.done = True  # owner k is all-gathering: it is done with our contribution
+                self._arrived(st, inn, h, src, got, int(np.count_nonzero(inn.mask)), hi[k], now)
+                touched.append(inn)
+        for inn in touched:
+            if inn.done and not inn.stop_sent:
+                inn.stop_sent = True
+                out.stops.append(inn)
+
+    def _absorb_rs(self, st: Round, h, pay, prow, src, chunk, per, now: float, touched: list) -> None:
+        """:meth:`absorb` for reduce-scatter packets (to my shard, not reduced yet)."""
+        n = st.rmask.shape[1]
+        ok = h["nchunks"] == n
+        if not ok.all():
+            h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, n, now)
+        row = src * n + chunk
+        st.rflat[row] = self._chunks(pay, prow)
+        st.rmflat[row] = True
+        np.maximum.at(st.hi[0], src, chunk + 1)
+        hi = st.hi[0].tolist()
+        count = st.rmask.sum(axis=1).tolist()
+        for r, got in enumerate(per.tolist()):
+            if not got:
+                continue
+            inn = st.ins[(False, r)]
+            self._arrived(st, inn, h, src, got, count[r], hi[r], now)
+            touched.append(inn)
+
+    def _chunks(self, pay: np.ndarray, prow) -> np.ndarray:
+        """Payloads ``pay[prow]`` (None: the first rows) as float32 chunks: a view, or one gather."""
+        return (pay[:, : self.C * 4] if prow is None else pay[prow, : self.C * 4]).view(np.float32)
+
+    def _drop_bad(self, st: Round, h, prow, src, chunk, ok, want, now: float):
+        """Keep the packets ``ok`` marks (the rest carry another chunk count than ``want``, this
+        rank's for their message: counted in ``bad_payload``, their senders noted as misfits)."""
+        bad = (~ok).nonzero()[0]
+        self.counters["bad_payload"] += len(bad)
+        i = int(bad[0])  # (one sender noted a call: the others keep sending, and are noted later)
+        if int(src[i]) not in st.misfit:
+            w = want[i] if np.ndim(want) else want
+            st.misfit[int(src[i])] = (now, f"messages of {int(h['nchunks'][i])} chunks where this rank's have "
+                                           f"{int(w)} (another tensor size)")
+        prow = (np.arange(len(h)) if prow is None else prow)[ok]
+        src = src[ok]
+        return h[ok], prow, src, chunk[ok], np.bincount(src, minlength=self.world)
+
+    def _arrived(self, st: Round, inn: InMessage, h, src, got: int, count: int, hi: int, now: float) -> None:
+        """Update ``inn`` after ``got`` packets of it (among headers ``h`` from sources ``src``)
+        arrived: its sender is heard, duplicates are counted."""
+        tol8 = int(h["tol"][(src == inn.src).argmax()]) if inn.tol8 is None else inn.tol8
+        st.heard[inn.src] = now
+        self.counters["duplicate"] += inn.arrived(got, count, hi, now, tol8)

@@ -1,0 +1,283 @@
+"""Per-message and per-round state of the collective: what was sent, what arrived, what is lost.
+
+:class:`OutMessage` is one shard going to one peer (its sends, retransmissions, BITMAP
+answers and probes); :class:`InMessage` one shard coming from one peer (arrivals and the
+receiver's unsolicited BITMAPs, NACKs); :class:`Round` one round's buffers and messages.
+They hold state and decide; the protocol (:mod:`pydblp.collective.protocol`) sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pydblp.collective.config import LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET
+
+
+class OutMessage:
+    """One outgoing message: rows of a shard to one peer, in round ``rnd`` of tensor ``tensor``.
+
+    Args:
+        ag: an all-gather message (else reduce-scatter).
+        dst: the receiving rank (``wire.DST_ALL`` for a broadcast all-gather's first pass).
+        rows: the chunks, one float32 row each.
+        prio: per chunk, its priority byte.
+        tol8: the loss bound in 1/255 units; ``need`` chunks make it done.
+        rnd: the round number.
+        tensor: the tensor id.
+    """
+
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int):
+        self.ag, self.dst, self.rows, self.prio, self.tol8 = ag, dst, rows, prio, tol8
+        self.rnd, self.tensor = rnd, tensor
+        self.n = len(rows)
+        self.need = self.n - self.n * tol8 // 255
+        self.sent = 0
+        self.avail = self.n                  # chunks that may go out now (the rest are held back)
+        self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
+        self.nretx = 0
+        self.acked = None                    # chunks a BITMAP said arrived (made by the first one)
+        self.seq = None                      # per chunk: its latest send's number (first sends: 0..n-1, in
+        self.t_rtx = None                    # chunk order), and when its latest retransmission went
+        self.nseq = self.n                   # the next retransmission's number (both made by the first BITMAP)
+        self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
+        self.done = self.n == 0
+        self.members = ()                    # broadcast all-gather: the messages whose first pass this one
+                                             # sends (their own ``sent`` follows it; they never send one)
+        self.trailing = False                # the round has returned; this waits for its STOP (trailing)
+        self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
+        self.t_sent_all = None
+        self.t_last = 0.0
+        self.probes = 0        # all probes sent
+        self.timeouts = 0      # probes sent because the timeout passed
+        self.retransmits = 0
+
+    def bitmap(self, first: int, bits: np.ndarray, now: float) -> bool:
+        """Take in a BITMAP: ``bits`` (bool, bit i = chunk ``first + i`` arrived) at ``now``.
+
+        Marks what arrived, queues for retransmission what is missing and lost (:meth:`lost`),
+        and resets the probe back-off (the receiver answers).  Bits past what has been sent
+        are ignored: a chunk not sent yet is never resent.
+
+        Returns:
+            True once the acknowledged chunks reach ``need`` (the caller ends the message).
+        """
+        self.t_heard = now
+        bits = bits[: max(0, min(self.n, self.sent) - first)]
+        if self.acked is None:
+            self.acked, self.retx = np.zeros(self.n, bool), np.zeros(self.n, bool)
+            self.seq, self.t_rtx = np.arange(self.n, dtype=np.int64), np.zeros(self.n)
+        seg = slice(first, first + len(bits))
+        new = bits & ~self.acked[seg]
+        self.acked[seg] |= bits
+        if np.count_nonzero(self.acked) >= self.need:
+            return True
+        self.retx[seg] = (self.retx[seg] | self.lost(seg, new, now)) & ~self.acked[seg]
+        self.nretx = int(np.count_nonzero(self.retx))
+        self.t_last = now
+        self.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
+        return False
+
+    def lost(self, seg: slice, new: np.ndarray, now: float) -> np.ndarray:
+        """Chunks of ``seg`` a BITMAP shows missing that are lost, not still on their way
+        (``new``: the chunks it shows in for the first time).
+
+        Packets to one peer travel one path in order, so a missing chunk sent before one
+        the receiver has (by send number: first sends in chunk order, then each
+        retransmission) is lost.  One sent after it may still wait in this host's queue or
+        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it): it
+        counts as lost only once it went out ``LOSS_RTTS`` round trips ago (the time the latest
+        retransmission shown arrived took to show up), else the next BITMAP decides.
+        Without a measured round trip yet, everything missing counts.
+        """
+        seq = self.seq[seg]
+        resent = seq >= self.n
+        got = self.acked[seg]
+        miss = ~got
+        shown = new & resent  # retransmissions this BITMAP shows arrived: a round-trip sample
+        if shown.any():
+            j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
+            self.rtt = now - self.t_rtx[j]
+        if self.rtt is None:
+            return miss
+        top = seq[got].max() if got.any() else -1
+        went = np.where(resent, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else now)
+        return miss & ((seq < top) | (went <= now - LOSS_RTTS * self.rtt))
+
+    def resend(self, budget: int, now: float) -> np.ndarray:
+        """Take up to ``budget`` chunks queued for retransmission off the queue, numbering them
+        as sent at ``now``; their indices (counted in ``retransmits``)."""
+        idx = np.flatnonzero(self.retx)[:budget]
+        self.retx[idx] = False
+        self.nretx -= len(idx)
+        self.seq[idx] = np.arange(self.nseq, self.nseq + len(idx))
+        self.nseq += len(idx)
+        self.t_rtx[idx] = now
+        self.retransmits += len(idx)
+        return idx
+
+    def probe_wait(self, pt: float, probe_max: float) -> float:
+        """Seconds after its last send or answer that this message is probed (``pt``: the probe
+        timeout): backing off on repeated probes (2x .. 16x), never past ``probe_max`` (a probe is
+        one packet, a lost probe or reply must not cost seconds)."""
+        return min(probe_max, pt * (2 ** min(self.timeouts, 4)))
+
+    def probe_due(self, now: float, pt: float, probe_max: float) -> bool:
+        """Whether to PROBE now: everything sent, no retransmission queued, and silence for
+        :meth:`probe_wait`.  Counts the probe when it is due."""
+        if self.done or self.sent < self.n or self.nretx or now - self.t_last < self.probe_wait(pt, probe_max):
+            return False
+        self.probes += 1
+        self.timeouts += 1
+        self.t_last = now
+        return True
+
+
+class InMessage:
+    """One incoming message: a shard from one peer.
+
+    Args:
+        ag: an all-gather message (else reduce-scatter).
+        src: the sending rank.
+        mask: a view of the reduce buffer's or the result's mask marking its chunks that
+            arrived (the receive path writes it; :meth:`arrived` reads the count).
+    """
+
+    def __init__(self, ag: bool, src: int, mask: np.ndarray):
+        self.ag, self.src, self.n, self.mask = ag, src, len(mask), mask
+        self.count = 0
+        self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
+        self.t_data = 0.0      # when a new chunk last arrived
+        self.t_nack = 0.0      # when the last unsolicited BITMAP went out
+        self.nacks = 0         # unsolicited BITMAPs since a repair last got through
+        self.asked = 0         # chunks missing below hi when the last one went out
+        self.count_nack = 0    # count then
+        self.tol8 = None       # the sender's bound, from its packets (None: none heard yet)
+        self.stop_sent = False
+
+    @property
+    def tol8(self) -> int | None:
+        """The sender's loss bound (1/255 units), None until a packet of it is heard."""
+        return self._tol8
+
+    @tol8.setter
+    def tol8(self, tol8: int | None) -> None:
+        self._tol8 = tol8
+        self.need = self.n if tol8 is None else self.n - self.n * tol8 // 255  # chunks that make it done
+
+    @property
+    def done(self) -> bool:
+        """Enough chunks arrived for the bound."""
+        return self.count >= self.need
+
+    def arrived(self, got: int, count: int, hi: int, now: float, tol8: int) -> int:
+        """``got`` packets of this message arrived at ``now``: ``count`` chunks are in its mask now,
+        ``hi`` is 1 + the highest chunk seen, ``tol8`` the bound their sender put in them (taken
+        from the first packet heard).
+
+        Returns:
+            How many of the ``got`` were duplicates.
+        """
+        if self.tol8 is None:
+            self.tol8 = tol8
+        dup = got - (count - self.count)
+        if count > self.count:
+            self.count = count
+            self.hi = hi
+            self.t_data = now
+            if 2 * (count - self.count_nack) >= self.asked:  # the repair got through: NACK at once again
+                self.nacks = 0
+        return dup
+
+    def nack_due(self, now: float) -> bool:
+        """Whether to send an unsolicited BITMAP (a NACK) now, and if so note it as sent.
+
+        Due once the bound is out of reach even if every chunk not seen yet comes
+        (``count + n - hi < need``; after a first NACK, unseen chunks count as lost too),
+        after ``NACK_QUIET`` without a new chunk and, while NACKs go unanswered or are answered
+        with less than half of what was missing, 2x ``NACK_QUIET`` since the last one.  Loss
+        within the bound never NACKs.
+        """
+        if self.done or self.count == 0:
+            return False
+        tail = self.count + self.n - self.hi >= self.need  # within reach if the chunks not seen yet come
+        if tail and not self.t_nack:
+            return False
+        if now - self.t_data < NACK_QUIET or now - self.t_nack < NACK_QUIET * (1 << min(self.nacks, 1)):
+            return False
+        self.t_nack = now
+        self.asked, self.count_nack = (self.n if tail else self.hi) - self.count, self.count
+        self.nacks += 1
+        return True
+
+    def due(self, now: float) -> int:
+        """Chunks of this message on their way that a receive may wait for at ``now``: the rest of
+        a stream that still flows (a chunk within ``NACK_QUIET``) and the repair a NACK asked for
+        within ``NACK_QUIET``, at most what the bound still needs; 0 when done or stalled."""
+        if self.done or now - max(self.t_data, self.t_nack) >= NACK_QUIET:
+            return 0
+        coming = (self.n - self.hi if self.hi else 0) + max(0, self.asked - (self.count - self.count_nack))
+        return min(coming, self.need - self.count)
+
+
+@dataclass(eq=False)
+class Round:
+    """State of one round of one rank (made by ``Protocol.start``).
+
+    Shards: the tensor's ``T`` chunk rows are cut into ``bounds`` (one (first, end) row range per
+    shard; shard k belongs to rank k).  Rows are float32, ``C`` values each.
+    """
+
+    round: int                       # the round number on the wire (wraps at 2**32)
+    tensor: int                      # the caller's tensor id
+    index: int                       # this rank's round count (RoundRecord.index)
+    reduce: bool                     # an allreduce (else a broadcast of shards, no reduce-scatter)
+    tol: float                       # the loss bound the phase controller chose
+    tol8: int                        # the same in 1/255 units, as on the wire
+    phase: str                       # the controller's phase name
+    x: np.ndarray                    # (T, C) this rank's input, padded
+    y: np.ndarray                    # (T, C) the result
+    have: np.ndarray                 # (T,) result rows in (own shard, all-gather); all-gather masks are views
+    bounds: list                     # per shard, its rows (first, end)
+    my_shard: int | None             # the shard this rank owns (None: none, a parameter server's client)
+    reduced: bool                    # this rank's own shard is in y (reduced or, broadcast, copied)
+    t0: float                        # when it began (time.monotonic)
+    heard: np.ndarray                # per rank, when it was last heard from
+    hi: np.ndarray                   # [all-gather?, src]: 1 + the highest chunk seen
+    ag_first: np.ndarray             # per owner, its first result row
+    ag_n: np.ndarray                 # per owner, chunks of its all-gather message to me (-1: none)
+    foreign0: int                    # counters["foreign"] when it began
+    stats0: dict                     # the transport's stats when it began
+    ins: dict = field(default_factory=dict)    # (ag, src) -> InMessage
+    outs: dict = field(default_factory=dict)   # (ag, dst) -> OutMessage
+    bcast: OutMessage | None = None  # broadcast all-gather: the message sending its first pass to all
+    rbuf: np.ndarray | None = None   # owner: (world, rows, C) contributions to my shard, masked by rmask
+    rmask: np.ndarray | None = None  # owner: (world, rows) which contributions arrived
+    rflat: np.ndarray | None = None  # rbuf as rows src * n + chunk
+    rmflat: np.ndarray | None = None # rmask likewise
+    t_timers: float = 0.0            # when timeouts were last checked
+    t_alive: float = 0.0             # when dead peers were last checked
+    nacks: int = 0                   # unsolicited BITMAPs sent
+    repair: bool = False             # a NACK went out or a BITMAP came in this round
+    ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
+    misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
+
+    def expected(self, now: float) -> int:
+        """How many packets a receive may wait for: the data packets on their way, at most
+        LINGER_WANT; 1 when fewer than LINGER_MIN are (a control packet or a message's last chunks
+        go at once, and so do the replies to a NACK or a STOP).
+
+        A message not begun (an all-gather before its owner has reduced) or stalled below its bound
+        waits for someone to act, not for data: lingering for it would only hold back this rank's
+        own next step.  Until this rank has reduced only its reduce-scatter counts: all-gather data
+        still coming must not hold its reduce past the moment its own shard's contributions are in.
+        """
+        due = 0
+        for inn in self.ins.values():
+            if inn.ag != self.reduced:  # before the reduce: reduce-scatter only; after it: all-gather only
+                continue
+            due += inn.due(now)
+            if due >= LINGER_WANT:
+                return LINGER_WANT
+        return due if due >= LINGER_MIN else 1

@@ -1,0 +1,625 @@
+"""The bounded-loss collective's protocol for one rank, driven one step at a time.
+
+:class:`Protocol` holds what a rank knows across rounds (peers, the probe timeout, trailing
+all-gather messages, round records) and runs a round's steps: :meth:`~Protocol.start`,
+:meth:`~Protocol.run` (send, receive, timers until the round may return),
+:meth:`~Protocol.finish`.  It has no threads and no locks: :class:`~pydblp.collective.Collective`
+owns one, serialises its callers and answers peers between rounds through it.  Each step takes
+the time it acts at (``now``), so a test can drive it by hand.  The protocol itself (STOP, PROBE,
+BITMAP, NACK, bounds, trailing messages, failure semantics) is described in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from pydblp import wire
+from pydblp.collective import estimators, phase as phases
+from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
+                                      MASK32, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
+                                      TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+from pydblp.collective.matcher import Matcher
+from pydblp.collective.messages import InMessage, OutMessage, Round
+from pydblp.transport.base import Batch, Transport
+from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
+
+
+class Protocol:
+    """One rank's side of the collective (see the module docstring).
+
+    Args:
+        transport: an open transport; :class:`Collective` closes it.
+        rank: this rank, 0..world-1.
+        world: the number of ranks, 1..65535.
+        peers: per rank, ``(addr, port)`` or ``(addr, port, mac)`` (this rank's own is ignored).
+        config: the knobs (checked here: ValueError names the first one out of range).
+        group: the broadcast all-gather's address (only with ``Config.allgather="broadcast"``).
+
+    Raises ValueError for a bad rank, world, peer list, config or a closed transport, before
+    any peer is registered.
+    """
+
+    def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
+                 group: tuple | None = None):
+        self.cfg = c = config or Config()
+        c.check()
+        c.check_group(group)
+        if not 1 <= world <= 0xFFFF:
+            raise ValueError(f"world {world}: use 1..65535")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank}: use 0..{world - 1} (world {world})")
+        if len(peers) != world:
+            raise ValueError(f"{len(peers)} peers for world {world}: give one (address, port) per rank")
+        if transport.closed:
+            raise ValueError("the transport is closed: give the collective an open one (it closes it itself)")
+        self.t, self.rank, self.world = transport, rank, world
+        self.C = c.chunk_bytes // 4
+        self.controller = phases.make(c.phase)
+        self._pid = np.full(world, -1, np.int32)
+        for r, p in enumerate(peers):
+            if r != rank:
+                addr, port, *mac = p
+                self._pid[r] = transport.add_peer(addr, port, mac[0] if mac else None)
+        self._gid = -1  # the group's peer id (broadcast all-gather)
+        if group is not None:
+            addr, port, *mac = group
+            self._gid = transport.add_peer(addr, port, mac[0] if mac else None)
+        self._rx = Batch.empty(RECV_BATCH, max(c.chunk_bytes, 64))
+        self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
+        self._txh = wire.empty_batch(0)
+        self._txlens = self._txpeer = np.empty(0, np.int32)
+        self.round = 0    # the last round's number on the wire (wraps at 2**32)
+        self.index = 0    # rounds finished
+        self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
+        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
+                                       "tx_short", "trail_retransmits", "trail_probes", "trail_dropped"), 0)
+        self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
+        self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, ag, dst,
+                                                  # nchunks, tol8, chunk, payload)
+        self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
+        self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
+                                                  # this rank's own is :attr:`estimate`
+        self.estimate = 0.005
+        self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
+        self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
+        self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
+        self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
+
+    @property
+    def estimate(self) -> float:
+        """This rank's own probe timeout estimate (s), from the STOP delays it measures; every STOP
+        it sends carries it."""
+        return self.timeouts[self.rank]
+
+    @estimate.setter
+    def estimate(self, value: float) -> None:
+        self.timeouts[self.rank] = value
+
+    @property
+    def probe_timeout(self) -> float:
+        """The probe timeout in use (s): the median of every rank's latest own estimate.
+
+        Each rank adapts its estimate to the STOP delays it measures and carries it in every
+        STOP it sends, so all ranks converge on one value (OptiReduce-style agreement).
+        """
+        known = sorted(t for t in self.timeouts if t is not None)
+        mid = len(known) // 2
+        return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+    # ---- round set-up ----------------------------------------------------
+    def start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> Round:
+        """Begin a round on ``flat`` (float32, this rank's input) for tensor id ``tensor``: an
+        allreduce, or with ``reduce`` False a broadcast of shards.  Takes in the packets of it
+        that were stashed; sends nothing yet."""
+        rnd = self.round = (self.round + 1) & MASK32
+        tol = self.controller.tol(self.index)
+        T = max(1, -(-flat.size // self.C))
+        x = self._scratch("x", tensor, (T, self.C))
+        x.reshape(-1)[: flat.size] = flat
+        x.reshape(-1)[flat.size:] = 0  # the last chunk's padding
+        nsh = self.world if self.cfg.mode == "tar" else 1
+        me = self.rank
+        t0 = time.monotonic()
+        st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,
+                   tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x,
+                   y=np.empty_like(x),  # every row is written: own shard, all-gather, or finish's fill
+                   have=np.zeros(T, bool), bounds=[(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)],
+                   my_shard=me if me < nsh else None, reduced=me >= nsh, t0=t0,
+                   heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
+                   ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
+                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0)
+        if st.my_shard is not None and not reduce:  # broadcast: my shard is my own values
+            a, b = st.bounds[st.my_shard]
+            st.y[a:b] = st.x[a:b]
+            self._start_allgather(st)
+        elif st.my_shard is not None:
+            a, b = st.bounds[st.my_shard]
+            st.rbuf = self._scratch("rbuf", tensor, (self.world, b - a, self.C))  # masked by rmask
+            st.rmask = np.zeros((self.world, b - a), bool)
+            st.rbuf[me] = st.x[a:b]
+            st.rmask[me] = True
+            st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row src * n + chunk
+            for src in range(self.world):
+                if src != me:
+                    st.ins[(False, src)] = InMessage(False, src, st.rmask[src])
+        for k, (a, b) in enumerate(st.bounds):
+            if k == st.my_shard:
+                continue
+            st.ins[(True, k)] = InMessage(True, k, st.have[a:b])
+            st.ag_first[k], st.ag_n[k] = a, b - a
+            if not reduce:
+                continue
+            rows = st.x[a:b]
+            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(rows, a, T), st.tol8, st.round, tensor)
+        for key, inn in list(st.ins.items()):
+            if inn.n == 0:
+                del st.ins[key]
+        for hdr, pay, lens in self.matcher.begin(st):
+            self.process(st, hdr, pay, lens, t0)
+        return st
+
+    def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
+        """A float32 buffer kept across rounds (no allocation or page faults per round); contents stale."""
+        key = (name, tensor)
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != shape:
+            buf = self._bufs[key] = np.empty(shape, np.float32)
+        return buf
+
+    def _prio(self, rows: np.ndarray, first: int, total: int) -> np.ndarray:
+        return estimators.chunk_priority(rows, self.cfg.priority, first, total)
+
+    # ---- the loop --------------------------------------------------------
+    def run(self, st: Round) -> None:
+        """Run round ``st`` until it may return (:meth:`complete`) or its deadline passes.
+
+        Each turn sends up to ``burst`` data packets (control first), receives, and checks
+        timeouts every ``TIMER_TICK``.  Raises CollectiveError for a dead or misfit peer.
+        """
+        cfg = self.cfg
+        while True:
+            now = time.monotonic()
+            late = cfg.deadline is not None and now - st.t0 > cfg.deadline / 2
+            if not st.reduced and (late or all(st.ins[(False, s)].done for s in range(self.world)
+                                               if (False, s) in st.ins)):
+                self.drain(st)
+                self.reduce(st)  # with a deadline, owners stop waiting at half of it
+            busy = self.send_some(st, now)
+            self.flush_ctrl()
+            if self.complete(st) or (cfg.deadline is not None and now - st.t0 > cfg.deadline):
+                self.drain(st)  # (past the deadline: below the bound; finish fills the gaps and reports it)
+                self.flush_ctrl()
+                return
+            want = 1 if busy else st.expected(now)
+            self.take(st, 0.0 if busy else self.tx_wait or 0.002, want, LINGER if want > 1 else 0.0)
+            now = time.monotonic()
+            if now - st.t_timers >= TIMER_TICK:  # timeouts are milliseconds: no need to check every turn
+                st.t_timers = now
+                self.timers(st, now)
+
+    def drain(self, st: Round) -> None:
+        """Take in what has already arrived, without waiting.
+
+        A message is done at its bound, and nothing is waited for past it, but chunks that are
+        already here when the owner reduces or the round ends still count: the estimate and
+        the all-gather use every chunk received, not just the first ``need``.  One receive
+        takes what is queued; another follows only while they come back at least half full (a
+        queue longer than a batch), at most DRAIN_READS: a stream still arriving at line rate
+        is not waited for.
+        """
+        for _ in range(DRAIN_READS):
+            if self.take(st, 0.0) < RECV_BATCH // 2:
+                return
+
+    def take(self, st: Round | None, timeout: float, want: int = 1, linger: float = 0.0) -> int:
+        """Receive one batch and handle it (``st`` None: between rounds); how many packets came.
+
+        The transport may lend its own buffers (``copy=False``): :meth:`process` is done with
+        them before the next receive (the stash copies what it keeps).
+        """
+        b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
+        if b.n:
+            self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+        return b.n
+
+    def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
+        """Handle received packets (``st`` None: between rounds): data goes into the round
+        (:class:`~pydblp.collective.matcher.Matcher`), STOPs for messages that reached their
+        bound are queued, control packets answered."""
+        out = self.matcher.process(st, h, pay, lens, now, self.round if st is None else st.round)
+        for inn in out.stops:
+            self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
+        for f, payload, current in out.control:
+            self.control(st, f, payload, now, current)
+
+    def complete(self, st: Round) -> bool:
+        """This rank's result is in (every all-gather message to it reached its bound), its reduce-scatter
+        messages are done, its own all-gather has gone out whole, no retransmission it was asked for
+        waits, and the transport holds no paced backlog: the round may return.  All-gather messages
+        not yet acknowledged then trail (see :meth:`finish`)."""
+        return (st.reduced and all(i.done for i in st.ins.values() if i.ag)
+                and all(o.done or (o.ag and o.sent == o.n and not o.nretx) for o in st.outs.values())
+                and self.t.tx_backlog() <= 0)
+
+    def reduce(self, st: Round) -> None:
+        """Owner: estimate the shard's mean and start the all-gather."""
+        a, b = st.bounds[st.my_shard]
+        st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
+        self._start_allgather(st)
+
+    def _start_allgather(self, st: Round) -> None:
+        a, b = st.bounds[st.my_shard]
+        st.have[a:b] = True
+        st.reduced = True
+        prio = self._prio(st.y[a:b], a, len(st.y))
+        # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
+        # (the last owner to reduce has none left: all of it goes at once)
+        split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
+        members = []
+        for dst in range(self.world):
+            if dst != self.rank and b > a:
+                o = st.outs[(True, dst)] = OutMessage(True, dst, st.y[a:b], prio, st.tol8, st.round, st.tensor)
+                members.append(o)
+        first = members
+        if self._gid >= 0 and members:  # one first pass to the group; each member only follows it
+            bc = st.bcast = OutMessage(True, DST_ALL, st.y[a:b], prio, st.tol8, st.round, st.tensor)
+            bc.members = members
+            for o in members:
+                o.avail = 0
+            first = [bc]
+        if split:
+            for o in first:
+                o.avail = o.n // 2
+            st.ag_rest = time.monotonic() + AG_SPLIT
+
+    # ---- sending ---------------------------------------------------------
+    def send_some(self, st: Round, now: float) -> bool:
+        """Send up to ``burst`` data packets in one batch, retransmissions first, with waiting control packets.
+
+        Returns True if more wait.  The budget is shared fairly across the messages still
+        sending, so no destination waits behind another.  Nothing is sent while the transport
+        holds more than ``TXQ_LIMIT`` of paced data (``Transport.tx_backlog``): a control packet
+        queued next then waits at most that long; nor, in a round that repairs, while the
+        kernel's send queue holds more than ``TXQ_REPAIR`` (``Transport.tx_queued``).
+        :attr:`tx_wait` says how long to wait.
+        """
+        self.tx_wait = None
+        bc = st.bcast
+        if st.ag_rest is not None and now >= st.ag_rest:  # the all-gather's second half may go
+            st.ag_rest = None
+            for o in (st.outs.values() if bc is None else (bc,)):  # (a broadcast's members follow it)
+                o.avail = o.n
+        active = [o for o in st.outs.values() if not o.done and (o.sent < o.avail or o.nretx)]
+        if bc is not None and bc.sent < bc.avail and not all(o.done for o in bc.members):
+            active.append(bc)
+        if self.trail:  # retransmissions an earlier round's trailing all-gather was asked for
+            active += [o for o in self.trail.values() if not o.done and o.nretx]
+        if not active:
+            if st.ag_rest is not None:
+                self.tx_wait = max(0.0005, st.ag_rest - now)
+            return False
+        backlog = self.t.tx_backlog()
+        if backlog > TXQ_LIMIT:  # a pacing transport holds enough: STOPs and PROBEs must not queue behind more
+            self.tx_wait = min(0.002, max(0.001, backlog - TXQ_LIMIT / 2))
+            return False
+        if st.repair and self.t.tx_queued() > TXQ_REPAIR:  # a retransmission asked for next must not wait long
+            self.tx_wait = 0.001
+            return False
+        share = max(1, self.cfg.burst // len(active))
+        parts = []
+        for o in active:
+            budget = share
+            if o.nretx:
+                idx = self._resend(o, budget, now)
+                parts.append((o, idx, RETX))
+                budget -= len(idx)
+            if o.sent < o.avail and budget > 0:
+                idx = np.arange(o.sent, min(o.avail, o.sent + budget))
+                o.sent += len(idx)
+                parts.append((o, idx, 0))
+                if o.sent == o.n:
+                    o.t_sent_all = now
+            o.t_last = now
+        if bc is not None:
+            for o in bc.members:  # they went out with the group's copy
+                if o.sent < bc.sent:
+                    o.sent = o.avail = bc.sent
+                    o.t_last = now
+                    o.t_sent_all = bc.t_sent_all
+        self._send_batch(st, parts)
+        more = any(o.sent < o.avail or o.nretx for o in active)
+        if not more and st.ag_rest is not None:
+            self.tx_wait = max(0.0005, st.ag_rest - now)
+        return more
+
+    def _resend(self, o: OutMessage, budget: int, now: float) -> np.ndarray:
+        idx = o.resend(budget, now)
+        if o.trailing:
+            self.counters["trail_retransmits"] += len(idx)
+        return idx
+
+    def _send_batch(self, st: Round | None, parts: list) -> None:
+        """One batch: the control packets waiting, then DATA ``parts`` ((message, chunk indices, flags)).
+
+        One transport call (one kick) per loop turn, control first: a STOP never waits behind data.
+        """
+        ctrl, self.ctrl = self.ctrl, []
+        nc = len(ctrl)
+        k = nc + sum(len(idx) for _, idx, _ in parts)
+        if k == 0:
+            return
+        width = self.C * 4
+        if self._txbuf.shape[0] < k:  # kept across calls: the transport's set-up for them is reused too
+            self._txbuf = np.empty((k, width), np.uint8)
+            self._txh = wire.empty_batch(k)
+            self._txlens = np.empty(k, np.int32)
+            self._txpeer = np.empty(k, np.int32)
+        payload = self._txbuf[:k]  # the transport copies it out before send() returns
+        h = self._txh[:k]  # every field but magic and version is written below
+        lens = self._txlens[:k]
+        lens[:] = width
+        peer = self._txpeer[:k]
+        for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
+            h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
+                    RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)
+            payload[i, : len(pl)] = np.frombuffer(pl, np.uint8)
+            lens[i] = len(pl)
+            peer[i] = self._pid[dst]
+        if parts:
+            rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
+            d = h[nc:]
+            d["kind"] = DATA
+            d["job"] = self.cfg.job
+            d["round"] = rnd
+            d["tensor"] = tensor
+            d["src"] = self.rank
+            d["dtype"] = F32
+            d["len"] = width
+            i = nc
+            for o, idx, flags in parts:
+                j = i + len(idx)
+                h["dst"][i:j] = o.dst
+                h["prio"][i:j] = o.prio[idx]
+                h["chunk"][i:j] = idx
+                h["nchunks"][i:j] = o.n
+                h["tol"][i:j] = o.tol8
+                h["flags"][i:j] = flags | (AG if o.ag else 0)
+                if o.rnd != rnd:  # a trailing message of an earlier round
+                    h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
+                lo = int(idx[0])
+                rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
+                payload[i:j] = rows.view(np.uint8)
+                peer[i:j] = self._gid if o.dst == DST_ALL else self._pid[o.dst]
+                i = j
+        sent = self.t.send(Batch(h, payload, lens, peer, k), timeout=1.0)
+        if sent < k:  # the ring or socket stayed full: the loss machinery repairs it
+            self.counters["tx_short"] += k - sent
+
+    def _ctrl_packet(self, st_round: int, tensor: int, kind: int, ag: bool, dst: int, n: int,
+                     tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
+        if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units
+            payload = min(0xFFFF, round(self.estimate * 1e4)).to_bytes(2, "big")
+        self.ctrl.append((st_round, tensor, kind, ag, dst, n, tol8, chunk, payload))
+
+    def flush_ctrl(self) -> None:
+        """Send the control packets waiting (a loop turn with no data to send)."""
+        if self.ctrl:
+            self._send_batch(None, [])
+
+    # ---- control packets -------------------------------------------------
+    def control(self, st: Round | None, f: tuple, payload: np.ndarray, now: float, current: bool) -> None:
+        """Handle a control packet: header fields ``f`` (a record as a tuple), its payload, at
+        ``now``; ``current``: of round ``st`` (else of an earlier one; ``st`` None between rounds)."""
+        ag = bool(f[F_FLAGS] & AG)
+        src, kind, rnd, tensor = f[F_SRC], f[F_KIND], f[F_ROUND], f[F_TENSOR]
+        if kind == PROBE:
+            ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
+            # (st is None between rounds: then current is False and _prev answers)
+            inn = ins.get((ag, src)) if ins is not None else None
+            if inn is None:
+                if not current and self._forgotten(st, rnd):  # finished before the last round: done
+                    self._ctrl_packet(rnd, tensor, STOP, ag, src, f[F_NCHUNKS], f[F_TOL])
+                return
+            if inn.tol8 is None:
+                inn.tol8 = f[F_TOL]
+            if inn.done:
+                self._ctrl_packet(rnd, tensor, STOP, ag, src, inn.n, inn.tol8)
+                inn.stop_sent = True
+            else:
+                self._bitmap(rnd, tensor, inn)
+            return
+        if kind == STOP and len(payload) >= 2:
+            self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
+        o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
+        if o is None or o.done:
+            return
+        if kind == STOP:
+            self._out_done(o, now)
+        elif kind == BITMAP:
+            if current:
+                st.repair = True
+            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now):
+                self._out_done(o, now)
+
+    def _forgotten(self, st: Round | None, rnd: int) -> bool:
+        """Round ``rnd`` is one this rank finished before the last one (whose record ``_prev``
+        keeps): two or more before the one it runs (``st``), or between rounds one or more before
+        the finished one.  Round numbers wrap at 2**32."""
+        age = (self.round - rnd) & MASK32
+        return (1 if st is None else 2) <= age < 1 << 31
+
+    def _bitmap(self, rnd: int, tensor: int, inn: InMessage) -> None:
+        """Queue BITMAP packets with ``inn``'s arrival bits (one per ``chunk_bytes`` of bits)."""
+        bits = np.packbits(inn.mask, bitorder="little").tobytes()
+        step = self.cfg.chunk_bytes
+        for off in range(0, len(bits), step):
+            self._ctrl_packet(rnd, tensor, BITMAP, inn.ag, inn.src, inn.n, inn.tol8,
+                              chunk=off * 8, payload=bits[off: off + step])
+
+    def _out_done(self, o: OutMessage, now: float) -> None:
+        o.done = True
+        if o.t_sent_all is not None and o.timeouts == 0:
+            delay = now - o.t_sent_all
+            self.estimate = min(self.cfg.probe_max, max(self.cfg.probe_min,
+                                0.8 * self.estimate + 0.2 * (3 * delay + 0.001)))
+
+    # ---- timers ----------------------------------------------------------
+    def nacks(self, st: Round, now: float) -> None:
+        """Receiver-driven repair: queue an unsolicited BITMAP for each message of ``st`` that can
+        no longer reach its bound and is due (:meth:`InMessage.nack_due`).  A reduce-scatter
+        message no longer matters once this rank has reduced."""
+        for inn in st.ins.values():
+            if (inn.ag or not st.reduced) and inn.nack_due(now):
+                self._bitmap(st.round, st.tensor, inn)
+                st.repair = True
+                st.nacks += 1
+
+    def _probes(self, outs, now: float) -> None:
+        """PROBE each of ``outs`` that has sent everything, has no retransmission queued and has
+        heard nothing for its probe wait."""
+        pt = None
+        for o in outs:
+            if o.done or o.sent < o.n or o.nretx:
+                continue
+            if pt is None:
+                pt = self.probe_timeout
+            if o.probe_due(now, pt, self.cfg.probe_max):
+                self._ctrl_packet(o.rnd, o.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
+                if o.trailing:
+                    self.counters["trail_probes"] += 1
+
+    def timers(self, st: Round, now: float) -> None:
+        """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK).
+
+        Raises CollectiveError for a needed peer silent for ``peer_timeout``, or one alive whose
+        data has not fit this round for as long.
+        """
+        self.nacks(st, now)
+        self._probes(st.outs.values(), now)
+        if self.trail:
+            self._trail_timers(now)
+        if now - st.t_alive < DEAD_TICK:
+            return
+        st.t_alive = now
+        needed = {o.dst for o in st.outs.values() if not o.done}
+        needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}
+        if needed:
+            # name the peer silent longest: one that stalled because of it went quiet later
+            r = min(needed, key=lambda q: (st.heard[q], q))
+            if now - st.heard[r] > self.cfg.peer_timeout:
+                foreign = self.counters["foreign"] - st.foreign0
+                raise CollectiveError(
+                    f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
+                    f"{st.index} (tensor {st.tensor}): peer dead or unreachable"
+                    + (f" ({foreign} packets of another job or for another rank came meanwhile: every rank "
+                       f"must use the same Config.job, world and peer list)" if foreign else ""))
+        for q, (since, what) in st.misfit.items():
+            # alive (it probes) but nothing it sent fits: the round can never complete
+            if now - since > self.cfg.peer_timeout and not any(i.count for (_, s), i in st.ins.items() if s == q):
+                raise CollectiveError(
+                    f"rank {self.rank}: rank {q}'s data in round {st.index} does not fit for "
+                    f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
+                    f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
+
+    # ---- trailing all-gather messages ------------------------------------
+    def _trail_timers(self, now: float) -> None:
+        """Forget trailing messages that are done, drop those whose receiver has been silent for
+        ``peer_timeout`` (dead: a live one answers every probe), probe those due."""
+        for key, o in list(self.trail.items()):
+            if o.done:
+                del self.trail[key]
+            elif now - o.t_heard > self.cfg.peer_timeout:
+                del self.trail[key]
+                self.counters["trail_dropped"] += 1
+        self._probes(self.trail.values(), now)
+
+    def trail_due(self, now: float) -> float | None:
+        """Seconds until a trailing message needs this rank (a probe due; 0: retransmissions wait),
+        None if none does.  Read by the idle responder before it sleeps, without the lock: a
+        snapshot, at worst a wake-up early or late by one probe."""
+        due, pt = None, None
+        for o in list(self.trail.values()):
+            if o.done:
+                continue
+            if o.nretx:
+                return 0.0
+            if pt is None:
+                pt = self.probe_timeout
+            t = o.t_last + o.probe_wait(pt, self.cfg.probe_max) - now
+            due = t if due is None else min(due, t)
+        return None if due is None else max(0.0, due)
+
+    def serve_trail(self, now: float) -> None:
+        """Between rounds: send what trailing messages were asked to resend (``burst`` packets at
+        most; the rest on the next call), then their timers."""
+        parts, budget = [], self.cfg.burst
+        for o in self.trail.values():
+            if not o.done and o.nretx and budget > 0:
+                idx = self._resend(o, budget, now)
+                parts.append((o, idx, RETX))
+                budget -= len(idx)
+                o.t_last = now
+        if parts:
+            self._send_batch(None, parts)
+        self._trail_timers(now)
+
+    # ---- round end -------------------------------------------------------
+    def finish(self, st: Round) -> RoundRecord:
+        """End round ``st``: fill the result's missing rows (stale or local), keep what late probes
+        and trailing messages need, record it (:attr:`records`, ``Config.on_record``)."""
+        missing = ~st.have
+        if missing.any():
+            last = self.stale.get(st.tensor)
+            if st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
+                st.y[missing] = last[missing]
+            else:
+                st.y[missing] = st.x[missing]
+        if st.reduce and self.cfg.fill == "stale":  # only the stale fill reads it
+            last = self.stale.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
+            if last is None or last.shape != st.y.shape:
+                last = self.stale[st.tensor] = np.empty_like(st.y)
+            np.copyto(last, st.y)
+        self._prev = (st.round, st.ins)
+        self._trail_from(st)
+        s1 = self.t.stats()
+        rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
+                          phase=st.phase, latency=time.monotonic() - st.t0)
+        for (ag, src), inn in st.ins.items():
+            rec.delivered[f"{'ag' if ag else 'rs'}:{src}"] = inn.count / inn.n
+            rec.below_bound |= not inn.done
+        rec.min_delivered = min(rec.delivered.values(), default=1.0)
+        rec.retransmits = sum(o.retransmits for o in st.outs.values())
+        rec.probes = sum(o.probes for o in st.outs.values())
+        rec.nacks = st.nacks
+        rec.below_bound |= not all(o.done or (o.ag and o.sent == o.n) for o in st.outs.values())
+        rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
+        rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
+        self.records.append(rec)
+        self.index += 1
+        if self.cfg.on_record is not None:
+            self.cfg.on_record(rec)
+        return rec
+
+    def _trail_from(self, st: Round) -> None:
+        """Keep the round's all-gather messages that went out whole but are not acknowledged yet:
+        they trail, on a copy of their rows (the caller owns the result now), until their STOP."""
+        for key in [k for k, o in self.trail.items() if o.done]:
+            del self.trail[key]
+        pending = [o for o in st.outs.values() if o.ag and not o.done and o.sent == o.n]
+        if not pending:
+            return
+        rows = pending[0].rows  # (every all-gather message of a round carries the same rows: my shard)
+        keep = self._scratch("trail", st.tensor, rows.shape)
+        old = None
+        for o in self.trail.values():  # an earlier round's messages still on this buffer keep a copy of their own
+            if o.rows is keep:
+                old = keep.copy() if old is None else old
+                o.rows = old
+        np.copyto(keep, rows)
+        now = time.monotonic()
+        for o in pending:
+            o.rows, o.trailing, o.t_heard = keep, True, now
+            self.trail[(o.rnd, o.ag, o.dst)] = o
