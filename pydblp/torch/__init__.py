@@ -10,7 +10,7 @@ is the control plane, used here only for rendezvous)::
 Rendezvous: each rank publishes its data-plane address, port, MAC and queue
 in the default store under ``pydblp/<job>/<rank>`` and reads everyone else's.
 
-Failure semantics (the collective's, see :mod:`pydblp.collective.core`):
+Failure semantics (the collective's, see docs/protocol.md):
 
 * Loss within a round's tolerance is absorbed by the estimator; loss above
   it is repaired by retransmission.  Nothing is raised for loss.
