@@ -84,7 +84,13 @@ class Config:
     job: int = 1
     mode: str = "tar"                # "tar" (transpose allreduce) or "ps" (parameter server, rank 0)
     estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (sum/arrived)
-    fill: str = "stale"              # all-gather misses: "stale" or "local"
+    consistent: bool = True          # every rank ends a round with the same result: all-gather
+                                     # messages carry tolerance 0 and are repaired whole, so loss is
+                                     # tolerated only in the reduce-scatter, whose estimate the owner
+                                     # shares with all (False: the all-gather tolerates the round's
+                                     # loss too and misses are filled per ``fill``: faster under loss,
+                                     # but replicas drift apart)
+    fill: str = "stale"              # all-gather misses (consistent=False only): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
     priority: str = "magnitude"      # "magnitude", "position" or "none"
@@ -130,6 +136,8 @@ class Config:
             raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
         if self.burst < 1:
             raise ValueError(f"burst {self.burst}: use 1 or more packets")
+        if not isinstance(self.consistent, bool):
+            raise ValueError(f"consistent {self.consistent!r}: use True (identical results) or False")
         if self.records_max < 0:
             raise ValueError(f"records_max {self.records_max}: use 0 or more records")
         if self.on_record is not None and not callable(self.on_record):

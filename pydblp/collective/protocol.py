@@ -255,17 +255,18 @@ class Protocol:
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st.y[a:b], a, len(st.y))
+        tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets the shard whole
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
         # (the last owner to reduce has none left: all of it goes at once)
         split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
         members = []
         for dst in range(self.world):
             if dst != self.rank and b > a:
-                o = st.outs[(True, dst)] = OutMessage(True, dst, st.y[a:b], prio, st.tol8, st.round, st.tensor)
+                o = st.outs[(True, dst)] = OutMessage(True, dst, st.y[a:b], prio, tol8, st.round, st.tensor)
                 members.append(o)
         first = members
         if self._gid >= 0 and members:  # one first pass to the group; each member only follows it
-            bc = st.bcast = OutMessage(True, DST_ALL, st.y[a:b], prio, st.tol8, st.round, st.tensor)
+            bc = st.bcast = OutMessage(True, DST_ALL, st.y[a:b], prio, tol8, st.round, st.tensor)
             bc.members = members
             for o in members:
                 o.avail = 0
