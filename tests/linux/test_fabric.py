@@ -45,9 +45,9 @@ def tcp_frame(dst_mac: bytes = MAC_A) -> bytes:
 
 
 def dblp_frame(prio: int, tensor: int = 0, src: int = 0, nchunks: int = 100, tol: int = 0,
-               chunk: int = 0, size: int = 1000, dst_mac: bytes = MAC_A) -> bytes:
+               chunk: int = 0, size: int = 1000, dst_mac: bytes = MAC_A, flags: int = 0) -> bytes:
     hdr = wire.Header(job=7, round=3, tensor=tensor, src=src, dst=1, prio=prio, chunk=chunk,
-                      nchunks=nchunks, tol=tol)
+                      nchunks=nchunks, tol=tol, flags=flags)
     frame = udp_frame(wire.encode(hdr, b"\0" * (size - 14 - 20 - 8 - 32)), dst_mac)
     assert len(frame) == size
     return frame
@@ -287,11 +287,30 @@ def test_priority_queue_early_drop_order_and_bound(fab):
     assert first and 0 not in first
     # the kernel's per-message counters: none above its bound
     for k, v in fab.maps["msgs"].items():
-        job, rnd, tensor, src, dst, _ = fb.MSG.unpack(k)
+        job, rnd, tensor, src, dst, _, _, _ = fb.MSG.unpack(k)
         assert struct.unpack("=I", v)[0] <= bound
     assert max(spent.values()) == bound
     st = fab.stats()["a"]
     assert st["backlog"] <= buffer and st["peak"] <= buffer
+
+
+def test_reduce_scatter_and_all_gather_between_two_ranks_have_separate_bounds(fab):
+    """A reduce-scatter and an all-gather message of the same (job, round, tensor, src, dst) are
+    two messages: each loses up to its own bound to early drop."""
+    fab.queue(8, buffer=40_500, port="a")  # 1 byte/s: the queue only fills
+    nchunks, tol = 30, 26
+    bound = nchunks * tol // 255  # 3
+    got = {}
+    for flags in (0, wire.Flag.ALLGATHER):
+        got[flags] = [bpf.test_run(fab.prog_fd, dblp_frame(7, tensor=5, src=2, nchunks=nchunks, tol=tol,
+                                                            chunk=i, flags=flags))[0] for i in range(10)]
+    # prio 7 is early-dropped once the backlog passes buffer/8 (5062 bytes): from the 6th frame on
+    assert got[0] == [FORWARD] * 5 + [XDP_DROP] * bound + [FORWARD] * (5 - bound)
+    assert got[wire.Flag.ALLGATHER] == [XDP_DROP] * bound + [FORWARD] * (10 - bound)
+    assert counts(fab)["early7"] == 2 * bound
+    spent = sorted((k[-2], fb.U32.unpack(v)[0]) for k, v in
+                   ((fb.MSG.unpack(k), v) for k, v in fab.maps["msgs"].items()))
+    assert spent == [(0, bound), (1, bound)]  # (allgather, early drops) of the two messages
 
 
 def test_queue_drains_at_line_rate(fab):
