@@ -57,7 +57,7 @@ from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
 from pydblp.torch import ParameterBroadcaster, State
 from pydblp.transport.udp import UdpTransport
-from tests.conftest import unique_name
+from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

@@ -16,6 +16,7 @@ from scapy.layers.l2 import ARP, Dot1Q, Ether
 from scapy.packet import Raw
 
 from pydblp import bpf, host, net, wire
+from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -27,8 +28,6 @@ PORT = wire.DEFAULT_PORT
 @pytest.fixture(scope="module")
 def prog(request, bpf_xdp):
     """One compile for the module: the program attached to a veth in a private netns."""
-    from tests.conftest import unique_name
-
     ns = unique_name("h")
     net.netns_add(ns)
     try:
