@@ -242,11 +242,17 @@ def test_rate_paces_transmit_like_a_line(pair, release):
     with xsk(pair, 0, rate=rate) as ta, xsk(pair, 1) as tb:
         pb = ta.add_peer(ADDR[4][1])
         b = packets(0, n, 0, 1, JOB, pb)
-        frame_bytes = int(b.lengths[:n].sum()) + n * (wire.HEADER_LEN + 14 + 20 + 8)
+        frames = b.lengths[:n].astype(np.int64) + wire.HEADER_LEN + 14 + 20 + 8
+        frame_bytes = int(frames.sum())
         t0 = time.monotonic()
         assert ta.send(b, timeout=5) == n
-        assert ta.stats()["tx_waiting"] > n // 2  # queued behind the token bucket, not sent yet
-        assert 0.1 < ta.tx_backlog() <= frame_bytes / (rate / 8)  # seconds until the queue is handed over
+        waiting, backlog = ta.stats()["tx_waiting"], ta.tx_backlog()
+        t1 = time.monotonic()
+        # by t1 the bucket let out at most rate_burst + rate * (t1 - t0) bytes, frames in order:
+        # the rest is queued behind it, not sent yet, and the backlog is their time at the rate
+        out = ta.rate_burst + rate / 8 * (t1 - t0)
+        assert waiting >= n - int(np.searchsorted(np.cumsum(frames), out, side="right"))
+        assert max(0.0, frame_bytes - out) / (rate / 8) <= backlog <= frame_bytes / (rate / 8)
         if release == "flush":
             assert ta.flush(timeout=10)
         else:  # a receive loop with nothing to receive drains it as well
