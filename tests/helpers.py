@@ -194,3 +194,47 @@ def xsk(pair, side: int, **kw):
     from pydblp.transport.xsk import XskTransport
 
     return XskTransport(pair["dev"][side], netns=pair["ns"][side], queue=0, host=pair["host"][side], **kw)
+
+
+# ---- seeded loss at a sender ----
+
+def _unit(key: tuple) -> float:
+    """A uniform number in [0, 1) that is a function of ``key`` (ints) only: splitmix64 of its hash
+    (the hash of a tuple of ints does not depend on PYTHONHASHSEED)."""
+    z = (hash(key) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def seeded_loss(t, p: float, seed: int) -> list[tuple[int, int, int, int, int]]:
+    """Make transport ``t`` lose, as the wire would, each DATA packet it sends with probability ``p``.
+
+    Whether a packet is lost is a function of ``seed``, its (round, tensor, src, dst, chunk, flags)
+    and how many times that packet was sent before, not of timing: a run repeats its losses.
+    Returns the list the lost packets' (round, tensor, src, dst, chunk) are appended to.
+
+    Args:
+        t: a :class:`pydblp.transport.base.Transport`; its ``send`` is replaced.
+        p: loss probability in [0, 1].
+        seed: selects the loss pattern.
+    """
+    send, lost, sent = t.send, [], {}
+
+    def lossy(batch, timeout=1.0):
+        n = len(batch)
+        h = batch.headers[:n]
+        keep = np.ones(n, bool)
+        for i in np.flatnonzero(h["kind"] == wire.Kind.DATA):
+            ident = tuple(int(h[f][i]) for f in ("round", "tensor", "src", "dst", "chunk", "flags"))
+            attempt = sent[ident] = sent.get(ident, -1) + 1
+            if _unit((seed, *ident, attempt)) < p:
+                keep[i] = False
+                lost.append(ident[:5])
+        if keep.all():
+            return send(batch, timeout)
+        return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
+                          int(keep.sum())), timeout) + int(n - keep.sum())
+
+    t.send = lossy
+    return lost
