@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /* DBLP wire format v1 and the structs shared by the BPF programs and
  * userspace.  Mirrored once in pydblp/wire.py (header, reasons) and
- * pydblp/bpf.py (maps); tests/unit/test_header_agreement.py keeps them equal.
+ * pydblp/host.py (maps); tests/unit/test_header_agreement.py keeps them equal.
  */
 #ifndef DBLP_H
 #define DBLP_H
@@ -96,12 +96,17 @@ struct dblp_job {
 	__u8  pad[3];
 };
 
-/* One message: the shedding budget is counted per key. */
+/* One message: the shedding budget is counted per key.  A peer's reduce-scatter
+ * and all-gather messages of one tensor and round are two messages with a budget
+ * each, as the collective accounts them: allgather is 1 for DATA carrying
+ * DBLP_FLAG_ALLGATHER, else 0.  Every byte is set (pad = 0): the key is hashed whole. */
 struct dblp_msg_key {
 	__u32 job;
 	__u32 round;
 	__u16 tensor;
 	__u16 src;
+	__u16 allgather;
+	__u16 pad;
 };
 
 struct dblp_host_cfg {

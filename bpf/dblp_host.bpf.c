@@ -21,7 +21,9 @@ struct vlan_hdr_ {
 BPF_ARRAY(config, struct dblp_host_cfg, 1);
 BPF_HASH(jobs, u32, struct dblp_job, DBLP_MAX_JOBS);
 BPF_XSKMAP(xsks, DBLP_MAX_QUEUES);
-BPF_TABLE("lru_hash", struct dblp_msg_key, u32, shed, DBLP_SHED_ENTRIES);
+/* packets shed per message (see shed_charge); u64 because the BPF backend of bcc's LLVM
+ * (no alu32) returns the old value of an atomic add for 64-bit words only */
+BPF_TABLE("lru_hash", struct dblp_msg_key, u64, shed, DBLP_SHED_ENTRIES);
 BPF_PERCPU_ARRAY(counters, u64, DBLP_CNT_MAX);
 /* per-CPU arrival window for the in-kernel rate estimate: [start ns, count] */
 BPF_PERCPU_ARRAY(rate, u64, 2);
@@ -72,6 +74,37 @@ static __always_inline u32 pressure(struct dblp_host_cfg *cfg)
 	if (est > DBLP_PRESSURE_MAX)
 		est = DBLP_PRESSURE_MAX;
 	return est > level ? est : level;
+}
+
+/* Charge one shed packet to message `key` if its budget allows; 1 = charged, shed it.
+ *
+ * The counter is created insert-if-absent (BPF_NOEXIST): CPUs that miss at once
+ * all end up on the one element, never on a fresh zero that replaced another's
+ * charges.  A charge is an atomic add whose returned value decides: a CPU that
+ * got old < budget sheds, one that got old >= budget takes its unit back and
+ * does not.  The counter is (packets shed) + (units in flight, about to be taken
+ * back), so a CPU that sheds got old >= (packets shed before it): every shed
+ * packet sees fewer than `budget` before it, and at most `budget` are shed per
+ * message while its entry lives (an entry the LRU evicts, among the least recently
+ * used of DBLP_SHED_ENTRIES messages, starts again from zero). */
+static __always_inline int shed_charge(struct dblp_msg_key *key, u32 budget)
+{
+	u64 *spent = shed.lookup(key);
+
+	if (!spent) {
+		u64 none = 0;
+
+		shed.insert(key, &none);  /* BPF_NOEXIST: fails harmlessly if another CPU made it */
+		spent = shed.lookup(key);
+		if (!spent)
+			return 0;
+	}
+	if (*(volatile u64 *)spent >= budget)  /* spent already: no atomic traffic */
+		return 0;
+	if (__sync_fetch_and_add(spent, 1) < budget)
+		return 1;
+	__sync_fetch_and_add(spent, -1);
+	return 0;
 }
 
 int dblp_host(struct xdp_md *ctx)
@@ -163,24 +196,12 @@ int dblp_host(struct xdp_md *ctx)
 			.round = bpf_ntohl(h->round),
 			.tensor = bpf_ntohs(h->tensor),
 			.src = src,
+			.allgather = (h->flags & DBLP_FLAG_ALLGATHER) ? 1 : 0,
+			.pad = 0,
 		};
-		u32 *shed_n = shed.lookup(&key);
-		if (!shed_n) {
-			u32 none = 0;
-			shed.update(&key, &none);
-			shed_n = shed.lookup(&key);
-		}
-		if (shed_n && *shed_n < budget) {
-			/* Reserve a unit, then re-read: a CPU that sees the count past
-			 * the budget after its own add gives the unit back.  Every
-			 * shedder saw count <= budget including itself, so at most
-			 * budget packets of this message are ever shed. */
-			__sync_fetch_and_add(shed_n, 1);
-			if (*(volatile u32 *)shed_n <= budget) {
-				count(DBLP_CNT_SHED_BASE + prio);
-				return XDP_DROP;
-			}
-			__sync_fetch_and_add(shed_n, -1);
+		if (budget && shed_charge(&key, budget)) {
+			count(DBLP_CNT_SHED_BASE + prio);
+			return XDP_DROP;
 		}
 	}
 

@@ -14,8 +14,8 @@
  * it DBLP-priority-aware early drop (prio p dropped once the backlog would
  * pass thresh[p]; prio 0 and non-DBLP traffic never), at most
  * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
- * src, dst).  The queue decides drops only; it never delays a frame.
- * TCP, UDP and everything else unicast are treated alike.  A frame that
+ * src, dst, all-gather or not).  The queue decides drops only; it never
+ * delays a frame.  TCP, UDP and everything else unicast are treated alike.  A frame that
  * survives is forwarded: XDP_REDIRECT to its egress port (a switch in XDP:
  * no skb, bridge or netfilter work per frame); what the fdb does not know
  * goes up to the Linux bridge with XDP_PASS.
@@ -173,6 +173,7 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 		struct fabric_msg key = {
 			.job = h->job, .round = h->round, .tensor = h->tensor,
 			.src = h->src, .dst = h->dst, .port = bcast ? (u16)out_if : 0,
+			.allgather = (h->flags & DBLP_FLAG_ALLGATHER) ? 1 : 0, .pad = 0,
 		};
 		spent = msgs.lookup(&key);
 		if (!spent) {

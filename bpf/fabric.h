@@ -68,7 +68,8 @@ struct fabric_cval {
 	__u64 bytes;
 };
 
-/* One DBLP message as the fabric sees it: early drops are counted per key. */
+/* One DBLP message as the fabric sees it: early drops are counted per key.
+ * A reduce-scatter and an all-gather message between the same ranks are two. */
 struct fabric_msg {
 	__u32 job;
 	__u32 round;
@@ -76,6 +77,8 @@ struct fabric_msg {
 	__u16 src;
 	__u16 dst;
 	__u16 port;            /* a broadcast message's copy: its egress ifindex (low 16 bits); else 0 */
+	__u16 allgather;       /* 1: DATA with DBLP_FLAG_ALLGATHER; else 0 */
+	__u16 pad;             /* 0: the key is hashed whole */
 };
 
 struct fabric_mac {

@@ -38,7 +38,7 @@ CNT_MAX = 40
 # (member, struct code) of each map struct in dblp.h, in order
 STRUCTS = {
     "dblp_job": (("world_size", "H"), ("rank", "H"), ("transport", "B"), ("pad", "3x")),
-    "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H")),
+    "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H"), ("allgather", "H"), ("pad", "H")),
     "dblp_host_cfg": (("port", "H"), ("pad", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I")),
 }
 JOB, MSG_KEY, HOST_CFG = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
@@ -168,13 +168,24 @@ class HostMaps:
             "shed": raw[CNT_SHED_BASE: CNT_SHED_BASE + wire.MAX_PRIO + 1],
         }
 
-    def shed_count(self, job: int, round: int, tensor: int, src: int) -> int:
-        """Packets of one message shed so far (0 when the LRU has no entry)."""
-        v = self.maps["shed"].lookup(MSG_KEY.pack(job, round, tensor, src))
-        return struct.unpack("=I", v)[0] if v else 0
+    def shed_count(self, job: int, round: int, tensor: int, src: int, allgather: bool = False) -> int:
+        """Packets of one message shed so far (0 when the LRU has no entry).
 
-    def shed_counts(self) -> dict[tuple[int, int, int, int], int]:
-        return {MSG_KEY.unpack(k): struct.unpack("=I", v)[0] for k, v in self.maps["shed"].items()}
+        Args:
+            job, round, tensor, src: the message's header fields.
+            allgather: the all-gather message (DATA with ``Flag.ALLGATHER``) rather than the
+                reduce-scatter one; each has its own budget.
+        """
+        v = self.maps["shed"].lookup(MSG_KEY.pack(job, round, tensor, src, int(allgather), 0))
+        return struct.unpack("=Q", v)[0] if v else 0
+
+    def shed_counts(self) -> dict[tuple[int, int, int, int, bool], int]:
+        """Every message's shed count, by ``(job, round, tensor, src, allgather)``."""
+        out = {}
+        for k, v in self.maps["shed"].items():
+            job, rnd, tensor, src, allgather, _ = MSG_KEY.unpack(k)
+            out[(job, rnd, tensor, src, bool(allgather))] = struct.unpack("=Q", v)[0]
+        return out
 
     def close(self) -> None:
         for m in self.maps.values():

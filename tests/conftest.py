@@ -7,15 +7,13 @@ failure, so a missing install step cannot hide behind a skip.
 
 from __future__ import annotations
 
-import itertools
 import os
-import subprocess
 
 import pytest
 
+from tests.helpers import NS_PREFIX, unique_name
+
 REQUIRE_PRIVILEGED = os.environ.get("DBLP_REQUIRE_PRIVILEGED") == "1"
-NS_PREFIX = f"dblpt{os.getpid() % 100000}"
-_seq = itertools.count()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -26,33 +24,6 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"skipped under DBLP_REQUIRE_PRIVILEGED=1 (a missing install step?): {reason}"
-
-
-def run_in_workers(tb, argv_of, env: dict, timeout: float, what: str) -> list[str]:
-    """Run ``argv_of(rank)`` in every worker of testbed ``tb`` at once; their outputs, by rank.
-
-    Each must exit 0 and print ``ok <rank>``; one that hangs past ``timeout`` ends them all
-    (each by its pid) and fails the test with its output.
-    """
-    procs = [tb.popen(w, argv_of(r), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r, w in enumerate(tb.workers)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{what}: a worker hung: {p.communicate()[0][-3000:]}")
-        outs.append(out)
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
-    return outs
-
-
-def unique_name(tag: str = "") -> str:
-    """A name no other test run uses: prefix + pid + sequence (max 15 chars for ifnames)."""
-    return f"{NS_PREFIX}{tag}{next(_seq)}"
 
 
 @pytest.fixture(scope="session")

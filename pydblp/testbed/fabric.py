@@ -48,7 +48,7 @@ CFG_FIELDS = ("loss", "ge_p", "ge_r", "ge_loss_good", "ge_loss_bad", "burst_rati
 STATE = struct.Struct("=IIQQQ")      # struct fabric_state (lock, ge_bad, backlog, last_ns, peak)
 CKEY = struct.Struct("=II")          # struct fabric_ckey
 CVAL = struct.Struct("=QQ")          # struct fabric_cval
-MSG = struct.Struct("=IIHHHH")       # struct fabric_msg (DBLP fields as on the wire: big-endian bytes)
+MSG = struct.Struct("=IIHHHHHH")     # struct fabric_msg (job..dst as on the wire: big-endian bytes)
 DEVMAP_VAL = struct.Struct("=Ii")    # struct bpf_devmap_val: ifindex, egress program fd
 MAC = struct.Struct("=6sH")          # struct fabric_mac
 U32 = struct.Struct("=I")

@@ -18,7 +18,7 @@ from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.conftest import unique_name
+from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

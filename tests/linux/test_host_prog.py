@@ -16,6 +16,7 @@ from scapy.layers.l2 import ARP, Dot1Q, Ether
 from scapy.packet import Raw
 
 from pydblp import bpf, host, net, wire
+from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -27,8 +28,6 @@ PORT = wire.DEFAULT_PORT
 @pytest.fixture(scope="module")
 def prog(request, bpf_xdp):
     """One compile for the module: the program attached to a veth in a private netns."""
-    from tests.conftest import unique_name
-
     ns = unique_name("h")
     net.netns_add(ns)
     try:
@@ -275,3 +274,90 @@ def test_property_shed_never_exceeds_bound_and_prio0_never_shed(prog, seq, msgs)
     for m, (nchunks, tol) in enumerate(msgs):
         assert shed[m] <= nchunks * tol // 255
         assert prog.shed_count(JOB, tag, m, 0) == shed[m]
+
+
+def test_reduce_scatter_and_all_gather_of_a_peer_have_separate_budgets(prog):
+    """One peer's reduce-scatter and all-gather DATA of the same (job, round, tensor) are two
+    messages, as the collective accounts them: each may lose its own budget to shedding."""
+    n, tol = 40, 64
+    budget = n * tol // 255  # 10
+    prog.set_pressure(1000)
+    try:
+        for flags, dst in ((0, RANK), (wire.Flag.ALLGATHER, RANK), (wire.Flag.ALLGATHER, wire.DST_ALL)):
+            verdicts = [bpf.test_run(prog.prog_fd, dblp_frame(data(round=77, tensor=9, chunk=i, nchunks=n, prio=7,
+                                                                    tol=tol, flags=flags, dst=dst)))[0]
+                        for i in range(n)]
+            # the broadcast all-gather (dst DST_ALL) is the same all-gather message: its budget is spent
+            want = 0 if dst == wire.DST_ALL else budget
+            assert verdicts.count(XDP_DROP) == want, (flags, dst)
+        assert prog.shed_count(JOB, 77, 9, 0) == budget
+        assert prog.shed_count(JOB, 77, 9, 0, allgather=True) == budget
+        assert prog.shed_counts()[(JOB, 77, 9, 0, True)] == budget
+    finally:
+        prog.set_pressure(0)
+
+
+def _shed_race(prog_fd: int, cpu: int, me: int, frames: list[list[bytes]], at, drops, deadline: float) -> None:
+    """Worker ``me`` of the race below, in a forked child pinned to ``cpu``: for each message,
+    wait (spinning) until the other worker reaches it too, then send its packets at once."""
+    import os
+    import time
+
+    os.sched_setaffinity(0, {cpu})
+    other = 1 - me
+    for m, packets in enumerate(frames):
+        at[me] = m + 1
+        while at[other] < m + 1:
+            if time.monotonic() > deadline:
+                at[me] = len(frames) + 1  # release the other worker: stop here
+                return
+        drops[me * len(frames) + m] = sum(bpf.test_run(prog_fd, f)[0] == XDP_DROP for f in packets)
+
+
+def test_concurrent_cpus_never_shed_past_a_message_budget(prog):
+    """Two CPUs run the program on packets of the same fresh messages at the same moment (two
+    forked workers, each pinned to its own CPU, meeting at a spinning barrier before each
+    message): a message is never shed past its budget, and its kernel count equals the
+    packets shed (no charge lost to a counter re-created by the other CPU)."""
+    import mmap
+    import os
+    import time
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to run the program on at once")
+    nmsg, per_worker, n, tol = 4000, 3, 4, 64
+    budget = n * tol // 255  # 1: a second shed packet of a message is one too many
+    rnd = 5_000_000 + os.getpid() % 1000 * 10_000  # rounds no other test uses
+    frames = [[dblp_frame(data(round=rnd + m // 512, tensor=m % 512, chunk=i % n, nchunks=n, prio=7, tol=tol))
+               for i in range(per_worker)] for m in range(nmsg)]
+    shared = mmap.mmap(-1, 16 + 2 * nmsg)  # MAP_SHARED | MAP_ANONYMOUS: seen by both children
+    at = memoryview(shared)[:16].cast("Q")
+    drops = memoryview(shared)[16:]
+    deadline = time.monotonic() + 30
+    prog.set_pressure(1000)
+    pids = []
+    try:
+        for me, cpu in enumerate(cpus[:2]):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                code = 1
+                try:
+                    _shed_race(prog.prog_fd, cpu, me, frames, at, drops, deadline)
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        prog.set_pressure(0)
+    done = min(at[0], at[1], nmsg)
+    assert done > nmsg // 4, f"workers met at only {done} of {nmsg} messages in 30 s"
+    shed = [drops[m] + drops[nmsg + m] for m in range(done)]
+    over = [m for m in range(done) if shed[m] > budget]
+    assert not over, f"{len(over)} of {done} messages shed past their budget {budget}"
+    lost = [m for m in range(done) if prog.shed_count(JOB, rnd + m // 512, m % 512, 0) != shed[m]]
+    assert not lost, f"{len(lost)} of {done} messages: kernel count != packets shed"
+    assert sum(shed) == done * budget  # a message's first charge always finds it unspent

@@ -24,7 +24,7 @@ import pytest
 from pydblp import bpf, net, wire
 from pydblp.testbed import Testbed, TestbedError, core
 from pydblp.testbed import fabric as fb
-from tests.conftest import run_in_workers, unique_name
+from tests.helpers import run_in_workers, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 

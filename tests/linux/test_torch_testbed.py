@@ -16,7 +16,7 @@ import pytest
 
 from pydblp import host
 from pydblp.testbed import Testbed
-from tests.conftest import run_in_workers, unique_name
+from tests.helpers import run_in_workers, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

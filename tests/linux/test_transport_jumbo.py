@@ -20,7 +20,7 @@ from pydblp import bpf, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.linux.test_transport_xsk import ADDR, JOB, JOB_UDP, Checker, both_ways, host_pair, packets, transfer
+from tests.helpers import ADDR, JOB, JOB_UDP, Checker, both_ways, host_pair, packets, transfer
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 

@@ -15,8 +15,7 @@ import pytest
 
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
-# `pair`: two namespaces, a native-mode host program on each with a udp job (shared fixture)
-from tests.linux.test_transport_xsk import ADDR, JOB_UDP, MAXLEN, N, both_ways, packets, pair  # noqa: F401
+from tests.helpers import ADDR, JOB_UDP, MAXLEN, N, both_ways, packets, xsk
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -77,7 +76,6 @@ def test_tx_queued_counts_what_waits_in_the_qdisc(pair, kind):
     over 0.2 s of link) are mostly still queued right after ``send``, and the queue is empty once
     they are out, every one received.  The collective keeps it short in rounds that repair."""
     from pydblp import net
-    from tests.linux.test_transport_xsk import xsk
 
     ns, dev = pair["ns"][0], pair["dev"][0]
     tbf = {"rate": 1_000_000, "burst": 6000, "latency": 2_000_000}  # bytes/s, bytes, us

@@ -1,0 +1,15 @@
+"""Fixtures shared by the privileged test modules."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import host_pair
+
+
+@pytest.fixture(scope="module")
+def pair(root, bpf_xdp):
+    """Two namespaces joined by a veth pair, the host program native on each end
+    (:func:`tests.helpers.host_pair`); one per module that asks for it."""
+    with host_pair() as p:
+        yield p
