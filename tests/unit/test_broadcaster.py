@@ -66,7 +66,7 @@ SEED = 7
 # a random walk gives sqrt(7/8 / (1/8)) ~ 2.6 (the quarters' mean ages), less for the maximum over
 # N values (a few values with the most misses lead early); rows reset every EVERY steps give ~1
 GROWS = 1.3
-CFG = dict(phase="static:0.3", fill="stale", peer_timeout=20.0, probe_max=0.01)
+CFG = dict(phase="static:0.3", consistent=False, fill="stale", peer_timeout=20.0, probe_max=0.01)
 
 
 class Vec(torch.nn.Module):
