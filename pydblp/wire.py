@@ -63,7 +63,8 @@ class Reason(enum.IntEnum):
     """Why a packet is malformed.  Shared with the kernel's drop counters.
 
     ``JOB`` and ``DST`` are only decided where the job table lives (the XDP
-    program, or a receiver told its rank); ``TAG`` only in userspace.
+    program, or a receiver told its rank); ``SPOOF_IP`` and ``SPOOF_MAC`` only
+    in the XDP program (it holds the ranks' addresses); ``TAG`` only in userspace.
     """
 
     OK = 0
@@ -78,6 +79,8 @@ class Reason(enum.IntEnum):
     JOB = 9       # job id 0 or not registered
     DST = 10      # dst is not this host's rank
     TAG = 11      # tag missing or does not verify
+    SPOOF_IP = 12   # the src rank is bound to another source IP (host program's peers map)
+    SPOOF_MAC = 13  # the src rank is bound to another source MAC (host program's peers map)
 
 
 # Field name -> struct code, in wire order.  The single source for the
