@@ -287,6 +287,7 @@ examples:
   dblp dump -i eth0 -w dblp.pcap               capture to a file (and print)
   dblp dump -r all.pcap 'udp dst port 47800 and host 198.18.0.2'
   dblp dump -i eth0 --port 47800 --port 47801  DBLP on two ports
+  dblp dump -r trace.pcap --key-file job.key   check every packet's tag
 """
 
 
@@ -304,6 +305,8 @@ def _add_dump(sub):
                    help="UDP port carrying DBLP (repeatable; default 47800)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop a live capture after SECONDS")
     p.add_argument("-v", dest="verbose", action="store_true", help="print every header field")
+    p.add_argument("--key-file", metavar="FILE",
+                   help="the job key: mark each packet's tag valid (with its run epoch), INVALID or untagged")
     p.add_argument("expression", nargs="*", help="BPF filter expression, as for tcpdump")
     p.set_defaults(func=_cmd_dump)
 
@@ -326,6 +329,14 @@ def _cmd_dump(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     expr = " ".join(args.expression) or None
+    key = None
+    if args.key_file:
+        from pydblp.auth import KeyLoadError, load_key
+
+        try:
+            key = load_key(args.key_file)
+        except KeyLoadError as e:
+            raise UsageError(str(e)) from None
     show = inspect.describe if args.verbose else inspect.summary
     writer = None
     if args.write:
@@ -337,7 +348,7 @@ def _cmd_dump(args) -> int:
             raise UsageError(f"cannot write {args.write}: {e.strerror or e}") from None
 
     def emit(pkt) -> None:
-        print(show(pkt, ports), flush=True)
+        print(show(pkt, ports, key), flush=True)
         if writer is not None:
             writer.write(pkt)
 
