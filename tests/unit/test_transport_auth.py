@@ -224,6 +224,7 @@ def test_forged_data_changes_a_result_only_without_a_key(pair, keyed):
     t1 = p.ts[1]
     if keyed:
         assert _wait(lambda: t1.stats()["auth_untagged"] + t1.stats()["auth_bad_tag"] == len(forged))
+        assert c1.counters["stashed"] == 0  # none reached the collective
     else:
         assert _wait(lambda: c1.counters["stashed"] == len(forged))  # kept for round 1
     xs = xs_of(1)[0]
@@ -234,7 +235,7 @@ def test_forged_data_changes_a_result_only_without_a_key(pair, keyed):
     if keyed:
         s = t1.stats()
         assert (s["auth_untagged"], s["auth_bad_tag"]) == (15, 15)
-        assert c1.counters["stashed"] == 0 and c1.counters["bad_payload"] == 0
+        assert c1.counters["bad_payload"] == 0
 
 
 def test_a_forged_stop_ends_no_message_and_a_genuine_one_does():
@@ -273,7 +274,6 @@ def test_a_replayed_packet_of_an_earlier_round_changes_nothing(pair):
     assert {wire.Header.unpack(d).kind for d in round1} >= {wire.Kind.DATA, wire.Kind.STOP}
     res, errs = p.run(lambda r, c: c.allreduce(xs[1][r]))
     assert not errs
-    stashed0 = p.cols[1].counters["stashed"]
     verified0 = p.ts[1].stats()["auth_verified"]
 
     def third(r, c):
@@ -287,7 +287,7 @@ def test_a_replayed_packet_of_an_earlier_round_changes_nothing(pair):
     for r in range(2):
         np.testing.assert_allclose(res[r], (xs[2][0] + xs[2][1]) / 2, atol=1e-6)
     assert p.ts[1].stats()["auth_verified"] - verified0 >= len(round1)  # genuine: they pass the transport
-    assert p.cols[1].counters["bad_payload"] == 0 and p.cols[1].counters["stashed"] == stashed0
+    assert p.cols[1].counters["bad_payload"] == 0
 
 
 def test_a_replayed_packet_of_an_earlier_run_is_refused(pair):
@@ -302,10 +302,11 @@ def test_a_replayed_packet_of_an_earlier_run_is_refused(pair):
     _spray(later.raw[1].port, wire0)
     t1 = later.ts[1]
     assert _wait(lambda: t1.stats()["auth_epoch"] == len(wire0))
+    assert later.cols[1].counters["stashed"] == 0  # none reached the collective
     res, errs = later.run(lambda r, c: c.allreduce(xs[0][r][::-1].copy()))
     assert not errs
     np.testing.assert_allclose(res[1], (xs[0][0][::-1] + xs[0][1][::-1]) / 2, atol=1e-6)
-    assert later.cols[1].counters["stashed"] == 0 and t1.stats()["auth_verified"] > 0
+    assert t1.stats()["auth_verified"] > 0
 
 
 @pytest.mark.parametrize("case,says", [
