@@ -49,6 +49,8 @@
 #define DBLP_REASON_JOB     9
 #define DBLP_REASON_DST     10
 #define DBLP_REASON_TAG     11
+#define DBLP_REASON_SPOOF_IP  12  /* src rank bound to another source IP (peers map) */
+#define DBLP_REASON_SPOOF_MAC 13  /* src rank bound to another source MAC (peers map) */
 
 /* All multi-byte fields are big-endian on the wire. */
 struct dblp_hdr {
@@ -115,6 +117,25 @@ struct dblp_host_cfg {
 	__u32 pressure;             /* 0..DBLP_PRESSURE_MAX, written by userspace */
 	__u32 rate_pps;             /* > 0: raise pressure from the arrival rate */
 	__u32 shed_at[DBLP_MAX_PRIO + 1]; /* shed prio p when pressure >= shed_at[p] */
+};
+
+/* Anti-spoofing: where a registered job's rank sends from.  A packet claiming
+ * src rank R of job J, when (J, R) has an entry, must come from its IP
+ * (family 4: ip[0..3] is the IPv4 address; 6: all 16 bytes; 0: not checked)
+ * and, with has_mac, its Ethernet source address; else it is dropped. */
+#define DBLP_MAX_PEERS 4096
+
+struct dblp_peer_key {
+	__u32 job;
+	__u16 rank;
+	__u16 pad;
+};
+
+struct dblp_peer {
+	__u8 ip[16];
+	__u8 mac[6];
+	__u8 family;   /* 4, 6, or 0: no IP check */
+	__u8 has_mac;  /* 1: check the Ethernet source too */
 };
 
 #ifdef __KERNEL__  /* the BPF side (bcc builds with kernel headers) */

@@ -31,6 +31,8 @@ BPF_PERCPU_ARRAY(rate, u64, 2);
  * redirect and read by userspace through mmap: a receive lingering for data returns once one
  * comes (it wants an answer) */
 BPF_F_TABLE("array", u32, u64, ctrl_seen, 1, BPF_F_MMAPABLE);
+/* (job, rank) -> the source addresses that rank's packets must come from (anti-spoofing) */
+BPF_HASH(peers, struct dblp_peer_key, struct dblp_peer, DBLP_MAX_PEERS);
 
 #define RATE_WINDOW_NS 1000000ULL
 
@@ -107,6 +109,29 @@ static __always_inline int shed_charge(struct dblp_msg_key *key, u32 budget)
 	return 0;
 }
 
+/* Anti-spoofing: DBLP_REASON_OK unless (job, src) is bound to addresses other
+ * than the packet's source (sip: its source IP as 4 big-endian words, IPv4 in
+ * sip[0]; fam 4 or 6). */
+static __always_inline u32 spoofed(u32 jobid, u16 src, const u8 *smac, const u32 *sip, u8 fam)
+{
+	struct dblp_peer_key key = { .job = jobid, .rank = src, .pad = 0 };
+	struct dblp_peer *p = peers.lookup(&key);
+	u32 want[4];
+
+	if (!p)
+		return DBLP_REASON_OK;
+	if (p->family) {
+		__builtin_memcpy(want, p->ip, sizeof(want));
+		if (p->family != fam || want[0] != sip[0] ||
+		    (fam == 6 && (want[1] != sip[1] || want[2] != sip[2] || want[3] != sip[3])))
+			return DBLP_REASON_SPOOF_IP;
+	}
+	if (p->has_mac && (p->mac[0] != smac[0] || p->mac[1] != smac[1] || p->mac[2] != smac[2] ||
+			   p->mac[3] != smac[3] || p->mac[4] != smac[4] || p->mac[5] != smac[5]))
+		return DBLP_REASON_SPOOF_MAC;
+	return DBLP_REASON_OK;
+}
+
 int dblp_host(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
@@ -117,6 +142,8 @@ int dblp_host(struct xdp_md *ctx)
 	void *l3;
 	u32 zero = 0;
 	u16 proto;
+	u32 sip[4] = {};  /* source IP for the anti-spoofing check */
+	u8 fam;
 
 	struct dblp_host_cfg *cfg = config.lookup(&zero);
 	if (!cfg)
@@ -141,11 +168,15 @@ int dblp_host(struct xdp_md *ctx)
 		if (ip->frag_off & bpf_htons(0x3fff))  /* MF or offset: let the stack reassemble */
 			goto pass;
 		udp = (void *)ip + ip->ihl * 4;
+		sip[0] = ip->saddr;
+		fam = 4;
 	} else if (proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = l3;
 		if ((void *)(ip6 + 1) > data_end || ip6->nexthdr != IPPROTO_UDP)
 			goto pass;
 		udp = (void *)(ip6 + 1);
+		__builtin_memcpy(sip, &ip6->saddr, sizeof(sip));
+		fam = 6;
 	} else {
 		goto pass;
 	}
@@ -184,6 +215,9 @@ int dblp_host(struct xdp_md *ctx)
 	/* DST_ALL: DATA broadcast to every rank; control packets name one */
 	if (dst != job->rank && !(dst == DBLP_DST_ALL && h->kind == DBLP_KIND_DATA))
 		return drop(DBLP_REASON_DST);
+	u32 why = spoofed(jobid, src, eth->h_source, sip, fam);
+	if (why)
+		return drop(why);
 
 	/* Shed least important data first, never past the message's own budget. */
 	u8 prio = h->prio & DBLP_MAX_PRIO;

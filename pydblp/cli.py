@@ -41,6 +41,7 @@ examples:
   dblp load eth0                          native XDP on eth0, DBLP on UDP 47800
   dblp load veth0 --netns w0 --mode skb   generic mode inside namespace w0
   dblp job add eth0 --job 7 --world 4 --rank 1
+  dblp job add eth0 --job 7 --world 2 --rank 1 --peer 0=198.18.0.1,02:00:00:00:00:01
   dblp stats eth0 1 10                    ten one-second samples
   dblp unload --all                       remove every pydblp attachment and pin
 """
@@ -193,12 +194,27 @@ def _add_job(sub):
     a.add_argument("--rank", type=int, required=True, help="this host's rank")
     a.add_argument("--transport", choices=["xsk", "udp"], default="xsk",
                    help="xsk: redirect to AF_XDP (default); udp: pass to the kernel stack")
+    a.add_argument("--peer", action="append", default=[], metavar="RANK=IP[,MAC]",
+                   help="bind RANK's packets to source IP (and MAC): others claiming RANK are dropped "
+                        "as spoof_ip/spoof_mac (repeatable; IP may be '-' to bind the MAC alone)")
     d = jsub.add_parser("del", help="remove a job")
     _iface_args(d)
     d.add_argument("--job", type=int, required=True)
     ls = jsub.add_parser("list", help="list jobs")
     _iface_args(ls)
+    pe = jsub.add_parser("peers", help="list the ranks' source address bindings (anti-spoofing)")
+    _iface_args(pe)
     p.set_defaults(func=_cmd_job)
+
+
+def _peer_arg(text: str) -> tuple[int, str | None, str | None]:
+    """``RANK=IP[,MAC]`` (IP '-': none) -> (rank, ip, mac); UsageError in one line."""
+    rank, eq, addrs = text.partition("=")
+    ip, _, mac = addrs.partition(",")
+    if not eq or not rank.strip().isdigit() or not ip.strip():
+        raise UsageError(f"--peer {text!r}: use RANK=IP[,MAC], e.g. --peer 0=198.18.0.1,02:00:00:00:00:01")
+    ip = None if ip.strip() == "-" else ip.strip()
+    return int(rank), ip, mac.strip() or None
 
 
 def _cmd_job(args) -> int:
@@ -206,7 +222,20 @@ def _cmd_job(args) -> int:
 
     with host.open_pinned(args.ifname, args.netns) as m:
         if args.action == "add":
+            binds = [_peer_arg(x) for x in args.peer]
+            for rank, _, _ in binds:
+                if rank >= args.world:
+                    raise UsageError(f"--peer rank {rank}: use 0..{args.world - 1} (--world {args.world})")
             m.register_job(args.job, args.world, args.rank, args.transport)
+            try:
+                for rank, ip, mac in binds:
+                    m.bind_peer(args.job, rank, ip, mac)
+            except host.HostError:
+                m.unregister_job(args.job)  # all or nothing
+                raise
+        elif args.action == "peers":
+            _table(["JOB", "RANK", "IP", "MAC"],
+                   [[j, r, v["ip"] or "-", v["mac"] or "-"] for (j, r), v in sorted(m.peers().items())])
         elif args.action == "del":
             if not m.unregister_job(args.job):
                 raise UsageError(f"job {args.job} is not registered on {args.ifname}")
@@ -258,6 +287,7 @@ examples:
   dblp dump -i eth0 -w dblp.pcap               capture to a file (and print)
   dblp dump -r all.pcap 'udp dst port 47800 and host 198.18.0.2'
   dblp dump -i eth0 --port 47800 --port 47801  DBLP on two ports
+  dblp dump -r trace.pcap --key-file job.key   check every packet's tag
 """
 
 
@@ -275,6 +305,8 @@ def _add_dump(sub):
                    help="UDP port carrying DBLP (repeatable; default 47800)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop a live capture after SECONDS")
     p.add_argument("-v", dest="verbose", action="store_true", help="print every header field")
+    p.add_argument("--key-file", metavar="FILE",
+                   help="the job key: mark each packet's tag valid (with its run epoch), INVALID or untagged")
     p.add_argument("expression", nargs="*", help="BPF filter expression, as for tcpdump")
     p.set_defaults(func=_cmd_dump)
 
@@ -297,6 +329,14 @@ def _cmd_dump(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     expr = " ".join(args.expression) or None
+    key = None
+    if args.key_file:
+        from pydblp.auth import KeyLoadError, load_key
+
+        try:
+            key = load_key(args.key_file)
+        except KeyLoadError as e:
+            raise UsageError(str(e)) from None
     show = inspect.describe if args.verbose else inspect.summary
     writer = None
     if args.write:
@@ -308,7 +348,7 @@ def _cmd_dump(args) -> int:
             raise UsageError(f"cannot write {args.write}: {e.strerror or e}") from None
 
     def emit(pkt) -> None:
-        print(show(pkt, ports), flush=True)
+        print(show(pkt, ports, key), flush=True)
         if writer is not None:
             writer.write(pkt)
 

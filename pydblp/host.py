@@ -26,6 +26,7 @@ MAX_QUEUES = 64
 MAX_JOBS = 256
 SHED_ENTRIES = 65536
 PRESSURE_MAX = 1000
+MAX_PEERS = 4096
 
 CNT_PASS = 0
 CNT_DBLP_PASS = 1
@@ -40,10 +41,13 @@ STRUCTS = {
     "dblp_job": (("world_size", "H"), ("rank", "H"), ("transport", "B"), ("pad", "3x")),
     "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H"), ("allgather", "H"), ("pad", "H")),
     "dblp_host_cfg": (("port", "H"), ("pad", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I")),
+    "dblp_peer_key": (("job", "I"), ("rank", "H"), ("pad", "H")),
+    "dblp_peer": (("ip", "16s"), ("mac", "6s"), ("family", "B"), ("has_mac", "B")),
 }
-JOB, MSG_KEY, HOST_CFG = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
-                          for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg"))
-MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen")
+JOB, MSG_KEY, HOST_CFG, PEER_KEY, PEER = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
+                                          for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg",
+                                                       "dblp_peer_key", "dblp_peer"))
+MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen", "peers")
 
 # Default pressure at which each priority is shed: prio 7 first, prio 0 never.
 DEFAULT_SHED_AT = (0, 900, 800, 700, 600, 500, 400, 300)
@@ -125,7 +129,64 @@ class HostMaps:
         self.maps["jobs"].update(struct.pack("=I", job), JOB.pack(world_size, rank, transport))
 
     def unregister_job(self, job: int) -> bool:
+        """Remove ``job`` and its ranks' address bindings; False if it was not registered."""
+        for k in [k for k in self.maps["peers"].keys() if PEER_KEY.unpack(k)[0] == job]:
+            self.maps["peers"].delete(k)
         return self.maps["jobs"].delete(struct.pack("=I", job))
+
+    def bind_peer(self, job: int, rank: int, ip=None, mac: str | bytes | None = None) -> None:
+        """Anti-spoofing: admit packets of ``job`` claiming src ``rank`` only from source ``ip``
+        (IPv4 or IPv6; None: any) and, if given, Ethernet source ``mac``; others are dropped and
+        counted as ``spoof_ip`` / ``spoof_mac``.  A rank without a binding is not checked.
+
+        Args:
+            job: a job id (registered or not yet: the binding waits for it).
+            rank: 0..65535, the src rank packets claim.
+            ip: an address string or ``ipaddress`` object.
+            mac: "aa:bb:cc:dd:ee:ff" or 6 bytes.
+
+        Raises:
+            HostError: an argument out of range or unparsable (one line, with the fix); the map full.
+        """
+        import ipaddress
+
+        if not 0 < job < 2**32:
+            raise HostError(f"job id {job} must be in 1..2^32-1")
+        if not 0 <= rank <= 0xFFFF:
+            raise HostError(f"rank {rank} must be in 0..65535")
+        if ip is None and mac is None:
+            raise HostError(f"rank {rank}: give its IP address, MAC address or both")
+        try:
+            addr = None if ip is None else ipaddress.ip_address(ip)
+        except ValueError:
+            raise HostError(f"rank {rank}: {ip!r} is not an IP address (e.g. 198.18.0.2 or 2001:db8::2)") from None
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+            addr = addr.ipv4_mapped  # the wire carries an IPv4 header for it
+        raw_mac = b"\0" * 6 if mac is None else _mac_bytes(mac, rank)
+        family = 0 if addr is None else addr.version
+        packed = b"" if addr is None else addr.packed
+        try:
+            self.maps["peers"].update(PEER_KEY.pack(job, rank, 0),
+                                      PEER.pack(packed.ljust(16, b"\0"), raw_mac, family, int(mac is not None)))
+        except OSError as e:
+            raise HostError(f"cannot bind rank {rank} of job {job}: {e.strerror or e} "
+                            f"(at most {MAX_PEERS} bindings; `dblp job del` unused jobs)") from None
+
+    def unbind_peer(self, job: int, rank: int) -> bool:
+        return self.maps["peers"].delete(PEER_KEY.pack(job, rank, 0))
+
+    def peers(self) -> dict[tuple[int, int], dict]:
+        """(job, rank) -> {"ip": address or None, "mac": "aa:bb:..." or None}."""
+        import ipaddress
+
+        out = {}
+        for k, v in self.maps["peers"].items():
+            job, rank, _ = PEER_KEY.unpack(k)
+            ip, mac, family, has_mac = PEER.unpack(v)
+            out[(job, rank)] = {"ip": ipaddress.IPv4Address(ip[:4]) if family == 4 else
+                                ipaddress.IPv6Address(ip) if family == 6 else None,
+                                "mac": mac.hex(":") if has_mac else None}
+        return out
 
     def jobs(self) -> dict[int, dict]:
         out = {}
@@ -154,7 +215,9 @@ class HostMaps:
 
     # -- observation --
     def counters(self) -> dict:
-        """Totals over CPUs: pass, dblp_pass, redirect, nosock, drop{reason}, shed[prio]."""
+        """Totals over CPUs: pass, dblp_pass, redirect, nosock, drop{reason}, shed[prio]
+        (drop reasons as :class:`pydblp.wire.Reason`, lower case: ``spoof_ip``, ``spoof_mac``
+        are the anti-spoofing drops)."""
         raw = []
         for i in range(CNT_MAX):
             per_cpu = self.maps["counters"].lookup(struct.pack("=I", i))
@@ -196,6 +259,18 @@ class HostMaps:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _mac_bytes(mac, rank: int) -> bytes:
+    if isinstance(mac, (bytes, bytearray)) and len(mac) == 6:
+        return bytes(mac)
+    try:
+        raw = bytes.fromhex(str(mac).replace(":", "").replace("-", ""))
+    except ValueError:
+        raw = b""
+    if len(raw) != 6:
+        raise HostError(f"rank {rank}: {mac!r} is not a MAC address (e.g. 02:00:00:00:00:01)")
+    return raw
 
 
 def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:

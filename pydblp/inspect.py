@@ -157,8 +157,20 @@ def header_line(h: wire.Header) -> str:
             f"chunk {h.chunk}/{h.nchunks} prio {h.prio} len {h.len} flags {_flags(h.flags)}")
 
 
-def summary(pkt: Packet, ports: set[int] | None = None) -> str:
-    """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``.
+def tag_status(data: bytes, key: bytes) -> str:
+    """How a well-formed packet's tag fares under the job ``key``: ``tag valid (epoch 0x...)``,
+    ``tag INVALID`` (forged, altered, or made with another key) or ``untagged``."""
+    h = wire.Header.unpack(data)
+    if not h.flags & wire.Flag.TAG:
+        return "untagged"
+    if wire.validate(data, key=key) is not wire.Reason.OK:
+        return "tag INVALID"
+    return f"tag valid (epoch {wire.tag_epoch(data[-wire.TAG_LEN:]):#010x})"
+
+
+def summary(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
+    """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``;
+    with the job ``key``, then the tag's verdict (:func:`tag_status`).
 
     Packets that are not on a DBLP port get scapy's own summary.
     """
@@ -169,12 +181,12 @@ def summary(pkt: Packet, ports: set[int] | None = None) -> str:
     reason = wire.validate(data)
     if reason is not wire.Reason.OK:
         return f"{head} malformed ({reason.name.lower()}) {len(data)} bytes"
-    return f"{head} {header_line(wire.Header.unpack(data))}"
+    return f"{head} {header_line(wire.Header.unpack(data))}" + (f" {tag_status(data, key)}" if key else "")
 
 
-def describe(pkt: Packet, ports: set[int] | None = None) -> str:
-    """The summary line followed by every header field, one per line."""
-    line = summary(pkt, ports)
+def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
+    """The summary line followed by every header field, one per line (``key`` as :func:`summary`)."""
+    line = summary(pkt, ports, key)
     data = dblp_payload(pkt, ports)
     if data is None:
         return line

@@ -1,8 +1,9 @@
 """DBLP wire format v1: the one Python definition of the packet header.
 
 The header is 32 bytes in network byte order, followed by ``len`` payload
-bytes and, when ``flags & FLAG_TAG``, a 16-byte keyed BLAKE2b tag over
-header + payload.  ``bpf/dblp.h`` mirrors every constant and field here;
+bytes and, when ``flags & FLAG_TAG``, a 16-byte tag: the run's 4-byte epoch
+(big-endian) and a 12-byte keyed BLAKE2b MAC over header + payload, salted
+with that epoch (:func:`tag`).  ``bpf/dblp.h`` mirrors every constant and field here;
 ``tests/unit/test_header_agreement.py`` compiles it and checks they agree.
 
 Single packets go through :class:`Header`, :func:`encode` and
@@ -26,6 +27,10 @@ VERSION = 1
 HEADER_LEN = 32
 DATAGRAM_OVERHEAD = 40 + 8 + HEADER_LEN  # IPv6 (the longer IP header), UDP and DBLP headers on a payload
 TAG_LEN = 16
+EPOCH_LEN = 4  # the tag's first bytes: the run epoch, in the clear
+MAC_LEN = TAG_LEN - EPOCH_LEN  # the rest: keyed BLAKE2b-96
+KEY_MIN, KEY_MAX = 16, 64  # job key bytes (BLAKE2b takes keys of up to 64)
+_PERSON = b"dblp-tag-v1"  # BLAKE2b personalisation: a DBLP tag is no other keyed hash of the same key
 DEFAULT_PORT = 47800
 MAX_NCHUNKS = 1 << 24
 MAX_PRIO = 7
@@ -58,7 +63,8 @@ class Reason(enum.IntEnum):
     """Why a packet is malformed.  Shared with the kernel's drop counters.
 
     ``JOB`` and ``DST`` are only decided where the job table lives (the XDP
-    program, or a receiver told its rank); ``TAG`` only in userspace.
+    program, or a receiver told its rank); ``SPOOF_IP`` and ``SPOOF_MAC`` only
+    in the XDP program (it holds the ranks' addresses); ``TAG`` only in userspace.
     """
 
     OK = 0
@@ -73,6 +79,8 @@ class Reason(enum.IntEnum):
     JOB = 9       # job id 0 or not registered
     DST = 10      # dst is not this host's rank
     TAG = 11      # tag missing or does not verify
+    SPOOF_IP = 12   # the src rank is bound to another source IP (host program's peers map)
+    SPOOF_MAC = 13  # the src rank is bound to another source MAC (host program's peers map)
 
 
 # Field name -> struct code, in wire order.  The single source for the
@@ -147,25 +155,46 @@ class Header:
         return replace(self, **kw)
 
 
-def tag(key: bytes, data: bytes | memoryview) -> bytes:
-    """Keyed BLAKE2b-128 over header + payload."""
-    return hashlib.blake2b(bytes(data), key=key, digest_size=TAG_LEN).digest()
+def mac_state(key: bytes, epoch: int = 0):
+    """The keyed BLAKE2b-96 state a tag of run ``epoch`` starts from (``.copy()`` it per packet:
+    the key block is then compressed once, not per packet).
+
+    Args:
+        key: the job key, KEY_MIN..KEY_MAX bytes.
+        epoch: the run epoch, 0..2**32-1 (BLAKE2b's salt: a tag of one run never verifies in another).
+    """
+    return hashlib.blake2b(key=key, digest_size=MAC_LEN, salt=epoch.to_bytes(EPOCH_LEN, "big"),
+                           person=_PERSON)
 
 
-def encode(hdr: Header, payload: bytes = b"", key: bytes | None = None) -> bytes:
-    """Header + payload (+ tag when ``key``); ``len`` and the tag flag are set here."""
+def tag(key: bytes, data: bytes | memoryview, epoch: int = 0) -> bytes:
+    """The 16-byte tag of ``data`` (header + payload): ``epoch`` (4 bytes, big-endian), then the
+    keyed BLAKE2b-96 MAC of ``data`` under ``key`` salted with ``epoch`` (:func:`mac_state`)."""
+    h = mac_state(key, epoch)
+    h.update(data)
+    return epoch.to_bytes(EPOCH_LEN, "big") + h.digest()
+
+
+def tag_epoch(trailer: bytes | memoryview) -> int:
+    """The run epoch a 16-byte tag claims (unverified)."""
+    return int.from_bytes(bytes(trailer[:EPOCH_LEN]), "big")
+
+
+def encode(hdr: Header, payload: bytes = b"", key: bytes | None = None, epoch: int = 0) -> bytes:
+    """Header + payload (+ tag of run ``epoch`` when ``key``); ``len`` and the tag flag are set here."""
     # int(): ~Flag.TAG on an IntFlag would also clear the reserved bits 3-7
     flags = (hdr.flags | Flag.TAG) if key else (hdr.flags & ~int(Flag.TAG))
     body = hdr.replace(len=len(payload), flags=int(flags)).pack() + bytes(payload)
-    return body + tag(key, body) if key else body
+    return body + tag(key, body, epoch) if key else body
 
 
 def validate(buf: bytes | memoryview, world_size: int | None = None,
-             key: bytes | None = None, rank: int | None = None) -> Reason:
+             key: bytes | None = None, rank: int | None = None, epoch: int | None = None) -> Reason:
     """Return :data:`Reason.OK` or the first reason ``buf`` (a UDP payload) is malformed.
 
     Checks are made in the kernel's order so both sides report the same
-    reason for the same packet.  With ``key`` a packet must carry a valid tag.
+    reason for the same packet.  With ``key`` a packet must carry a tag that
+    verifies under it, for the epoch the tag names, or only for ``epoch`` if given.
     """
     n = len(buf)
     if n < HEADER_LEN:
@@ -193,7 +222,12 @@ def validate(buf: bytes | memoryview, world_size: int | None = None,
     if rank is not None and dst != rank and not (dst == DST_ALL and kind == Kind.DATA):
         return Reason.DST
     if key:  # an empty key means no key, as in encode
-        if not taglen or not hmac.compare_digest(tag(key, buf[: n - TAG_LEN]), bytes(buf[n - TAG_LEN:])):
+        if not taglen:
+            return Reason.TAG
+        got = bytes(buf[n - TAG_LEN:])
+        claimed = tag_epoch(got)
+        if (epoch is not None and claimed != epoch) or not hmac.compare_digest(
+                tag(key, buf[: n - TAG_LEN], claimed), got):
             return Reason.TAG
     return Reason.OK
 
@@ -202,9 +236,9 @@ _KINDS = frozenset(int(k) for k in Kind)
 
 
 def decode(buf: bytes | memoryview, world_size: int | None = None,
-           key: bytes | None = None, rank: int | None = None) -> tuple[Header, bytes]:
+           key: bytes | None = None, rank: int | None = None, epoch: int | None = None) -> tuple[Header, bytes]:
     """Validate and split a UDP payload into (header, payload); raise :class:`WireError`."""
-    reason = validate(buf, world_size, key, rank)
+    reason = validate(buf, world_size, key, rank, epoch)
     if reason:
         raise WireError(reason, f"{len(buf)}-byte packet")
     hdr = Header.unpack(buf)

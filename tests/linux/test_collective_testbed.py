@@ -344,3 +344,77 @@ def test_replicas_identical_under_loss_only_when_consistent(clean, consistent):
         assert min(ag) == 1.0  # every all-gather message arrived whole
     else:
         assert max(spread) > 0.0, spread
+
+
+@pytest.mark.parametrize("kind", ["udp", "xsk-ktx"])
+def test_forged_traffic_changes_no_round_with_a_key(clean, hosts, kind):
+    """The issue's attack, with a job key: while 4 ranks run 100 allreduces, a fifth sender in
+    worker 3's namespace sprays rank 0's data port with well-formed packets of the running job
+    (DATA of the current round with plausible src, chunk, nchunks and random payloads; STOPs for
+    rank 0's messages), untagged or with a made-up tag.  Every round is exact on every rank and
+    every forged packet that reached rank 0 is counted by the authenticated transport."""
+    import socket
+
+    from pydblp import net, wire
+    from pydblp.auth import new_epoch
+    from pydblp.transport.auth import authenticate
+
+    key, epoch = bytes(range(7, 39)), new_epoch()
+    ts = [authenticate(t, key, epoch) for t in transports(clean, kind, hosts)]
+    n, rounds = 50_000, 100
+    rng = np.random.default_rng(11)
+    xs = [[rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)] for _ in range(rounds)]
+    C = 1408 // 4
+    T = -(-n // C)
+    shard = [(k + 1) * T // WORLD - k * T // WORLD for k in range(WORLD)]
+    cols_seen, done, sprayed = {}, threading.Event(), [0]
+
+    def spray():
+        r = np.random.default_rng(5)
+        with net.in_netns(clean.ns(3)):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            while not done.is_set():
+                c0 = cols_seen.get(0)
+                rnd = (c0.round + int(r.integers(0, 2))) & 0xFFFFFFFF if c0 else 1
+                for _ in range(16):
+                    src, ag = int(r.integers(1, WORLD)), bool(r.integers(0, 2))
+                    nch = shard[src] if ag else shard[0]
+                    kind_ = wire.Kind.STOP if r.random() < 0.25 else wire.Kind.DATA
+                    h = wire.Header(kind=kind_, job=JOB, round=rnd, src=src, dst=0, dtype=wire.Dtype.F32,
+                                    chunk=int(r.integers(0, nch)), nchunks=nch,
+                                    flags=wire.Flag.ALLGATHER if ag else 0)
+                    body = r.standard_normal(C).astype(np.float32).tobytes() if kind_ == wire.Kind.DATA else b"\0\x14"
+                    pkt = wire.encode(h, body)
+                    if r.random() < 0.5:  # a made-up tag
+                        pkt = pkt[:31] + bytes([pkt[31] | wire.Flag.TAG]) + pkt[32:] + r.bytes(16)
+                    s.sendto(pkt, (clean.addr(0), ts[0].port))
+                    sprayed[0] += 1
+                time.sleep(0.002)
+        finally:
+            s.close()
+
+    def fn(r, c):
+        cols_seen[r] = c
+        if r == 0:
+            threading.Thread(target=spray, daemon=True).start()
+        try:
+            out = []
+            for i in range(rounds):
+                if i == rounds - 10:  # the last rounds take in what is still on its way
+                    done.set()
+                out.append(c.allreduce(xs[i][r]))
+            return out
+        finally:
+            done.set()
+
+    res, cols = run_ranks(clean, ts, fn)
+    wrong = sum(not np.allclose(res[r][i], np.mean(xs[i], axis=0), atol=1e-5)
+                for i in range(rounds) for r in range(WORLD))
+    s0 = ts[0].stats()
+    forged = s0["auth_untagged"] + s0["auth_bad_tag"] + s0["auth_epoch"]  # (a made-up tag names a random epoch)
+    assert wrong == 0
+    assert sprayed[0] > 1000 and s0["auth_untagged"] > 0 and s0["auth_epoch"] > 0 and s0["auth_verified"] > 0
+    assert forged + s0.get("rx_dropped", 0) + s0.get("rx_ring_full", 0) >= sprayed[0] * 0.99, (sprayed, s0)
+    assert forged <= sprayed[0]
+    assert all(sum(t.stats()[f"auth_{w}"] for w in ("untagged", "bad_tag", "epoch")) == 0 for t in ts[1:])

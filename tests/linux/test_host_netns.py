@@ -176,3 +176,44 @@ def test_malformed_flood_is_counted_and_harmless(pair):
         assert c["dblp_pass"] == 10
         rx.close(), tx.close()
     assert net.xdp_query("vb", b) is None
+
+
+def test_cli_peer_binding_drops_a_spoofed_source_on_a_real_veth(pair, capsys):
+    """`dblp job add --peer 0=A,MAC`: rank 0's packets from A pass to the socket; the same
+    packets from another address of the same host are dropped and counted as spoof_ip, shown by
+    `dblp stats`; `dblp job peers` lists the binding; a bad --peer is one line."""
+    a, b = pair
+    with net.ipr(a) as ip:
+        idx = ip.link_lookup(ifname="va")[0]
+        ip.addr("add", index=idx, address="198.18.7.3", prefixlen=24)
+        mac = ip.get_links(idx)[0].get_attr("IFLA_ADDRESS")
+    assert cli.main(["load", "vb", "--netns", b]) == 0
+    for bad, says in ((["--peer", "0:198.18.7.1"], "use RANK=IP[,MAC]"), (["--peer", "5=198.18.7.1"], "use 0..1"),
+                      (["--peer", "0=198.18.7.1,zz"], "is not a MAC address")):
+        assert cli.main(["job", "add", "vb", "--netns", b, "--job", "7", "--world", "2", "--rank", "1",
+                         "--transport", "udp", *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+    with host.open_pinned("vb", b) as m:
+        assert m.jobs() == {} and m.peers() == {}  # all or nothing
+    assert cli.main(["job", "add", "vb", "--netns", b, "--job", "7", "--world", "2", "--rank", "1",
+                     "--transport", "udp", "--peer", f"0={A},{mac}"]) == 0
+    capsys.readouterr()
+    assert cli.main(["job", "peers", "vb", "--netns", b]) == 0
+    assert ["7", "0", A, mac] in [line.split() for line in capsys.readouterr().out.splitlines()]
+    rx = udp_socket(b, (B, PORT))
+    rx.settimeout(2)
+    good, spoof = udp_socket(a, (A, 0)), udp_socket(a, ("198.18.7.3", 0))
+    pkt = wire.encode(wire.Header(job=7, src=0, dst=1, nchunks=1))
+    for _ in range(5):
+        spoof.sendto(pkt, (B, PORT))
+    good.sendto(pkt, (B, PORT))
+    assert rx.recvfrom(2048)[1][0] == A  # only the bound address's packet arrives
+    rx.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        rx.recv(2048)
+    with host.open_pinned("vb", b) as m:
+        c = m.counters()
+    assert c["drop"]["spoof_ip"] == 5 and c["dblp_pass"] == 1
+    for s in (rx, good, spoof):
+        s.close()

@@ -6,6 +6,7 @@ counter it must move, and malformed reasons against ``wire.validate``.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 
 import pytest
@@ -361,3 +362,65 @@ def test_concurrent_cpus_never_shed_past_a_message_budget(prog):
     lost = [m for m in range(done) if prog.shed_count(JOB, rnd + m // 512, m % 512, 0) != shed[m]]
     assert not lost, f"{len(lost)} of {done} messages: kernel count != packets shed"
     assert sum(shed) == done * budget  # a message's first charge always finds it unspent
+
+
+# ---- anti-spoofing: ranks bound to their source addresses ----------------------------
+
+def _from(src_ip: str, src_mac: str = "02:00:00:00:00:01", **kw) -> bytes:
+    ip = IP(src=src_ip, dst="198.18.0.2") if ":" not in src_ip else IPv6(src=src_ip, dst="2001:2::2")
+    return bytes(Ether(src=src_mac, dst="02:00:00:00:00:02") / ip / UDP(sport=PORT, dport=PORT) / Raw(data(**kw)))
+
+
+def test_a_bound_rank_is_admitted_only_from_its_addresses(prog):
+    """Rank 0 bound to 198.18.0.1 and its MAC, rank 2 to 2001:2::1 alone, rank 3 to a MAC alone:
+    each one's packets pass from its own addresses and are dropped, counted by reason, from any
+    other; rank 0's binding does not hold for another job's rank 0; an unbound rank is not checked."""
+    prog.bind_peer(JOB, 0, "198.18.0.1", "02:00:00:00:00:01")
+    prog.bind_peer(JOB, 2, "2001:2::1")
+    prog.bind_peer(JOB, 3, None, "02:00:00:00:00:33")
+    try:
+        cases = [
+            (_from("198.18.0.1", src=0), XDP_PASS, {"nosock": 1}),
+            (_from("198.18.0.9", src=0), XDP_DROP, {"drop": {"spoof_ip": 1}}),
+            (_from("198.18.0.1", "02:00:00:00:00:99", src=0), XDP_DROP, {"drop": {"spoof_mac": 1}}),
+            (_from("2001:2::1", src=0), XDP_DROP, {"drop": {"spoof_ip": 1}}),  # bound to IPv4
+            (_from("2001:2::1", "02:00:00:00:00:77", src=2), XDP_PASS, {"nosock": 1}),  # no MAC bound
+            (_from("2001:2::5", src=2), XDP_DROP, {"drop": {"spoof_ip": 1}}),
+            (_from("198.18.0.1", src=2), XDP_DROP, {"drop": {"spoof_ip": 1}}),  # bound to IPv6
+            (_from("198.18.0.7", "02:00:00:00:00:33", src=3), XDP_PASS, {"nosock": 1}),
+            (_from("198.18.0.7", src=3), XDP_DROP, {"drop": {"spoof_mac": 1}}),
+            (_from("198.18.0.9", src=1, dst=1), XDP_PASS, {"nosock": 1}),  # (rank 1 is not bound)
+            (_from("198.18.0.9", src=0, job=JOB + 1), XDP_PASS, {"dblp_pass": 1}),  # another job
+        ]
+        for frame, verdict, delta in cases:
+            assert run(prog, frame) == (verdict, delta), wire.Header.unpack(bytes(Ether(frame)[Raw])[:32])
+        assert prog.peers()[(JOB, 0)] == {"ip": ipaddress.ip_address("198.18.0.1"), "mac": "02:00:00:00:00:01"}
+        assert prog.peers()[(JOB, 2)] == {"ip": ipaddress.ip_address("2001:2::1"), "mac": None}
+        assert prog.unbind_peer(JOB, 0)
+        assert run(prog, _from("198.18.0.9", src=0)) == (XDP_PASS, {"nosock": 1})
+    finally:
+        for r in (0, 2, 3):
+            prog.unbind_peer(JOB, r)
+    assert not prog.peers()
+
+
+def test_unregistering_a_job_removes_its_bindings(prog):
+    prog.register_job(JOB + 5, WORLD, RANK, "xsk")
+    prog.bind_peer(JOB + 5, 0, "198.18.0.1")
+    prog.bind_peer(JOB + 5, 2, "198.18.0.3", "02:00:00:00:00:03")
+    assert set(prog.peers()) == {(JOB + 5, 0), (JOB + 5, 2)}
+    assert prog.unregister_job(JOB + 5)
+    assert not prog.peers()
+
+
+@pytest.mark.parametrize("args,says", [
+    ((JOB, 0, "198.18.0.300"), "is not an IP address"),
+    ((JOB, 0, "198.18.0.1", "02:00:zz"), "is not a MAC address"),
+    ((JOB, 0, None, None), "give its IP address, MAC address or both"),
+    ((JOB, 70000, "198.18.0.1"), "rank 70000 must be in 0..65535"),
+    ((0, 0, "198.18.0.1"), "job id 0"),
+])
+def test_bind_peer_refuses_bad_arguments_in_one_line(prog, args, says):
+    with pytest.raises(host.HostError, match=says):
+        prog.bind_peer(*args)
+    assert not prog.peers()

@@ -192,3 +192,28 @@ def test_conflicting_sources_is_a_usage_error(pcap, capsys):
         cli.main(["dump", "-r", str(pcap), "-i", "lo"])
     assert e.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_key_file_marks_each_tag(tmp_path, capsys):
+    """With the job key each packet's line ends with its tag's verdict: valid (and the run epoch
+    it names), INVALID (another key, an altered byte, an epoch rewritten), or untagged."""
+    key = bytes(range(32))
+    good = wire.encode(Header(job=5, src=1, dst=0, nchunks=3), b"g" * 40, key=key, epoch=0xABCD)
+    altered = good[:40] + b"G" + good[41:]
+    other_run = good[:-16] + (0xABCE).to_bytes(4, "big") + good[-12:]
+    frames = [v4(good), v4(wire.encode(Header(job=5), b"o" * 8, key=b"x" * 32)), v4(altered), v4(other_run),
+              v4(wire.encode(Header(job=5), b"u"))]
+    path, kf = tmp_path / "t.pcap", tmp_path / "job.key"
+    wrpcap(str(path), frames)
+    kf.write_bytes(key)
+    rc, out, err = dump(capsys, "-r", path, "--key-file", kf)
+    assert (rc, err) == (0, [])
+    assert [line.split(" flags ")[1] for line in out] == [
+        "TAG tag valid (epoch 0x0000abcd)", "TAG tag INVALID", "TAG tag INVALID", "TAG tag INVALID", "- untagged"]
+    rc, out, _ = dump(capsys, "-r", path, "-v", "-c", 1, "--key-file", kf)
+    assert rc == 0 and out[0].endswith("tag valid (epoch 0x0000abcd)")
+    rc, out, err = dump(capsys, "-r", path)  # without a key: no verdicts
+    assert rc == 0 and not any("valid" in line or "untagged" in line for line in out)
+    kf.write_bytes(b"short")
+    rc, out, err = dump(capsys, "-r", path, "--key-file", kf)
+    assert rc == 2 and len(err) == 1 and "holds 5 bytes" in err[0] and "head -c 32 /dev/urandom" in err[0]

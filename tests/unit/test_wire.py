@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy as np
@@ -88,10 +89,24 @@ def test_tagged_round_trip():
     got, payload = wire.decode(buf, key=KEY)
     assert got.flags & wire.Flag.TAG
     assert got.len == 4 and payload == b"grad"
-    # the tag is keyed BLAKE2b-128 over header + payload
+    # the tag: the run epoch (0 here), then keyed BLAKE2b-96 over header + payload salted with it
     assert buf[-16:] == wire.tag(KEY, buf[:-16])
+    mac = hashlib.blake2b(buf[:-16], key=KEY, digest_size=12, salt=bytes(4), person=b"dblp-tag-v1").digest()
+    assert buf[-16:] == bytes(4) + mac
     # a receiver without a key still accepts the framing
     assert wire.validate(buf) is Reason.OK
+
+
+def test_a_tag_binds_the_run_epoch():
+    """The same packet tagged in two runs differs; each verifies under the epoch it names, and
+    only under it when the receiver gives its own; an epoch rewritten in the clear fails."""
+    h = sample_header()
+    a, b = wire.encode(h, b"grad", key=KEY, epoch=1), wire.encode(h, b"grad", key=KEY, epoch=2)
+    assert a[:-16] == b[:-16] and a[-16:] != b[-16:]
+    assert wire.tag_epoch(a[-16:]) == 1 and a[-16:-12] == b"\0\0\0\1"
+    assert wire.validate(a, key=KEY) is Reason.OK and wire.validate(a, key=KEY, epoch=1) is Reason.OK
+    assert wire.validate(a, key=KEY, epoch=2) is Reason.TAG
+    assert wire.validate(a[:-16] + b[-16:-12] + a[-12:], key=KEY) is Reason.TAG
 
 
 def test_decode_raises_wire_error_with_reason():
@@ -143,7 +158,8 @@ def _tamper(buf: bytes, i: int) -> bytes:
 
 
 def test_every_reason_is_covered():
-    assert {r for r, _, _ in MALFORMED} == set(Reason) - {Reason.OK}
+    # (the spoofing reasons are the host program's alone: tests/linux/test_host_prog.py)
+    assert {r for r, _, _ in MALFORMED} == set(Reason) - {Reason.OK, Reason.SPOOF_IP, Reason.SPOOF_MAC}
 
 
 @pytest.mark.parametrize("reason,make,kw", MALFORMED, ids=[f"{r.name}{i}" for i, (r, _, _) in enumerate(MALFORMED)])
