@@ -342,10 +342,11 @@ def _cmd_dump(args) -> int:
 
 EXPERIMENT_EPILOG = """\
 examples:
-  dblp experiment                                 the demo: 4 workers, 1.1M-parameter digits MLP, 30 bursts
-  dblp experiment --scenario paper --seeds 3      DBLP's regime: partial bursts + Gilbert-Elliott loss
+  dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 2 %% loss, bursts
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 10 minutes)
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 %% random loss, no bursts
+  dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
   dblp experiment --rate 200 --consistency broadcast:10
   dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
   dblp experiment --mode ps --allgather broadcast DBLP's setup: a parameter server, its result broadcast
@@ -399,12 +400,13 @@ def _add_experiment(sub):
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
     p.add_argument("--rate", type=float, metavar="MBIT", help="each worker link's rate in Mbit/s (default 1000)")
-    p.add_argument("--bursts", type=int, help="microbursts over the run (0: none)")
+    p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 20, paper 40)")
     p.add_argument("--burst-ratio", metavar="LO,HI", help="a burst drops a ratio uniform in [LO, HI] (0.6,0.9)")
-    p.add_argument("--burst-ms", type=float, help="burst length (default: one median Gloo round)")
-    p.add_argument("--burst-port", metavar="PORTS", help="workers whose incoming link a burst hits: all or e.g. 1,3")
+    p.add_argument("--burst-ms", type=float, help="burst length in ms (default 8: part of a round)")
+    p.add_argument("--burst-port", metavar="PORTS",
+                   help="workers whose incoming link a burst hits: all, or e.g. 1,3 (default 1)")
     p.add_argument("--loss-model", choices=["random", "ge"], help="background loss: random or Gilbert-Elliott")
-    p.add_argument("--loss", type=float, help="background loss: mean drop rate on every port (default 0)")
+    p.add_argument("--loss", type=float, help="background loss: mean drop rate on every port (default 0.02)")
     p.add_argument("--ge-len", type=float, metavar="PACKETS", help="ge: mean bad-state run (default 10 packets)")
     p.add_argument("--ge-bad", type=float, metavar="RATIO", help="ge: drop ratio in the bad state (default 0.8)")
     p.add_argument("--p-low", type=float, help="static tolerance, DBLP's P_low (default 0.016)")

@@ -101,9 +101,9 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
                   "--burst-ratio", "0.7,0.8", "--consistency", "broadcast:5"])
     finally:
         signal.signal(signal.SIGTERM, old)
-    paper = runner.SCENARIOS["paper"]
-    assert seen[0].burst_ports == paper["burst_ports"] and seen[0].loss == paper["loss"]
-    assert seen[0].loss_model == "ge" and seen[0].rate_mbit is None
+    paper, base = runner.SCENARIOS["paper"], runner.Options()
+    assert (seen[0].steps, seen[0].bursts) == (paper["steps"], paper["bursts"]) != (base.steps, base.bursts)
+    assert seen[0].burst_ports == base.burst_ports == (1,) and seen[0].rate_mbit is None
     assert (seen[1].burst_ports, seen[1].loss, seen[1].rate_mbit) == ("all", 0.02, 200.0)
     assert seen[1].burst_ratio == (0.7, 0.8) and seen[1].consistency == "broadcast:5"
     assert seen[1].steps == paper["steps"]
