@@ -343,7 +343,7 @@ def _cmd_dump(args) -> int:
 EXPERIMENT_EPILOG = """\
 examples:
   dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 2 %% loss, bursts
-  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 10 minutes)
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 17 minutes)
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 %% random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -400,7 +400,7 @@ def _add_experiment(sub):
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
     p.add_argument("--rate", type=float, metavar="MBIT", help="each worker link's rate in Mbit/s (default 1000)")
-    p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 20, paper 40)")
+    p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 15, paper 30)")
     p.add_argument("--burst-ratio", metavar="LO,HI", help="a burst drops a ratio uniform in [LO, HI] (0.6,0.9)")
     p.add_argument("--burst-ms", type=float, help="burst length in ms (default 8: part of a round)")
     p.add_argument("--burst-port", metavar="PORTS",

@@ -36,13 +36,13 @@ TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fracti
 class Options:
     workers: int = 4
     model: str = "mlp"
-    steps: int = 300
+    steps: int = 200
     transports: tuple = TRANSPORTS
     net: str = "xsk"                # pydblp data plane: xsk (AF_XDP), xsk-ktx (AF_XDP receive, kernel transmit) or udp
     seed: int = 0
     seeds: int = 1                  # runs seed, seed + 1, ... seed + seeds - 1
     rate_mbit: float | None = None  # each worker NIC's TBF rate (None: the testbed's 1 Gbit/s)
-    bursts: int = 20                # microbursts over the run (0: none)
+    bursts: int = 15                # microbursts over the run (0: none)
     burst_ratio: tuple = (0.6, 0.9)
     burst_ms: float | None = 8.0    # None: the median clean round of the first transport run (Gloo)
     burst_ports: tuple | str = (1,)   # worker ports a burst hits: "all" or worker indices
@@ -73,7 +73,7 @@ class Options:
 # steps ~40x longer here (TCP timeouts), too slow for a 20-minute run of 3 seeds.
 SCENARIOS = {
     "demo": {},
-    "paper": {"steps": 400, "bursts": 40, "eval_every": 20},
+    "paper": {"steps": 300, "bursts": 30, "eval_every": 20},
 }
 
 
