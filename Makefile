@@ -1,10 +1,11 @@
 # make test: set the host up and run the whole suite (root for the privileged part).
-# make demo: set the host up and run the main job.
+# make demo: set the host up and run the main job (about 4 minutes).
+# make paper: the main job's paper scenario, 3 seeds (docs/experiment.md).
 # make smoke: build sdist + wheel and check they install and load in clean venvs (root).
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo smoke clean
+.PHONY: setup test demo paper smoke clean
 setup:
 	tools/setup
 
@@ -13,6 +14,9 @@ test: setup
 
 demo: setup
 	.venv/bin/dblp experiment
+
+paper: setup
+	.venv/bin/dblp experiment --scenario paper --seeds 3
 
 smoke: setup
 	tools/smoke-install

@@ -382,12 +382,42 @@ def _cmd_dump(args) -> int:
 
 EXPERIMENT_EPILOG = """\
 examples:
-  dblp experiment                                 defaults: 4 workers, digits CNN, 30 bursts
+  dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 2 % loss, bursts
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 17 minutes)
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
+  dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
+  dblp experiment --rate 200 --consistency broadcast:10
   dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
   dblp experiment --mode ps --allgather broadcast DBLP's setup: a parameter server, its result broadcast
+(docs/experiment.md describes every option and what the table measures)
 """
+
+
+def _pair(text: str):
+    """'LO,HI' -> (LO, HI) floats, or None when it is not two numbers."""
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        return None
+    return lo, hi
+
+
+def _g(x) -> str:
+    return "-" if x is None else format(x, "g")
+
+
+def _ports(text: str, workers: int):
+    """'all' -> 'all'; '1' or '0,2' -> (1,) / (0, 2); raises UsageError for anything else."""
+    if text == "all":
+        return "all"
+    try:
+        ports = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        ports = ()
+    if not ports or not all(0 <= p < workers for p in ports):
+        raise UsageError(f"--burst-port {text}: use all, or worker indices 0..{workers - 1} separated by commas")
+    return ports
 
 
 def _add_experiment(sub):
@@ -395,63 +425,117 @@ def _add_experiment(sub):
                        formatter_class=_formatter, epilog=EXPERIMENT_EPILOG,
                        description="Bring up a testbed, train the same model with the same seed over Gloo, "
                                    "static bounded loss (MLT-style) and DBLP phase-aware bounded loss under "
-                                   "seeded microbursts (60-90 % loss for about one round); print a comparison "
-                                   "table; write report.json and PNG plots.")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--model", choices=["digits", "text"], default="digits")
-    p.add_argument("--steps", type=int, default=300)
+                                   "seeded microbursts and background loss; print a comparison table (mean and "
+                                   "spread over --seeds); write report.json and PNG plots. Options left out "
+                                   "come from --scenario.")
+    p.add_argument("--scenario", choices=["demo", "paper"], default="demo",
+                   help="preset for every option not given (default demo; paper: DBLP's regime)")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--model", choices=["mlp", "digits", "text"],
+                   help="mlp (default: digits, 1.1M parameters), digits (CNN, 30k) or text (transformer)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seeds", type=int, help="run N seeds (--seed, --seed+1, ...): mean and spread (default 1)")
     p.add_argument("--transports", default=",".join(("gloo", "static", "dblp")),
                    help="comma-separated subset of gloo,static,dblp (in this order of runs)")
-    p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"], default="xsk",
+    p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
-    p.add_argument("--bursts", type=int, default=30, help="microbursts over the run (0: none)")
-    p.add_argument("--burst-ms", type=float, help="burst length (default: one median Gloo round)")
-    p.add_argument("--loss", type=float, default=0.0, help="background random loss on every port")
-    p.add_argument("--tol", type=float, default=0.016, help="static tolerance, DBLP's P_low (default 0.016)")
-    p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
-    p.add_argument("--mode", choices=["tar", "ps"], default="tar",
+    p.add_argument("--rate", type=float, metavar="MBIT", help="each worker link's rate in Mbit/s (default 1000)")
+    p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 15, paper 30)")
+    p.add_argument("--burst-ratio", metavar="LO,HI", help="a burst drops a ratio uniform in [LO, HI] (0.6,0.9)")
+    p.add_argument("--burst-ms", type=float, help="burst length in ms (default 8: part of a round)")
+    p.add_argument("--burst-port", metavar="PORTS",
+                   help="workers whose incoming link a burst hits: all, or e.g. 1,3 (default 1)")
+    p.add_argument("--loss-model", choices=["random", "ge"], help="background loss: random or Gilbert-Elliott")
+    p.add_argument("--loss", type=float, help="background loss: mean drop rate on every port (default 0.02)")
+    p.add_argument("--ge-len", type=float, metavar="PACKETS", help="ge: mean bad-state run (default 10 packets)")
+    p.add_argument("--ge-bad", type=float, metavar="RATIO", help="ge: drop ratio in the bad state (default 0.8)")
+    p.add_argument("--p-low", type=float, help="static tolerance, DBLP's P_low (default 0.016)")
+    p.add_argument("--k", type=float, help="DBLP's P_high - P_low (default 0.40)")
+    p.add_argument("--freq", type=int, help="DBLP measures the gradient norm every FREQ steps (default 10)")
+    p.add_argument("--eta", type=float, help="DBLP: critical while |dG|/G >= ETA (default 0.5)")
+    p.add_argument("--estimator", choices=["unbiased", "zero"])
+    p.add_argument("--consistency", help="replica consistency: allgather (default: identical results on every rank), "
+                                         "none (the all-gather tolerates loss; replicas drift) or broadcast:N "
+                                         "(none, plus a parameter broadcast every N steps)")
+    p.add_argument("--mode", choices=["tar", "ps"],
                    help="pydblp's collective: transpose allreduce (default) or a parameter server (rank 0)")
-    p.add_argument("--allgather", choices=["unicast", "broadcast"], default="unicast",
+    p.add_argument("--allgather", choices=["unicast", "broadcast"],
                    help="pydblp's all-gather: a copy per rank (default) or one to the testbed's broadcast address")
-    p.add_argument("--target", type=float, help="accuracy (digits, default 0.9) or perplexity (text, 8.0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float,
+                   help="accuracy or perplexity to reach (default: what Gloo reaches at 80 %% of its steps)")
+    p.add_argument("--seed", type=int)
     p.add_argument("--out", default="dblp-experiment", help="output directory (default ./dblp-experiment)")
     p.set_defaults(func=_cmd_experiment)
 
 
-def _cmd_experiment(args) -> int:
-    from pydblp._extras import require
-    from pydblp.collective.phase import DBLP_K
-    from pydblp.experiment import report, runner
+def _experiment_options(args):
+    """The runner's Options from the arguments; UsageError (one line) for the first bad one."""
+    from pydblp.experiment import runner
 
     transports = tuple(t for t in args.transports.split(",") if t)
     bad = [t for t in transports if t not in runner.TRANSPORTS]
     if bad or not transports:
         raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
-    tol_top, why = (1 - DBLP_K, f" (DBLP's P_high = tol + {DBLP_K:g} must stay below 1)") \
-        if "dblp" in transports else (1.0, "")
-    checks = ((2 <= args.workers <= 250, "--workers {workers}: use 2..250"),
-              (args.steps >= 10, "--steps {steps}: use 10 or more"),
-              (0 <= args.loss < 1, "--loss {loss:g}: use a probability in [0, 1)"),
-              (args.bursts >= 0, "--bursts {bursts}: use 0 (none) or more"),
-              (args.burst_ms is None or args.burst_ms > 0, "--burst-ms {burst_ms:g}: use a positive length"),
-              (0 <= args.tol < tol_top, f"--tol {{tol:g}}: use [0, {tol_top:g}){why}"),
-              (args.target is None or args.target > 0, "--target {target:g}: use a positive number"))
+    base = runner.options(args.scenario)
+    v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
+                                       "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "estimator",
+                                       "consistency", "mode", "allgather", "target", "seed")}
+    eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
+    ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio
+    k_top = 1 - eff["p_low"]
+    checks = ((2 <= eff["workers"] <= 250, f"--workers {eff['workers']}: use 2..250"),
+              (eff["steps"] >= 10, f"--steps {eff['steps']}: use 10 or more"),
+              (1 <= eff["seeds"] <= 100, f"--seeds {eff['seeds']}: use 1..100"),
+              (args.rate is None or 1 <= args.rate <= 10000, f"--rate {_g(args.rate)}: use 1..10000 Mbit/s"),
+              (0 <= eff["loss"] < 1, f"--loss {eff['loss']:g}: use a probability in [0, 1)"),
+              (eff["bursts"] >= 0, f"--bursts {eff['bursts']}: use 0 (none) or more"),
+              (ratio is not None and 0 <= ratio[0] <= ratio[1] <= 1,
+               f"--burst-ratio {args.burst_ratio}: use LO,HI with 0 <= LO <= HI <= 1, e.g. 0.6,0.9"),
+              (eff["burst_ms"] is None or eff["burst_ms"] > 0, f"--burst-ms {_g(eff['burst_ms'])}: use a positive length"),
+              (eff["ge_len"] >= 1, f"--ge-len {eff['ge_len']:g}: use a mean bad run of 1 packet or more"),
+              (0 < eff["ge_bad"] <= 1, f"--ge-bad {eff['ge_bad']:g}: use a drop ratio in (0, 1]"),
+              (eff["loss_model"] != "ge" or eff["loss"] < eff["ge_bad"],
+               f"--loss {eff['loss']:g}: a Gilbert-Elliott mean loss must be below --ge-bad {eff['ge_bad']:g}"),
+              (0 <= eff["p_low"] < 1, f"--p-low {eff['p_low']:g}: use [0, 1)"),
+              (eff["k"] >= 0 and (args.k is None or "dblp" not in transports or eff["k"] < k_top),
+               f"--k {eff['k']:g}: use [0, {k_top:g}) (P_high = p-low + k stays below 1)"),
+              ("dblp" not in transports or eff["p_low"] + eff["k"] < 1,
+               f"--p-low {eff['p_low']:g}: use [0, {1 - eff['k']:g}) (DBLP's P_high = p-low + k "
+               f"({eff['k']:g}) must stay below 1)"),
+              (eff["freq"] >= 1, f"--freq {eff['freq']}: use 1 or more steps"),
+              (eff["eta"] > 0, f"--eta {eff['eta']:g}: use a positive threshold, e.g. 0.5"),
+              (eff["target"] is None or eff["target"] > 0, f"--target {_g(eff['target'])}: use a positive number"))
     for ok, what in checks:
         if not ok:
-            raise UsageError(what.format(**vars(args)))
+            raise UsageError(what)
+    from pydblp.experiment.worker import CONSISTENCY_USE, consistency
+
+    try:
+        consistency(eff["consistency"])
+    except ValueError:
+        raise UsageError(f"--consistency {eff['consistency']}: use {CONSISTENCY_USE}") from None
+    ports = _ports(args.burst_port, eff["workers"]) if args.burst_port is not None else base.burst_ports
+    if ports != "all" and any(p >= eff["workers"] for p in ports):
+        raise UsageError(f"--burst-port: the {args.scenario} scenario bursts port(s) {ports}, beyond "
+                         f"--workers {eff['workers']}; give --burst-port")
+    return runner.options(args.scenario, transports=transports, rate_mbit=args.rate, burst_ratio=ratio,
+                          burst_ports=ports, out_dir=args.out, **v)
+
+
+def _cmd_experiment(args) -> int:
+    from pydblp._extras import require
+    from pydblp.experiment import report, runner
+
+    opt = _experiment_options(args)
     # before a testbed comes up: the plots need matplotlib, the digits data set scikit-learn
-    require("the main job", "matplotlib", *(("sklearn",) if args.model == "digits" else ()))
-    opt = runner.Options(workers=args.workers, model=args.model, steps=args.steps, transports=transports,
-                         net=args.net, seed=args.seed, bursts=args.bursts, burst_ms=args.burst_ms,
-                         loss=args.loss, tol=args.tol, estimator=args.estimator, target=args.target,
-                         out_dir=args.out, mode=args.mode, allgather=args.allgather)
+    require("the main job", "matplotlib", *(("sklearn",) if opt.model != "text" else ()))
     try:
         rep = runner.run(opt)
     except RuntimeError as e:
         raise UsageError(str(e)) from None
     print(report.table(rep))
-    print(f"report: {args.out}/report.json; plots: {args.out}/loss_accuracy.png, latency_cdf.png, tolerance.png")
+    print(f"report: {args.out}/report.json; plots: {args.out}/loss_accuracy.png, latency_cdf.png, tolerance.png, "
+          "divergence_phase.png")
     return 0
 
 

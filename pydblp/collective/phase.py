@@ -6,6 +6,14 @@ the L2 norm G of the averaged gradient with the previous measurement; the
 regime is *critical* when ``|G_prev - G| / G_prev >= eta``.  Training starts
 critical.  Critical rounds use ``p_low``; the others ``p_low + k``.
 ``Schedule`` takes any callable ``round index -> tolerance``.
+
+Granularity: by default a controller observes every round (one allreduce per
+training step).  A caller that runs several rounds per step (DDP's comm hook:
+one round per gradient bucket) calls :meth:`PhaseController.count_steps` once
+before the first round and :meth:`PhaseController.end_step` after each step's
+last round; ``Dblp`` then measures G over the whole step's averaged gradient
+(all its rounds' results) every ``freq`` steps, as the paper does, and changes
+tolerance only between steps.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ class PhaseController:
     def observe(self, index: int, result: np.ndarray) -> None:
         """Called with the averaged gradient after round ``index``."""
 
+    def count_steps(self) -> None:
+        """Observe by training step from now on: :meth:`end_step` closes each step."""
+
+    def end_step(self) -> None:
+        """A training step's rounds are all observed (after :meth:`count_steps`)."""
+
 
 class Static(PhaseController):
     name = "static"
@@ -54,14 +68,18 @@ class Dblp(PhaseController):
     def __init__(self, p_low: float = 0.016, k: float = DBLP_K, freq: int = 10, eta: float = 0.5):
         _check(p_low)
         _check(p_low + k)
+        if k < 0:
+            raise ValueError(f"k {k} must be >= 0 (P_high = p_low + k)")
         if freq < 1 or eta <= 0:
             raise ValueError("freq must be >= 1 and eta > 0")
         self.p_low, self.k, self.freq, self.eta = p_low, k, freq, eta
         self.critical = True
         self.g_prev: float | None = None
-        # the latest measurements, for inspection: (round index, G, critical); bounded, so a long
-        # run's memory stays flat
+        # the latest measurements, for inspection: (round or step index, G, critical); bounded, so
+        # a long run's memory stays flat
         self.history: collections.deque[tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_MAX)
+        self.steps: int | None = None  # steps ended so far once count_steps() was called
+        self._sq = 0.0                 # squared norm of the current step's results so far
 
     def tol(self, index: int) -> float:
         return self.p_low if self.critical else self.p_low + self.k
@@ -70,9 +88,28 @@ class Dblp(PhaseController):
         return "critical" if self.critical else "relaxed"
 
     def observe(self, index: int, result: np.ndarray) -> None:
+        if self.steps is not None:  # by step: add this round's share of the step's norm
+            if self.steps % self.freq == 0:
+                r = result.astype(np.float64, copy=False).reshape(-1)
+                self._sq += float(np.dot(r, r))
+            return
         if index % self.freq:
             return
-        g = float(np.linalg.norm(result.astype(np.float64, copy=False)))
+        self._decide(index, float(np.linalg.norm(result.astype(np.float64, copy=False))))
+
+    def count_steps(self) -> None:
+        if self.steps is None:
+            self.steps, self._sq = 0, 0.0
+
+    def end_step(self) -> None:
+        if self.steps is None:
+            raise RuntimeError("end_step() before count_steps()")
+        step, self.steps = self.steps, self.steps + 1
+        if step % self.freq == 0:
+            self._decide(step, math.sqrt(self._sq))
+        self._sq = 0.0
+
+    def _decide(self, index: int, g: float) -> None:
         if self.g_prev is not None and self.g_prev > 0 and math.isfinite(g):
             self.critical = abs(self.g_prev - g) / self.g_prev >= self.eta
         self.g_prev = g

@@ -25,32 +25,63 @@ def speedups(summary: dict) -> dict:
     return out
 
 
+def _target_text(rep: dict) -> str:
+    t = rep.get("target")
+    if isinstance(t, list):
+        vals = [v for v in t if v is not None]
+        return f"{np.mean(vals):.4g} (mean of {len(vals)})" if vals else "-"
+    return "-" if t is None else f"{t:.4g}"
+
+
 def table(rep: dict) -> str:
-    rows = [("", *rep["summary"].keys())]
+    """The comparison table: one column per transport; mean +- standard deviation over seeds."""
+    s = {tr: dict(v) for tr, v in rep["summary"].items()}
+    spread = {tr: dict(v) for tr, v in rep.get("spread", {}).items()}
+    rows = [("", *s.keys())]
 
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
+    def fmt(tr, key, spec):
+        v = s[tr].get(key)
+        if v is None:
+            return "-"
+        sd = spread.get(tr, {}).get(key)
+        text = format(int(round(v)) if spec == "d" else v, spec)
+        return text + (f" +-{format(sd, spec if spec != 'd' else '.0f')}" if sd is not None else "")
 
-    s = rep["summary"]
-    metric = next((v["metric"] for v in s.values() if v["metric"]), "metric")
+    metric = next((v["metric"] for v in s.values() if v.get("metric")), "metric")
     lines = [
         ("wall time (s)", "wall_s", ".1f"),
-        (f"time to {metric} {rep['target']} (s)", "time_to_target_s", ".1f"),
+        (f"time to {metric} {_target_text(rep)} (s)", "time_to_target_s", ".1f"),
         (f"final {metric}", "final_metric", ".4f"),
+        ("step p50 (ms)", "step_ms", ".1f"),
+        ("communication share of a step", "comm_share", ".2f"),
         ("round p50 (ms)", "round_p50_ms", ".1f"),
         ("round p99 (ms)", "round_p99_ms", ".1f"),
-        ("round max (ms)", "round_max_ms", ".1f"),
         ("burst rounds", "burst_rounds", "d"),
         ("burst-round latency (ms)", "burst_round_ms", ".1f"),
         ("delivered fraction", "delivered", ".4f"),
-        ("pydblp retransmits", "retransmits", "d"),
+        ("relaxed share of phase checks", "relaxed_share", ".2f"),
+        ("pydblp retransmits (chunks)", "retransmits", "d"),
+        ("pydblp retransmitted MB", "retransmit_mb", ".2f"),
         ("TCP retransmits (rank 0)", "tcp_retransmits", "d"),
+        ("replica divergence max |dp|", "divergence_max", ".2e"),
+        ("replica divergence max rel", "divergence_rel_max", ".2e"),
     ]
+    for tr in s:
+        b = s[tr].get("retransmit_bytes")
+        s[tr]["retransmit_mb"] = None if b is None else b / 1e6
+        sd = spread.get(tr, {}).get("retransmit_bytes")
+        spread.setdefault(tr, {})["retransmit_mb"] = None if sd is None else sd / 1e6
     for label, key, spec in lines:
-        rows.append((label, *(fmt(v.get(key), spec) for v in s.values())))
+        rows.append((label, *(fmt(tr, key, spec) for tr in s)))
     w0 = max(len(r[0]) for r in rows)
     ws = [max(len(r[i]) for r in rows) for i in range(1, len(rows[0]))]
     text = ["  ".join([r[0].ljust(w0)] + [c.rjust(w) for c, w in zip(r[1:], ws)]) for r in rows]
+    for tr, v in s.items():
+        by = v.get("delivered_by_phase") or {}
+        if by and tr != "gloo":
+            parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds)" for ph, d in by.items())
+            same = {True: "identical on every rank", False: "DIFFER between ranks"}.get(v.get("phase_identical"), "")
+            text.append(f"{tr}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
     for name, r in rep["speedup"].items():
         parts = ", ".join(f"{k.replace('_ms', '').replace('_s', '')} {v:.2f}x" for k, v in r.items())
         text.append(f"speedup {name.replace('_', ' ')}: {parts}")
@@ -100,4 +131,21 @@ def plots(rep: dict, out: Path) -> list[Path]:
             ax.plot([x["tol"] * 100 for x in rounds], label=tr, lw=0.8)
     ax.set_xlabel("collective round"), ax.set_ylabel("tolerance (%)"), ax.legend()
     made.append(_save(plt, fig, out / "tolerance.png"))
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for tr, r in runs.items():
+        if r.get("divs"):
+            a1.plot([d["step"] for d in r["divs"]], [max(d["div"], 1e-12) for d in r["divs"]], marker="o", ms=3,
+                    label=tr)
+        hist = (r["final"].get("phase") or {}).get("history") or []
+        if hist:
+            a2.plot([h[0] for h in hist], [h[1] for h in hist], label=f"{tr} G", lw=0.8)
+            crit = [h for h in hist if h[2]]
+            a2.scatter([h[0] for h in crit], [h[1] for h in crit], s=10, marker="x", label=f"{tr} critical")
+    a1.set_yscale("log"), a1.set_xlabel("step"), a1.set_ylabel("max |parameter - rank 0's|")
+    a2.set_xlabel("step"), a2.set_ylabel("gradient norm G (x: critical)")
+    for a in (a1, a2):
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
+    made.append(_save(plt, fig, out / "divergence_phase.png"))
     return made

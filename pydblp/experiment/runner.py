@@ -1,9 +1,14 @@
 """``dblp experiment``: Gloo vs static bounded loss vs DBLP under microbursts, on a testbed.
 
-Brings up a ``workers``-worker testbed, trains the same model with the same
-seed three times (one per transport), arms microbursts at the same seeded
-random steps for each (drop ratio uniform in [0.6, 0.9], lasting about one
-Gloo round), and writes ``report.json`` and PNG plots to ``out_dir``.
+Brings up a ``workers``-worker testbed (each worker link rate-limited by a
+TBF, ``rate_mbit``), sets the background loss (random or Gilbert-Elliott) on
+every switch port, and for each seed trains the same model with the same seed
+once per transport, arming microbursts at the same seeded random steps for
+each (drop ratio uniform in ``burst_ratio``, lasting ``burst_ms`` or about
+one Gloo round, on ``burst_ports``).  Writes ``report.json`` (per-seed
+summaries and runs, mean and spread over seeds) and PNG plots to ``out_dir``.
+``SCENARIOS`` holds the presets (``demo``, ``paper``); docs/experiment.md
+describes them.
 """
 
 from __future__ import annotations
@@ -23,28 +28,72 @@ import numpy as np
 from pydblp import wire
 
 TRANSPORTS = ("gloo", "static", "dblp")
+LOSS_MODELS = ("random", "ge")
+TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fraction of its steps
 
 
 @dataclass
 class Options:
     workers: int = 4
-    model: str = "digits"
-    steps: int = 300
+    model: str = "mlp"
+    steps: int = 200
     transports: tuple = TRANSPORTS
     net: str = "xsk"                # pydblp data plane: xsk (AF_XDP), xsk-ktx (AF_XDP receive, kernel transmit) or udp
     seed: int = 0
-    bursts: int = 30                # microbursts over the run (0: none)
+    seeds: int = 1                  # runs seed, seed + 1, ... seed + seeds - 1
+    rate_mbit: float | None = None  # each worker NIC's TBF rate (None: the testbed's 1 Gbit/s)
+    bursts: int = 15                # microbursts over the run (0: none)
     burst_ratio: tuple = (0.6, 0.9)
-    burst_ms: float | None = None   # None: the median clean Gloo round
-    loss: float = 0.0               # background random loss
-    tol: float = 0.016              # static tolerance and DBLP's P_low
+    burst_ms: float | None = 8.0    # None: the median clean round of the first transport run (Gloo)
+    burst_ports: tuple | str = (1,)   # worker ports a burst hits: "all" or worker indices
+    loss: float = 0.02              # background loss: the mean loss rate on every port
+    loss_model: str = "random"      # "random" (Bernoulli) or "ge" (Gilbert-Elliott, same mean)
+    ge_len: float = 10.0            # ge: mean bad-state run, packets
+    ge_bad: float = 0.8             # ge: drop ratio in the bad state (the good state drops nothing)
+    p_low: float = 0.016            # static tolerance and DBLP's P_low
+    k: float = 0.40                 # DBLP's P_high - P_low
+    freq: int = 10                  # DBLP measures G every freq steps
+    eta: float = 0.5                # DBLP's critical threshold
     estimator: str = "unbiased"
     mode: str = "tar"               # pydblp Config.mode: "tar" or "ps" (DBLP's setup)
     allgather: str = "unicast"      # pydblp Config.allgather: "broadcast" sends to the testbed's group address
-    target: float | None = None     # accuracy (digits) or perplexity (text) to reach
+    consistency: str = "allgather"  # "allgather" (identical results: Config.consistent), "none" (the
+                                    # all-gather tolerates loss) or "broadcast:N" (that, plus a
+                                    # ParameterBroadcaster every N steps)
+    target: float | None = None     # accuracy (digits, mlp) or perplexity (text); None: from the Gloo run
     out_dir: str = "dblp-experiment"
     batch: int = 32
+    eval_every: int = 25
     timeout: float = 600.0          # per transport
+    scenario: str = "demo"
+
+
+# Presets: every field not given on the command line comes from the scenario.  Both put a
+# message's loss between P_low and P_high outside bursts (2 % background loss) and burst part
+# of the messages (8 ms of a ~100 ms round, on one worker's link); "paper" runs longer, with
+# more bursts.  Gilbert-Elliott background loss (--loss-model ge) at a 3 % mean made Gloo's
+# steps ~40x longer here (TCP timeouts), too slow for a 20-minute run of 3 seeds.
+SCENARIOS = {
+    "demo": {},
+    "paper": {"steps": 300, "bursts": 30, "eval_every": 20},
+}
+
+
+def options(scenario: str = "demo", **given) -> Options:
+    """The scenario's preset, overridden by ``given`` (fields of :class:`Options` not None)."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario {scenario!r}: use {', '.join(SCENARIOS)}")
+    fields = {**SCENARIOS[scenario], **{k: v for k, v in given.items() if v is not None}}
+    return Options(scenario=scenario, **fields)
+
+
+def ge_params(loss: float, length: float, bad: float) -> tuple[float, float]:
+    """Gilbert-Elliott (p, r) whose long-run loss is ``loss`` with mean bad runs of ``length`` packets.
+
+    r = 1/length; loss = p*bad/(p + r) gives p = loss*r/(bad - loss) (needs loss < bad).
+    """
+    r = 1.0 / length
+    return loss * r / (bad - loss), r
 
 
 @dataclass
@@ -52,18 +101,25 @@ class Run:
     transport: str
     steps: list = field(default_factory=list)    # rank 0 step records
     evals: list = field(default_factory=list)
+    divs: list = field(default_factory=list)     # replica divergence at evaluation points
+    calibrate: float | None = None               # s of compute (forward + backward, no sync) a step
     final: dict = field(default_factory=dict)
-    bursts: list = field(default_factory=list)   # (start monotonic s, duration s, ratio)
+    bursts: list = field(default_factory=list)   # (start monotonic s, duration s, step)
 
 
-def burst_plan(opt: Options) -> list[tuple[int, float]]:
+def burst_plan(opt: Options, seed: int) -> list[tuple[int, float]]:
     """(step, ratio) pairs, seeded: the same steps for every transport."""
     if opt.bursts <= 0:
         return []
-    rng = random.Random(opt.seed)
+    rng = random.Random(seed)
     warm = min(20, opt.steps // 5)
     steps = sorted(rng.sample(range(warm, opt.steps), min(opt.bursts, opt.steps - warm)))
     return [(s, rng.uniform(*opt.burst_ratio)) for s in steps]
+
+
+def target_step(opt: Options) -> int:
+    """The step after which the Gloo run's metric becomes the default target."""
+    return max(1, round(opt.steps * TARGET_AT))
 
 
 def _progress(name: str, done: int, total: int, extra: str, final: bool = False) -> None:
@@ -77,28 +133,32 @@ def _progress(name: str, done: int, total: int, extra: str, final: bool = False)
     sys.stderr.flush()
 
 
-def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -> Run:
+def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst_s: list) -> Run:
     """Train once with ``transport``; arm the planned bursts as rank 0 reaches their steps.
 
     ``burst_s[0]`` is the burst duration; if None it is set from this run's
     clean rounds before the first burst (and kept for the next transports).
     """
-    port = 29500 + random.Random(opt.seed + len(transport)).randrange(1000)
+    port = 29500 + random.Random(seed * 7 + len(transport)).randrange(1000)
     master = f"{tb.addr(0)}:{port}"
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world",
                       str(opt.workers), "--master", master, "--transport", transport, "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
-                      str(opt.seed), "--tol", str(opt.tol), "--estimator", opt.estimator,
+                      str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
+                      "--eta", str(opt.eta), "--estimator", opt.estimator, "--consistency", opt.consistency,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
-                      "--allgather", opt.allgather,
+                      "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
+                      "--eval-at", str(target_step(opt)),
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-    errs = [open(Path(opt.out_dir) / f"{transport}.rank{r}.log", "w") for r in range(opt.workers)]
+    name = f"{transport}.seed{seed}"
+    errs = [open(Path(opt.out_dir) / f"{name}.rank{r}.log", "w") for r in range(opt.workers)]
     procs = [tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                       stderr=errs[r], env=env, text=True) for r in range(opt.workers)]
     run = Run(transport)
     pending = dict(plan)
+    ports = None if opt.burst_ports == "all" else list(opt.burst_ports)
     deadline = time.monotonic() + opt.timeout
     try:
         out = procs[0].stdout
@@ -123,7 +183,7 @@ def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -
                 if nxt in pending:
                     if burst_s[0] is None:  # about one round: this run's clean median so far
                         burst_s[0] = float(np.median([x["sync"] for x in run.steps[3:]] or [0.02]))
-                    start = tb.burst(ratio=pending.pop(nxt), duration=burst_s[0])
+                    start = tb.burst(ratio=pending.pop(nxt), duration=burst_s[0], port=ports)
                     run.bursts.append((start, burst_s[0], nxt))
                 extra = f"loss {rec['loss']:.3f}"
                 if run.evals:
@@ -131,6 +191,10 @@ def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -
                 _progress(transport, nxt, opt.steps, extra)
             elif "eval" in rec:
                 run.evals.append(rec)
+            elif "div" in rec:
+                run.divs.append(rec)
+            elif "calibrate" in rec:
+                run.calibrate = rec["calibrate"]
             elif rec.get("final"):
                 run.final = rec
         if not any(p.poll() not in (None, 0) for p in procs):
@@ -146,16 +210,23 @@ def run_transport(tb, opt: Options, transport: str, plan: list, burst_s: list) -
     bad = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and p.returncode > 0] or \
         [r for r, p in enumerate(procs) if p.returncode]
     if bad or not run.final:
-        log = Path(opt.out_dir) / f"{transport}.rank{bad[0] if bad else 0}.log"
+        log = Path(opt.out_dir) / f"{name}.rank{bad[0] if bad else 0}.log"
         tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
         raise RuntimeError(f"{transport}: rank(s) {bad or [0]} failed: " + " | ".join(tail))
     _progress(transport, opt.steps, opt.steps, "done", final=True)
     return run
 
 
+def gloo_target(run: Run, opt: Options) -> float | None:
+    """The metric the (lossless: TCP repairs everything) Gloo run had after :func:`target_step` steps."""
+    at = target_step(opt)
+    return next((e["eval"] for e in run.evals if e["step"] + 1 >= at), None)
+
+
 def summarize(run: Run, opt: Options, target: float | None) -> dict:
     sync = np.array([s["sync"] for s in run.steps])
     t0 = np.array([s["t0"] for s in run.steps])
+    dt = np.array([s.get("dt", s["sync"]) for s in run.steps])
     in_burst = np.zeros(len(sync), bool)
     for start, dur, _ in run.bursts:
         in_burst |= (t0 < start + dur) & (t0 + sync > start)
@@ -163,12 +234,22 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     better = (lambda v: v >= target) if metric == "accuracy" else (lambda v: v <= target)
     reached = next((e["t"] for e in run.evals if target is not None and better(e["eval"])), None)
     rounds = run.final.get("rounds", [])
+    compute = (run.calibrate or 0.0) + float(np.median([s.get("opt", 0.0) for s in run.steps]))
+    by_phase: dict[str, list] = {}
+    for r in rounds:
+        by_phase.setdefault(r["phase"], []).append(r["delivered"])
+    retx = int(sum(r["retx"] for r in rounds)) + run.final.get("trail_retransmits", 0) if rounds else None
+    ph = run.final.get("phase") or {}
+    hist = ph.get("history") or []
     return {
         "transport": run.transport,
         "wall_s": run.final.get("wall"),
         "time_to_target_s": reached,
         "final_metric": run.evals[-1]["eval"] if run.evals else None,
         "metric": metric,
+        "step_ms": float(np.median(dt) * 1e3),
+        "compute_ms": compute * 1e3,
+        "comm_share": float(max(0.0, 1.0 - compute / np.median(dt))) if len(dt) else None,
         "round_p50_ms": float(np.percentile(sync, 50) * 1e3),
         "round_p99_ms": float(np.percentile(sync, 99) * 1e3),
         "round_max_ms": float(sync.max() * 1e3),
@@ -176,10 +257,37 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "burst_round_ms": float(np.median(sync[in_burst]) * 1e3) if in_burst.any() else None,
         "clean_round_ms": float(np.median(sync[~in_burst]) * 1e3) if (~in_burst).any() else None,
         "delivered": float(np.mean([r["delivered"] for r in rounds])) if rounds else 1.0,
-        "retransmits": int(sum(r["retx"] for r in rounds)) + run.final.get("trail_retransmits", 0) if rounds else None,
+        "delivered_by_phase": {k: float(np.mean(v)) for k, v in by_phase.items()},
+        "rounds_by_phase": {k: len(v) for k, v in by_phase.items()},
+        "retransmits": retx,
+        "retransmit_bytes": retx * run.final.get("chunk_bytes", 0) if retx is not None else None,
         "tcp_retransmits": run.final.get("tcp_retransmits"),
         "below_bound_rounds": int(sum(r["below"] for r in rounds)) if rounds else 0,
+        "divergence_max": max((d["div"] for d in run.divs), default=None),
+        "divergence_rel_max": max((d["div_rel"] for d in run.divs), default=None),
+        "divergence_final": run.divs[-1]["div"] if run.divs else None,
+        "relaxed_share": (sum(not c for _, _, c in hist) / len(hist)) if hist else None,
+        "phase_identical": ph.get("identical") if ph else None,
     }
+
+
+def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
+    """(mean, standard deviation) over seeds of every numeric summary field, per transport."""
+    mean, spread = {}, {}
+    for tr in per_seed[0]:
+        rows = [s[tr] for s in per_seed if tr in s]
+        m, sd = dict(rows[0]), {}
+        for key, v0 in rows[0].items():
+            if isinstance(v0, bool) or not isinstance(v0, (int, float)) and v0 is not None:
+                if isinstance(v0, bool):
+                    m[key] = all(r.get(key) for r in rows)
+                continue
+            vals = [r.get(key) for r in rows if r.get(key) is not None]
+            m[key] = float(np.mean(vals)) if vals else None
+            sd[key] = float(np.std(vals)) if len(vals) > 1 else None
+            m[key + "_n"] = len(vals)
+        mean[tr], spread[tr] = m, sd
+    return mean, spread
 
 
 def run(opt: Options) -> dict:
@@ -189,25 +297,42 @@ def run(opt: Options) -> dict:
 
     out = Path(opt.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plan = burst_plan(opt)
-    target = opt.target if opt.target is not None else (0.9 if opt.model == "digits" else 8.0)
-    runs: dict[str, Run] = {}
-    burst_s = [opt.burst_ms / 1e3 if opt.burst_ms else None]
-    with Testbed(workers=opt.workers) as tb:
-        if opt.loss:
+    seeds = []
+    rate = f"{opt.rate_mbit:g}mbit" if opt.rate_mbit else None
+    with Testbed(workers=opt.workers, rate=rate) as tb:
+        if opt.loss and opt.loss_model == "ge":
+            p, r = ge_params(opt.loss, opt.ge_len, opt.ge_bad)
+            tb.ge(p, r, loss_bad=opt.ge_bad)
+        elif opt.loss:
             tb.loss(opt.loss)
-        for tr in opt.transports:  # the first (Gloo by default) sizes the bursts
-            runs[tr] = run_transport(tb, opt, tr, plan, burst_s)
+        for seed in range(opt.seed, opt.seed + opt.seeds):
+            plan = burst_plan(opt, seed)
+            burst_s = [opt.burst_ms / 1e3 if opt.burst_ms else None]
+            runs: dict[str, Run] = {}
+            for tr in opt.transports:  # the first (Gloo by default) sizes the bursts
+                runs[tr] = run_transport(tb, opt, tr, seed, plan, burst_s)
+            target = opt.target
+            if target is None:
+                target = gloo_target(runs["gloo"], opt) if "gloo" in runs else None
+            summary = {tr: summarize(r, opt, target) for tr, r in runs.items()}
+            seeds.append({"seed": seed, "target": target, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
+                          "burst_plan": plan, "summary": summary, "speedup": report.speedups(summary),
+                          "runs": {tr: asdict(r) for tr, r in runs.items()}})
         fabric_stats = tb.stats()
-    summary = {tr: summarize(r, opt, target) for tr, r in runs.items()}
+    mean, spread = aggregate([s["summary"] for s in seeds])
+    speed = {}
+    for name in seeds[0]["speedup"]:
+        keys = {k for s in seeds for k in s["speedup"].get(name, {})}
+        speed[name] = {k: float(np.mean([s["speedup"][name][k] for s in seeds if k in s["speedup"].get(name, {})]))
+                       for k in sorted(keys)}
     rep = {
         "options": asdict(opt),
-        "target": target,
-        "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
-        "burst_plan": plan,
-        "summary": summary,
-        "speedup": report.speedups(summary),
-        "runs": {tr: asdict(r) for tr, r in runs.items()},
+        "target": [s["target"] for s in seeds] if len(seeds) > 1 else seeds[0]["target"],
+        "summary": mean,
+        "spread": spread,
+        "speedup": speed,
+        "seeds": seeds,
+        "runs": seeds[0]["runs"],
         "fabric": {port: {k: v for k, v in st.items() if isinstance(v, dict) and "packets" in v}
                    for port, st in fabric_stats.items()},
     }

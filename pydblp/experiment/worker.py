@@ -3,16 +3,23 @@
 Run by :mod:`pydblp.experiment.runner` inside a testbed worker namespace (and
 usable by hand under ``torchrun``: it reads RANK/WORLD_SIZE/MASTER_ADDR/
 MASTER_PORT when the flags are absent).  Every line on stdout is one JSON
-object: ``{"step", "t", "loss", "sync"}`` per step (``sync``: seconds of
-backward + gradient synchronisation), ``{"eval", ...}`` every
-``--eval-every`` steps, and a final ``{"final", ...}`` with the collective's
-round records.  Failures go to stderr and the exit status.
+object: ``{"calibrate": seconds}`` once (forward + backward without
+synchronisation, DDP's ``no_sync``: the step's compute), ``{"step", "t",
+"loss", "sync", "dt", "opt"}`` per step (``sync``: seconds of backward +
+gradient synchronisation, ``dt``: the whole step), ``{"eval", ...}`` at
+evaluation points (``--eval-every`` steps, ``--eval-at`` and the last step)
+followed by ``{"div", ...}``: the largest parameter difference from rank 0's
+over all ranks, measured through the Gloo control plane, and a final
+``{"final", ...}`` with the collective's round records and every rank's phase
+decisions.  ``t`` counts training only: evaluation and the divergence check
+are left out.  Failures go to stderr and the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -35,17 +42,23 @@ def parse(argv=None):
     p.add_argument("--net", choices=["udp", "xsk", "xsk-ktx"], default="udp", help="pydblp data plane")
     p.add_argument("--iface", help="data-plane interface (pydblp)")
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
-    p.add_argument("--model", choices=["digits", "text"], default="digits")
+    p.add_argument("--model", choices=models.MODELS, default="digits")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tol", type=float, default=0.016, help="static tolerance; dblp's P_low")
+    p.add_argument("--p-low", type=float, default=0.016, help="static tolerance; dblp's P_low")
+    p.add_argument("--k", type=float, default=0.40, help="dblp's P_high - P_low")
+    p.add_argument("--freq", type=int, default=10, help="dblp measures G every FREQ steps")
+    p.add_argument("--eta", type=float, default=0.5, help="dblp's critical threshold on |dG|/G")
+    p.add_argument("--consistency", default="allgather",
+                   help="none, or broadcast:N (pydblp.torch.ParameterBroadcaster every N steps)")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
     p.add_argument("--allgather", choices=["unicast", "broadcast"], default="unicast", help="pydblp Config.allgather")
     p.add_argument("--group", help="JSON [address, port, mac] every rank receives (--allgather broadcast)")
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-at", type=int, action="append", default=[], help="also evaluate after this step")
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--rate", type=float, default=0.0,
                    help="the link's bits/s: the xsk transport paces at it (AF_XDP bypasses the TBF)")
@@ -64,8 +77,51 @@ def emit(obj) -> None:
     sys.stdout.flush()
 
 
+CONSISTENCY_USE = "allgather, none or broadcast:N (N >= 1 steps)"
+
+
+def consistency(spec: str) -> tuple[bool, int]:
+    """``Config.consistent`` and the ParameterBroadcaster interval (0: none) of a ``--consistency``:
+    ``allgather`` (identical results, the default) -> (True, 0); ``none`` -> (False, 0);
+    ``broadcast:N`` -> (False, N).  ValueError otherwise."""
+    if spec in ("allgather", "none"):
+        return spec == "allgather", 0
+    name, _, n = spec.partition(":")
+    if name == "broadcast" and n.isdigit() and int(n) >= 1:
+        return False, int(n)
+    raise ValueError(f"consistency {spec!r}: use {CONSISTENCY_USE}")
+
+
+@torch.no_grad()
+def divergence(model: torch.nn.Module) -> tuple[float, float]:
+    """(max |p - p0|, max ||p - p0|| / ||p0||) over all ranks, p0 rank 0's parameters (Gloo collectives)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    diff = flat - ref
+    out = torch.tensor([diff.abs().max().item(), (diff.norm() / ref.norm().clamp_min(1e-30)).item()])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out[0]), float(out[1])
+
+
+def phase_report(controller) -> dict:
+    """Every rank's phase decisions, gathered over Gloo: rank 0's series, each rank's hash, agreement."""
+    hist = [[int(i), float(g), bool(c)] for i, g, c in getattr(controller, "history", [])]
+    decisions = [[i, c] for i, _, c in hist]
+    digest = hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"hash": digest, "history": hist})
+    g0 = [h[1] for h in everyone[0]["history"]]
+    g_diff = max((abs(h[1] - g) / max(abs(g), 1e-30) for e in everyone for h, g in zip(e["history"], g0)),
+                 default=0.0)
+    return {"history": everyone[0]["history"], "hashes": [e["hash"] for e in everyone],
+            "identical": len({e["hash"] for e in everyone}) == 1, "g_max_rel_diff": g_diff,
+            "histories": [e["history"] for e in everyone]}
+
+
 def main(argv=None) -> int:
     a = parse(argv)
+    consistent, every = consistency(a.consistency)
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -73,61 +129,95 @@ def main(argv=None) -> int:
     state = None
     rounds: list[dict] = []  # every round's record, compact (Config.on_record)
     try:
-        if a.model == "digits":
-            model = models.DigitsCNN()
+        digits = a.model in models.DIGITS_MODELS
+        if digits:
             xtr, ytr, xte, yte = data.digits(seed=a.seed)
             mine = data.shard(len(xtr), a.rank, a.world, a.seed)
             lr = a.lr or 0.05
+            model = models.make(a.model)
         else:
             tr, te, vocab = data.text()
-            model = models.CharTransformer(vocab)
+            model = models.make(a.model, vocab)
             lr = a.lr or 3e-3
         ddp = DDP(model)
+        broadcaster = None
         if a.transport != "gloo":
             import pydblp.torch as ptorch
             from pydblp.collective import Config, Dblp, Static
 
-            phase = Static(a.tol) if a.transport == "static" else Dblp(p_low=a.tol)
-            cfg = Config(job=11, phase=phase, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
+            phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
+            cfg = Config(job=11, phase=phase, consistent=consistent, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
-                              "retx": r.retransmits, "below": r.below_bound}))
+                              "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
             state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
                                                     group=group)
             ddp.register_comm_hook(state, ptorch.hook)
-        opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if a.model == "digits"
+            if every:
+                broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
+        opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if digits
                else torch.optim.Adam(ddp.parameters(), lr=lr))
         gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank)
+
+        def batch_loss():
+            if digits:
+                idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
+                return torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
+            x, y = models.text_batch(tr, a.batch, model.context, gen)
+            return torch.nn.functional.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+
+        # the step's compute alone: forward + backward without synchronisation (nothing is applied)
+        calib = []
+        for _ in range(6):
+            t0 = time.monotonic()
+            with ddp.no_sync():
+                batch_loss().backward()
+            calib.append(time.monotonic() - t0)
+            opt.zero_grad()
+        emit({"calibrate": sorted(calib[1:])[len(calib[1:]) // 2]})
+        dist.barrier()
+        eval_at = set(a.eval_at)
         retrans0 = tcp_retransmits()
         t_start = time.monotonic()
+        paused = 0.0  # evaluation and divergence checks: not training time
         for step in range(a.steps):
-            if a.model == "digits":
-                idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
-                out = ddp(xtr[idx])
-                loss = torch.nn.functional.cross_entropy(out, ytr[idx])
-            else:
-                x, y = models.text_batch(tr, a.batch, model.context, gen)
-                loss = torch.nn.functional.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+            ts = time.monotonic()
+            loss = batch_loss()
             opt.zero_grad()
             t0 = time.monotonic()  # CLOCK_MONOTONIC: the fabric's burst clock too
             loss.backward()
             t1 = time.monotonic()
             opt.step()
-            emit({"step": step, "t": t1 - t_start, "t0": t0, "loss": loss.item(), "sync": t1 - t0})
-            if a.rank == 0 and (step % a.eval_every == a.eval_every - 1 or step == a.steps - 1):
-                ddp.eval()
-                metric = (models.accuracy(model, xte, yte) if a.model == "digits"
-                          else models.perplexity(model, te, model.context))
-                ddp.train()
-                emit({"eval": metric, "metric": "accuracy" if a.model == "digits" else "perplexity",
-                      "step": step, "t": time.monotonic() - t_start})
-        final = {"final": True, "wall": time.monotonic() - t_start, "tcp_retransmits": tcp_retransmits() - retrans0}
+            t2 = time.monotonic()
+            if broadcaster is not None:
+                broadcaster.step()
+            t3 = time.monotonic()
+            emit({"step": step, "t": t3 - t_start - paused, "t0": t0, "loss": loss.item(), "sync": t1 - t0,
+                  "dt": t3 - ts, "opt": t2 - t1})
+            if step % a.eval_every == a.eval_every - 1 or step == a.steps - 1 or step + 1 in eval_at:
+                te0 = time.monotonic()
+                if a.rank == 0:
+                    ddp.eval()
+                    metric = (models.accuracy(model, xte, yte) if digits
+                              else models.perplexity(model, te, model.context))
+                    ddp.train()
+                    emit({"eval": metric, "metric": "accuracy" if digits else "perplexity",
+                          "step": step, "t": te0 - t_start - paused})
+                div, div_rel = divergence(model)
+                if a.rank == 0:
+                    emit({"div": div, "div_rel": div_rel, "step": step})
+                paused += time.monotonic() - te0
+        final = {"final": True, "wall": time.monotonic() - t_start - paused,
+                 "tcp_retransmits": tcp_retransmits() - retrans0}
         if state is not None:
             final["rounds"] = rounds  # every round's (Collective.records keeps only the latest)
+            final["chunk_bytes"] = state.collective.cfg.chunk_bytes
             # an all-gather's repairs after its round returned (a server's, mostly) are in no record
             final["trail_retransmits"] = state.collective.counters["trail_retransmits"]
-        emit(final)
+            final["phase"] = phase_report(state.collective.controller)
+        if a.rank == 0:
+            emit(final)
         return 0
     finally:
         if state is not None:

@@ -207,16 +207,31 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     The future completes on the transport thread with a tensor of the
     bucket's dtype and device.  DDP does not pre-divide: the hook returns
     the mean, as DDP's default allreduce hook does.
+
+    The phase controller observes by training step (see
+    :mod:`pydblp.collective.phase`): DDP runs one round per bucket, and DBLP's
+    G is the norm of the whole step's averaged gradient.
     """
     buf = bucket.buffer()
     grad = buf.detach().to("cpu", torch.float32).numpy()
     tensor_id = bucket.index() & 0xFFFF
+    last = bucket.is_last()
 
     def run(col: Collective, g=grad, like=buf):
-        out = col.allreduce(g, tensor=tensor_id)
+        out = _stepped_allreduce(col, g, tensor_id, last)
         return torch.from_numpy(out).to(like.device, like.dtype)
 
     return state.submit(run)
+
+
+def _stepped_allreduce(col: Collective, grad: np.ndarray, tensor: int, last: bool) -> np.ndarray:
+    """One bucket's round, its controller counting steps; ``last`` closes the step (after its round:
+    the transport thread runs a step's buckets in order, so every one of them is observed by then)."""
+    col.controller.count_steps()
+    out = col.allreduce(grad, tensor=tensor)
+    if last:
+        col.controller.end_step()
+    return out
 
 
 class ParameterBroadcaster:

@@ -331,6 +331,27 @@ def test_dblp_controller_switches_on_gradient_norm_change():
         Static(1.0)
 
 
+def test_dblp_controller_by_step_measures_each_steps_whole_gradient():
+    """After count_steps(), G is the norm over all of a step's rounds (DDP: one per bucket), taken
+    every freq steps; tolerance changes only between steps."""
+    c = Dblp(p_low=0.02, k=0.4, freq=2, eta=0.5)
+    c.count_steps()
+    norms = {0: 10.0, 2: 9.0, 4: 2.0}  # per step, split over two rounds of 3 and 4 values
+    tols = []
+    for step in range(6):
+        g = norms.get(step, 50.0)
+        for i, n in enumerate((3, 4)):
+            tols.append(c.tol(2 * step + i))
+            c.observe(2 * step + i, np.full(n, g / np.sqrt(7), np.float32))
+        c.end_step()
+    assert [(s, round(g, 4), crit) for s, g, crit in c.history] == [(0, 10.0, True), (2, 9.0, False), (4, 2.0, True)]
+    assert tols == pytest.approx([0.02] * 6 + [0.42] * 4 + [0.02] * 2)
+    with pytest.raises(RuntimeError):
+        Dblp().end_step()
+    with pytest.raises(ValueError):
+        Dblp(k=-0.1)
+
+
 def test_dblp_tolerance_reaches_the_wire(ranks):
     rk = ranks(2, phase=Schedule(lambda i: [0.0, 0.4][i % 2]))
     xs = inputs(2, 5000, rounds=4)

@@ -24,10 +24,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pydblp.torch as ptorch
-    from pydblp.collective import Config
+    from pydblp.collective import Config, Dblp
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    state = ptorch.State.from_process_group("udp", port=0, config=Config(job=3))
+    # k=0: the controller measures and decides, and tolerance stays 0 (results must match Gloo's)
+    state = ptorch.State.from_process_group("udp", port=0, config=Config(job=3, phase=Dblp(0.0, k=0.0, freq=2)))
     try:
         ours = DDP(_model(0), bucket_cap_mb=0.01)  # small buckets: several rounds per step
         ours.register_comm_hook(state, ptorch.hook)
@@ -36,7 +37,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         opt_b = torch.optim.SGD(ref.parameters(), lr=0.2)
         teacher = torch.randn(20, 5, generator=torch.Generator().manual_seed(5))  # learnable labels
         g = torch.Generator().manual_seed(100 + rank)
-        log = {"grad_diff": [], "loss_ours": [], "loss_gloo": []}
+        log = {"grad_diff": [], "loss_ours": [], "loss_gloo": [], "gnorm_gloo": []}
         for _ in range(STEPS):
             x = torch.randn(32, 20, generator=g)
             y = (x @ teacher).argmax(dim=1)
@@ -47,9 +48,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                 log[key].append(loss.item())
             log["grad_diff"].append(max((pa.grad - pb.grad).abs().max().item()
                                         for pa, pb in zip(ours.parameters(), ref.parameters())))
+            log["gnorm_gloo"].append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm().item())
             opt_a.step()
             opt_b.step()
         log["rounds"] = len(state.collective.records)
+        log["history"] = list(state.collective.controller.history)
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(log, f)
     finally:
@@ -66,6 +69,12 @@ def test_hook_matches_gloo_gradients_and_training_curve(tmp_path):
         assert log["loss_ours"] == pytest.approx(log["loss_gloo"], abs=1e-4)
         assert log["rounds"] > STEPS  # more than one bucket per step went through pydblp
     assert logs[0]["loss_ours"][-1] < logs[0]["loss_ours"][0]  # it trained
+    # the phase controller observes by step: G is the norm of the whole step's averaged gradient
+    # (every bucket), measured every freq=2 steps, the same on every rank
+    hist = logs[0]["history"]
+    assert [h[0] for h in hist] == list(range(0, STEPS, 2))
+    assert [h[1] for h in hist] == pytest.approx([logs[0]["gnorm_gloo"][s] for s, _, _ in hist], rel=1e-4)
+    assert all(log["history"] == hist for log in logs[1:])
 
 
 def test_from_process_group_rejects_bad_arguments_before_opening_anything(tmp_path):
