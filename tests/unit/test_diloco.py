@@ -171,3 +171,19 @@ def test_dead_peer_is_skipped_and_training_goes_on(tmp_path):
         assert all(2 in e["arrived"] for e in log[:3])
         assert all(2 not in e["arrived"] and e["value"] == pytest.approx(0.5) for e in log[3:])
         assert log[-1]["suspects"] == [2]
+
+
+# ---- the CLI's checks (before any testbed is built) -------------------------------
+
+@pytest.mark.parametrize("argv,says", [
+    (["--runs", "gossip,bogus"], "--runs takes ddp, exact, exact-pydblp, gossip, gossip-kill"),
+    (["--workers", "2"], "gossip-kill needs --workers 3 or more"),
+    (["--outer-steps", "1"], "--outer-steps 1: use 2 or more"),
+    (["--peer-timeout", "0"], "--peer-timeout 0: use a positive number of seconds"),
+])
+def test_experiment_diloco_usage_errors_are_one_line(capsys, argv, says):
+    from pydblp import cli
+
+    assert cli.main(["experiment", "--algo", "diloco", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
