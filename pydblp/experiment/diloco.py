@@ -188,7 +188,7 @@ def worker(argv=None) -> int:
         if exchange is not None:
             exchange.close()
         if state is not None:
-            state.close(barrier=False)
+            state.close()  # barrier first: a peer may still need this rank's repairs
         dist.destroy_process_group()
 
 
