@@ -236,6 +236,8 @@ class GlooExchange(Exchange):
             if item is None:
                 return
             key, payload = item
+            if self._closed:
+                continue  # closing: what is still queued is dropped, no peer is dialled
             if down_since is not None and time.monotonic() - down_since < self.timeout:
                 continue  # reconnect at most once a timeout: a dead peer is not redialled every round
             try:
@@ -249,14 +251,21 @@ class GlooExchange(Exchange):
                 client, down_since = None, time.monotonic()
 
     def close(self) -> None:
-        """Stop the sender threads (each finishes the message it is sending) and close the mailbox."""
+        """Stop the sender threads and close the mailbox; messages not sent yet are dropped.
+
+        A thread dialling a dead peer can take two connect attempts of ``timeout`` each
+        (torch's TCPStore retries once); close waits for that rather than leave a thread
+        inside torch at interpreter exit (which aborts the process).
+        """
         if self._closed:
             return
         self._closed = True
         for q in self._out.values():
             q.put(None)
         for t in self._senders:
-            t.join(timeout=self.timeout)
+            t.join(timeout=3 * self.timeout)
+            if t.is_alive():
+                log.warning("rank %d: %s still sending after %.0f s", self.rank, t.name, 3 * self.timeout)
         self._box = None
 
 
