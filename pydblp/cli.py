@@ -466,6 +466,7 @@ def _add_experiment(sub):
     p.add_argument("--seed", type=int)
     p.add_argument("--out", default="dblp-experiment", help="output directory (default ./dblp-experiment)")
     p.set_defaults(func=_cmd_experiment)
+    _diloco_options(p)
 
 
 def _experiment_options(args):
@@ -523,6 +524,8 @@ def _experiment_options(args):
 
 
 def _cmd_experiment(args) -> int:
+    if args.algo == "diloco":
+        return _cmd_experiment_diloco(args)
     from pydblp._extras import require
     from pydblp.experiment import report, runner
 
@@ -536,6 +539,67 @@ def _cmd_experiment(args) -> int:
     print(report.table(rep))
     print(f"report: {args.out}/report.json; plots: {args.out}/loss_accuracy.png, latency_cdf.png, tolerance.png, "
           "divergence_phase.png")
+    return 0
+
+
+def _diloco_options(p):
+    """``dblp experiment --algo diloco`` (pydblp/experiment/diloco.py): its options, in a group of their own."""
+    from pydblp.experiment import diloco
+
+    g = p.add_argument_group("DiLoCo (--algo diloco: DDP vs exact vs gossip DiLoCo over Gloo, a worker killed)",
+                             "--workers, --model, --rate (default 20 here), --loss, --bursts, --burst-ms, --seed and "
+                             "--out apply too (--bursts: one every 3 s from the start of each run); --steps "
+                             "and --scenario do not.")
+    g.add_argument("--algo", choices=["ddp", "diloco"], default="ddp",
+                   help="ddp: the transports' comparison above (default); diloco: this group's")
+    d = diloco.Options()
+    g.add_argument("--runs", default=",".join(d.runs), help=f"comma-separated subset of {','.join(diloco.RUNS)}")
+    g.add_argument("--outer-steps", type=int, default=d.outer_steps, help=f"outer steps (default {d.outer_steps})")
+    g.add_argument("--sync-every", type=int, default=d.sync_every, help=f"H, inner steps per outer step "
+                                                                          f"(default {d.sync_every})")
+    g.add_argument("--topology", choices=["ring", "exp", "random"], default=d.topology, help="gossip neighbours")
+    g.add_argument("--overlap-rounds", type=int, default=d.overlap_rounds, help="non-blocking mixing rounds")
+    g.add_argument("--blocking-rounds", type=int, default=d.blocking_rounds, help="blocking mixing rounds")
+    g.add_argument("--peer-timeout", type=float, default=d.timeout,
+                   help=f"seconds a gossip neighbour has per round (default {d.timeout:g})")
+
+
+def _cmd_experiment_diloco(args) -> int:
+    from pydblp.experiment import diloco
+
+    d = diloco.Options()
+    given = {k: getattr(args, k) for k in ("workers", "model", "loss", "bursts", "burst_ms", "seed")}
+    a = {k: (v if v is not None else getattr(d, k)) for k, v in given.items()}
+    if a["model"] == "mlp":
+        a["model"] = "digits"  # DiLoCo's default: the digits CNN
+    rate = d.rate if args.rate is None else f"{args.rate:g}mbit"
+    runs = tuple(r for r in args.runs.split(",") if r)
+    bad = [r for r in runs if r not in diloco.RUNS]
+    checks = ((not bad and runs, f"--runs takes {', '.join(diloco.RUNS)} (got {args.runs!r})"),
+              (2 <= a["workers"] <= 250, f"--workers {a['workers']}: use 2..250"),
+              (args.rate is None or 1 <= args.rate <= 10000, f"--rate {_g(args.rate)}: use 1..10000 Mbit/s"),
+              (args.outer_steps >= 2, f"--outer-steps {args.outer_steps}: use 2 or more"),
+              (args.sync_every >= 1, f"--sync-every {args.sync_every}: use 1 or more"),
+              (min(args.overlap_rounds, args.blocking_rounds) >= 0, "--overlap-rounds/--blocking-rounds: use 0+"),
+              (args.peer_timeout > 0, f"--peer-timeout {args.peer_timeout:g}: use a positive number of seconds"),
+              (0 <= a["loss"] < 1, f"--loss {a['loss']:g}: use a probability in [0, 1)"),
+              (a["bursts"] >= 0, f"--bursts {a['bursts']}: use 0 (none) or more"),
+              ("gossip-kill" not in runs or a["workers"] >= 3, "gossip-kill needs --workers 3 or more"))
+    for ok, what in checks:
+        if not ok:
+            raise UsageError(what)
+    out = args.out if args.out != "dblp-experiment" else "dblp-experiment-diloco"
+    opt = diloco.Options(workers=a["workers"], model=a["model"], outer_steps=args.outer_steps,
+                         sync_every=args.sync_every, runs=runs, topology=args.topology,
+                         overlap_rounds=args.overlap_rounds, blocking_rounds=args.blocking_rounds, rate=rate,
+                         loss=a["loss"], bursts=a["bursts"], burst_ms=a["burst_ms"], timeout=args.peer_timeout,
+                         seed=a["seed"], out_dir=out)
+    try:
+        rep = diloco.run(opt)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    print(diloco.table(rep))
+    print(f"report: {out}/report.json")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""PyTorch integration: a DDP communication hook and a bounded-drift parameter broadcaster.
+"""PyTorch integration: a DDP communication hook, a bounded-drift parameter broadcaster, DiLoCo.
 
 Typical use, under ``torchrun`` (the default process group must be gloo: it
 is the control plane, used here only for rendezvous)::
@@ -38,7 +38,8 @@ from pydblp.collective import Collective, CollectiveError, Config, link_chunk_by
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
 
-__all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError"]
+__all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo", "Exchange", "GlooExchange",
+           "PydblpExchange"]
 
 
 class State:
@@ -265,3 +266,8 @@ class ParameterBroadcaster:
             p.copy_(torch.from_numpy(np.ascontiguousarray(out[off: off + n])).view_as(p).to(p.dtype))
             off += n
         return True
+
+
+# DiLoCo (exact and factored gossip) and the exchanges it runs over: pydblp.torch.diloco, .exchange
+from pydblp.torch.diloco import DiLoCo  # noqa: E402
+from pydblp.torch.exchange import Exchange, GlooExchange, PydblpExchange  # noqa: E402

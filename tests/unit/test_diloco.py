@@ -1,0 +1,189 @@
+"""DiLoCo (exact and gossip) and the Gloo exchange, in real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pydblp.torch.exchange import neighbours
+
+WORLD = 3
+TIMEOUT = 3.0  # the exchange's per-round timeout in these tests (s): generous, the machine is shared
+
+
+# ---- topologies (pure) ---------------------------------------------------------
+
+@pytest.mark.parametrize("topology", ["ring", "exp", "random"])
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_neighbours_are_symmetric_and_agreed(topology, world):
+    for rnd in range(6):
+        nb = {r: neighbours(topology, r, world, rnd, seed=7) for r in range(world)}
+        for r, ps in nb.items():
+            assert r not in ps
+            for p in ps:
+                assert r in nb[p], (topology, world, rnd, r, p)  # undirected: weights stay doubly stochastic
+        if topology == "random":
+            assert all(len(ps) <= 1 for ps in nb.values())
+            assert sum(len(ps) == 0 for ps in nb.values()) == world % 2
+
+
+def test_neighbours_shapes():
+    assert neighbours("ring", 0, 5, 0) == [1, 4]
+    assert neighbours("exp", 0, 8, 0) == [1, 2, 4, 6, 7]
+    assert neighbours("exp", 1, 4, 0) == [0, 2, 3]          # complete at 4
+    draws = {tuple(neighbours("random", 0, 8, r, seed=1)) for r in range(20)}
+    assert len(draws) > 1                                  # a new peer across rounds
+    with pytest.raises(ValueError, match="topology"):
+        neighbours("star", 0, 4, 0)
+
+
+# ---- workers -------------------------------------------------------------------
+
+def _init(rank: int, init_file: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _train(rank: int, init_file: str, out_dir: str, mode: str, topology: str, blocking: int, overlap: int):
+    from pydblp.torch import DiLoCo, GlooExchange
+
+    _init(rank, init_file)
+    ex = GlooExchange(timeout=20.0)
+    try:
+        model = _model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)   # lr 1, no momentum: the outer step lands on
+        g = torch.Generator().manual_seed(10 + rank)           # anchor - mean(pseudo-gradients)
+        locals_, after = [], []
+        with DiLoCo(ex, model, inner, outer, sync_every=4, mode=mode, topology=topology,
+                    blocking_rounds=blocking, overlap_rounds=overlap) as d:
+            for step in range(12):
+                x = torch.randn(8, 6, generator=g)
+                inner.zero_grad()
+                torch.nn.functional.mse_loss(model(x)[:, 0], x[:, rank]).backward()  # ranks disagree
+                if (step + 1) % 4 == 0:
+                    locals_.append([p.detach().clone() for p in model.parameters()])
+                inner.step()
+                if (step + 1) % 4 == 0:
+                    after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+        final = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+        json.dump({"after": after, "final": final, "records": [r.__dict__ for r in d.records], "bytes": ex.bytes_sent},
+                  open(os.path.join(out_dir, f"{rank}.json"), "w"), default=str)
+    finally:
+        ex.close()
+        dist.destroy_process_group()
+
+
+def _run(fn, tmp_path, *args):
+    init = str(tmp_path / "init")
+    mp.start_processes(fn, args=(init, str(tmp_path), *args), nprocs=WORLD, start_method="spawn", join=True)
+    return [json.load(open(tmp_path / f"{r}.json")) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,topology,blocking,overlap", [("exact", "ring", 0, 0), ("gossip", "exp", 1, 0)])
+def test_outer_step_averages_to_one_model(tmp_path, mode, topology, blocking, overlap):
+    """Exact DiLoCo, and gossip over a complete graph (exp at 3 ranks), give every rank one model."""
+    out = _run(_train, tmp_path, mode, topology, blocking, overlap)
+    for k in range(3):
+        a = torch.tensor(out[0]["after"][k])
+        for r in (1, 2):
+            assert torch.allclose(a, torch.tensor(out[r]["after"][k]), atol=1e-6), (mode, k, r)
+    assert all(not rec["missing"] or rec["missing"] == "{}" for o in out for rec in o["records"])
+
+
+@pytest.mark.slow
+def test_gossip_ring_overlap_pulls_ranks_together(tmp_path):
+    """Only non-blocking mixing (ring = complete graph at 3 ranks): leaving the context applies the
+    last overlapped mixing, which makes the anchors, and so the models, one; without mixing they differ."""
+    mixed = _run(_train, tmp_path, "gossip", "ring", 0, 1)
+    (tmp_path / "none").mkdir()
+    apart = _run(_train, tmp_path / "none", "gossip", "ring", 0, 0)
+
+    def spread(out, key="final"):
+        x = torch.tensor([o[key] for o in out])
+        return (x - x.mean(0)).norm().item()
+
+    assert spread(mixed) < 1e-5 < spread(apart)
+    assert spread(mixed, "after") > 1e-3  # before that mixing: one inner phase of local progress apart
+    assert mixed[0]["bytes"] > 0 and apart[0]["bytes"] == 0
+
+
+# ---- skip and re-admit -----------------------------------------------------------
+
+def _rounds(rank: int, init_file: str, out_dir: str, stall: float, die_after: int | None):
+    from pydblp.torch import GlooExchange
+
+    _init(rank, init_file)
+    ex = GlooExchange(timeout=TIMEOUT, readmit_every=2)
+    log = []
+    try:
+        for rnd in range(8):
+            if rank == 2 and rnd == 1:
+                time.sleep(stall)
+            if rank == 2 and die_after is not None and rnd == die_after:
+                os._exit(0)  # dies without closing anything
+            peers = [r for r in range(WORLD) if r != rank]
+            x = torch.full((1000,), float(rank))
+            y, arrived = ex.neighbours_average(x, peers, [1 / 3, 1 / 3], rnd)
+            log.append({"round": rnd, "arrived": arrived, "value": y[0].item(), "suspects": sorted(ex.suspects)})
+        json.dump(log, open(os.path.join(out_dir, f"{rank}.json"), "w"))
+    finally:
+        ex.close()
+
+
+def _run_rounds(tmp_path, stall, die_after):
+    init = str(tmp_path / "init")
+    ctx = mp.start_processes(_rounds, args=(init, str(tmp_path), stall, die_after), nprocs=WORLD,
+                             start_method="spawn", join=False)
+    while not ctx.join():
+        pass
+    return [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_slow_peer_is_skipped_then_readmitted(tmp_path):
+    """Rank 2 stalls 1.5 timeouts before round 1: left out of it, waited for again, back in."""
+    for log in _run_rounds(tmp_path, 1.5 * TIMEOUT, None):
+        assert log[0]["value"] == pytest.approx(1.0)                # everyone in round 0: (0+1+2)/3
+        r1 = log[1]
+        assert 2 not in r1["arrived"] and r1["suspects"] == [2]
+        assert r1["value"] == pytest.approx(0.5)                    # renormalised over ranks 0 and 1
+        assert any(2 in e["arrived"] for e in log[2:]), log          # re-admitted
+        assert log[-1]["suspects"] == [] and log[-1]["value"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_dead_peer_is_skipped_and_training_goes_on(tmp_path):
+    """Rank 2 dies after round 2: the others finish all rounds, without it, averaging each other."""
+    for log in _run_rounds(tmp_path, 0.0, 3):
+        assert len(log) == 8
+        assert all(2 in e["arrived"] for e in log[:3])
+        assert all(2 not in e["arrived"] and e["value"] == pytest.approx(0.5) for e in log[3:])
+        assert log[-1]["suspects"] == [2]
+
+
+# ---- the CLI's checks (before any testbed is built) -------------------------------
+
+@pytest.mark.parametrize("argv,says", [
+    (["--runs", "gossip,bogus"], "--runs takes ddp, exact, exact-pydblp, gossip, gossip-kill"),
+    (["--workers", "2"], "gossip-kill needs --workers 3 or more"),
+    (["--outer-steps", "1"], "--outer-steps 1: use 2 or more"),
+    (["--peer-timeout", "0"], "--peer-timeout 0: use a positive number of seconds"),
+])
+def test_experiment_diloco_usage_errors_are_one_line(capsys, argv, says):
+    from pydblp import cli
+
+    assert cli.main(["experiment", "--algo", "diloco", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
