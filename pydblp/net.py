@@ -19,6 +19,8 @@ import struct
 from pyroute2 import IPRoute
 from pyroute2 import netns as _netns
 
+from pydblp._libc import libc
+
 NETNS_RUN_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
 
@@ -43,8 +45,6 @@ class NetError(RuntimeError):
     """A netlink or namespace operation failed; the message says what to do."""
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 @contextlib.contextmanager
 def in_netns(name: str | None):
@@ -63,13 +63,13 @@ def in_netns(name: str | None):
         raise NetError(f"network namespace {name!r} does not exist (see `ip netns list`)") from None
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
+        if libc.setns(target, CLONE_NEWNET) != 0:
             e = ctypes.get_errno()
             raise NetError(f"setns({name}): {os.strerror(e)} (needs root)")
         try:
             yield
         finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover
+            if libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover
                 raise NetError("cannot return to the original network namespace")
     finally:
         os.close(target)

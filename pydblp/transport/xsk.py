@@ -67,6 +67,7 @@ import time
 import numpy as np
 
 from pydblp import net, wire
+from pydblp._libc import libc
 from pydblp.transport import frames
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
 
@@ -113,8 +114,7 @@ STAT_FIELDS = ("rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_fu
 PRESSURE_MAX = 1000
 PRESSURE_STEP = 50  # write the level when it moved this much (or reached 0)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.bind.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
+libc.bind.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
 
 
 class _Ring:
@@ -312,7 +312,7 @@ class XskTransport(Transport):
         delay = 0.002
         self.bind_retries = 0
         while True:
-            if _libc.bind(self._fd, sxdp, 16) == 0:
+            if libc.bind(self._fd, sxdp, 16) == 0:
                 return
             e = ctypes.get_errno()
             # EBUSY: the previous socket on this queue is still being torn down (deferred work)

@@ -1,0 +1,25 @@
+"""The one handle on the C library that pydblp's modules call through ctypes.
+
+Each module that calls into libc declares the ``argtypes`` of the calls it makes on
+:data:`libc` and checks their return codes with :func:`checked`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def checked(rc: int, call: str) -> int:
+    """Return ``rc`` of a libc call, or raise its errno as an OSError naming ``call``.
+
+    Args:
+        rc: the call's return value; negative means it failed and set errno.
+        call: the call's name, for the error message.
+    """
+    if rc < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{call}: {os.strerror(e)}")
+    return rc
