@@ -12,6 +12,7 @@ import ctypes
 import enum
 import errno
 import fcntl
+import ipaddress
 import os
 import socket
 import struct
@@ -196,3 +197,25 @@ def ethtool_value(ifname: str, cmd: int, value: int | None = None, netns: str | 
     with in_netns(netns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
     return struct.unpack("=II", val.raw)[1]
+
+
+def iface_addr(ifname: str, netns: str | None = None) -> str:
+    """The first IPv4 address of ``ifname``; NetError when it has none."""
+    with ipr(netns) as ip:
+        for a in ip.get_addr(index=ifindex(ifname, netns)):
+            addr = a.get_attr("IFA_ADDRESS")
+            if addr and ipaddress.ip_address(addr).version == 4:
+                return addr
+    raise NetError(f"{ifname} has no IPv4 address; pass addr=")
+
+
+def iface_mac(ifname: str, netns: str | None = None) -> str:
+    """The MAC address of ``ifname``, as ``aa:bb:cc:dd:ee:ff``."""
+    with ipr(netns) as ip:
+        return ip.get_links(ifindex(ifname, netns))[0].get_attr("IFLA_ADDRESS")
+
+
+def iface_mtu(ifname: str, netns: str | None = None) -> int:
+    """The MTU of ``ifname``."""
+    with ipr(netns) as ip:
+        return int(ip.get_links(ifindex(ifname, netns))[0].get_attr("IFLA_MTU"))
