@@ -70,7 +70,7 @@ def parse(argv=None):
     p.add_argument("--send-burst", type=int, default=None, help="Config.burst")
     p.add_argument("--chunk-bytes", type=int, default=None, help="Config.chunk_bytes")
     p.add_argument("--spin", type=float, default=0.0, help="transport busy-poll seconds")
-    p.add_argument("--rate", type=float, default=0.0, help="XskTransport rate: the link's bits/s (0: unpaced)")
+    p.add_argument("--rate", type=float, default=0.0, help="the link's bits/s xsk paces at (0: unpaced)")
     p.add_argument("--store", help="FileStore path (gloo rendezvous)")
     p.add_argument("--fabric", help="JSON {pin_dir, ports}: the fabric bursts are armed on")
     p.add_argument("--sync", help="directory for the burst-arming markers")
@@ -80,24 +80,12 @@ def parse(argv=None):
 class Pydblp:
     def __init__(self, a):
         from pydblp.collective import Collective, Config
+        from pydblp.dataplane import open_dataplane
 
         peers = [tuple(p) for p in json.loads(a.peers)]
-        self.host = None
-        port = peers[a.rank][1]
         kind = a.transport.removesuffix("-bc")
-        if kind in ("xsk", "xsk-ktx"):
-            from pydblp.host import HostProgram
-            from pydblp.transport.xsk import XskTransport, frame_size_for
-
-            self.host = HostProgram(a.iface)
-            self.host.register_job(a.job, a.world, a.rank, "xsk")
-            t = XskTransport(a.iface, port=port, host=self.host, spin=a.spin,
-                             frame_size=frame_size_for(a.chunk_bytes or Config().chunk_bytes),
-                             rate=a.rate, tx="kernel" if kind == "xsk-ktx" else "xsk")
-        else:
-            from pydblp.transport.udp import UdpTransport
-
-            t = UdpTransport(a.iface, port=port, spin=a.spin)
+        self.dp = open_dataplane(kind, a.iface, port=peers[a.rank][1], job=a.job, rank=a.rank, world=a.world,
+                                 rate=a.rate, spin=a.spin, max_payload=a.chunk_bytes)
         cfg = Config(job=a.job, mode=a.mode, estimator=a.estimator, phase=f"static:{a.tol}",
                      peer_timeout=a.peer_timeout)
         if a.send_burst:
@@ -107,7 +95,11 @@ class Pydblp:
         group = None
         if kind != a.transport:
             cfg.allgather, group = "broadcast", tuple(json.loads(a.group))
-        self.col = Collective(t, a.rank, a.world, peers, cfg, group=group)
+        try:
+            self.col = Collective(self.dp.transport, a.rank, a.world, peers, cfg, group=group)
+        except BaseException:
+            self.dp.close()
+            raise
 
     def prepare(self, x: np.ndarray):
         return x
@@ -130,8 +122,7 @@ class Pydblp:
 
     def close(self) -> None:
         self.col.close()
-        if self.host is not None:
-            self.host.close()
+        self.dp.close()
 
 
 class _Peer:

@@ -78,9 +78,9 @@ struct dblp_hdr {
 #define DBLP_SHED_ENTRIES 65536
 #define DBLP_PRESSURE_MAX 1000
 
-/* transport of a registered job */
-#define DBLP_TRANSPORT_XSK 0  /* redirect to the AF_XDP socket of the rx queue */
-#define DBLP_TRANSPORT_UDP 1  /* XDP_PASS to the kernel's UDP stack */
+/* transport of a registered job (Python: pydblp.host.JobTransport) */
+#define DBLP_JOB_TRANSPORT_XSK 0  /* redirect to the AF_XDP socket of the rx queue */
+#define DBLP_JOB_TRANSPORT_UDP 1  /* XDP_PASS to the kernel's UDP stack */
 
 /* counters: one per-CPU u64 per slot */
 #define DBLP_CNT_PASS       0   /* not DBLP: passed untouched */

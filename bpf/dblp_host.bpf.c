@@ -239,7 +239,7 @@ int dblp_host(struct xdp_md *ctx)
 		}
 	}
 
-	if (job->transport == DBLP_TRANSPORT_UDP) {
+	if (job->transport == DBLP_JOB_TRANSPORT_UDP) {
 		count(DBLP_CNT_DBLP_PASS);
 		return XDP_PASS;
 	}

@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from pydblp import net
+from pydblp._libc import libc
 
 
 def _bpf_dir() -> Path:
@@ -49,8 +50,7 @@ BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: a devmap entry's egress program
 PERCPU_TYPES = {5, 6, 10}  # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 _NR_BPF = 321  # x86_64
 
-_libc = ct.CDLL(None, use_errno=True)
-_libc.syscall.restype = ct.c_long
+libc.syscall.restype = ct.c_long
 
 
 class BPFError(OSError):
@@ -59,7 +59,7 @@ class BPFError(OSError):
 
 def _sys_bpf(cmd: int, attr: bytes | ct.Array) -> int:
     buf = attr if isinstance(attr, ct.Array) else ct.create_string_buffer(attr, 128)
-    r = _libc.syscall(_NR_BPF, cmd, buf, ct.sizeof(buf))
+    r = libc.syscall(_NR_BPF, cmd, buf, ct.sizeof(buf))
     if r < 0:
         e = ct.get_errno()
         raise BPFError(e, f"bpf(cmd={cmd}): {os.strerror(e)}")

@@ -12,6 +12,8 @@ import argparse
 import signal
 import sys
 
+from pydblp.cliutil import UsageError, formatter
+
 EPILOG = """\
 examples:
   dblp experiment                         the main job: Gloo vs static vs DBLP under bursts
@@ -21,14 +23,6 @@ examples:
   dblp dump -r trace.pcap                 decode DBLP packets in a capture
   dblp dump -i eth0 --netns w0 -c 10      ten live packets from a namespace
 """
-
-
-class UsageError(Exception):
-    """A mistake in the command line or environment, shown as one line."""
-
-
-def _formatter(prog):
-    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
 
 
 # ---- subcommands -----------------------------------------------------------
@@ -54,7 +48,7 @@ def _iface_args(p, required: bool = True):
 
 def _add_load(sub):
     p = sub.add_parser("load", help="attach the host XDP program to an interface",
-                       formatter_class=_formatter, epilog=HOST_EPILOG,
+                       formatter_class=formatter, epilog=HOST_EPILOG,
                        description="Compile and attach bpf/dblp_host.bpf.c; pin its maps under "
                                    "/sys/fs/bpf/dblp so `job`, `stats` and `unload` find them.")
     _iface_args(p)
@@ -78,7 +72,7 @@ def _cmd_load(args) -> int:
 
 def _add_unload(sub):
     p = sub.add_parser("unload", help="detach the host program and remove its pins",
-                       formatter_class=_formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=HOST_EPILOG)
     _iface_args(p, required=False)
     p.add_argument("--all", action="store_true", help="every pydblp attachment, in every namespace")
     p.set_defaults(func=_cmd_unload)
@@ -102,7 +96,7 @@ def _cmd_unload(args) -> int:
 
 def _add_status(sub):
     p = sub.add_parser("status", help="table of pydblp attachments, jobs and counters",
-                       formatter_class=_formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=HOST_EPILOG)
     p.set_defaults(func=_cmd_status)
 
 
@@ -136,7 +130,7 @@ def _table(head: list[str], rows: list[list[str]]) -> None:
 
 def _add_stats(sub):
     p = sub.add_parser("stats", help="per-verdict and per-priority rates, bcc-tools style",
-                       formatter_class=_formatter, epilog=HOST_EPILOG,
+                       formatter_class=formatter, epilog=HOST_EPILOG,
                        description="Print packet rates per verdict every INTERVAL seconds, COUNT times "
                                    "(default: 1 s, until Ctrl-C).")
     _iface_args(p)
@@ -185,7 +179,7 @@ def _cmd_stats(args) -> int:
 
 def _add_job(sub):
     p = sub.add_parser("job", help="register, remove or list jobs on a loaded interface",
-                       formatter_class=_formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=HOST_EPILOG)
     jsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     a = jsub.add_parser("add", help="admit a job (others are dropped as 'job')")
     _iface_args(a)
@@ -247,7 +241,7 @@ def _cmd_job(args) -> int:
 
 def _add_config(sub):
     p = sub.add_parser("config", help="set pressure, rate estimate or shed levels of a loaded interface",
-                       formatter_class=_formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=HOST_EPILOG)
     _iface_args(p)
     p.add_argument("--pressure", type=int, help="pressure level 0..1000 (normally written by the receiver)")
     p.add_argument("--rate-pps", type=int, help="raise pressure from the arrival rate above this (0: off)")
@@ -293,7 +287,7 @@ examples:
 
 def _add_dump(sub):
     p = sub.add_parser("dump", help="decode DBLP packets from a pcap file or a live interface (tcpdump style)",
-                       formatter_class=_formatter, epilog=DUMP_EPILOG,
+                       formatter_class=formatter, epilog=DUMP_EPILOG,
                        description="Decode DBLP packets from a pcap file or a live interface.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-r", dest="read", metavar="FILE", help="read packets from a pcap/pcapng file")
@@ -422,7 +416,7 @@ def _ports(text: str, workers: int):
 
 def _add_experiment(sub):
     p = sub.add_parser("experiment", help="the main job: Gloo vs static vs DBLP under microbursts",
-                       formatter_class=_formatter, epilog=EXPERIMENT_EPILOG,
+                       formatter_class=formatter, epilog=EXPERIMENT_EPILOG,
                        description="Bring up a testbed, train the same model with the same seed over Gloo, "
                                    "static bounded loss (MLT-style) and DBLP phase-aware bounded loss under "
                                    "seeded microbursts and background loss; print a comparison table (mean and "
@@ -620,7 +614,7 @@ def _add_fault(sub):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dblp", formatter_class=_formatter, epilog=EPILOG,
+        prog="dblp", formatter_class=formatter, epilog=EPILOG,
         description="pydblp: loss-tolerant gradient transport (XDP + AF_XDP).")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, add in sorted(globals().items()):

@@ -53,7 +53,9 @@ MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen", "peer
 DEFAULT_SHED_AT = (0, 900, 800, 700, 600, 500, 400, 300)
 
 
-class Transport(enum.IntEnum):
+class JobTransport(enum.IntEnum):
+    """How the host program delivers a registered job's packets (``DBLP_JOB_TRANSPORT_*``)."""
+
     XSK = 0  # redirect to the AF_XDP socket of the rx queue
     UDP = 1  # XDP_PASS to the kernel UDP stack
 
@@ -113,11 +115,19 @@ class HostMaps:
 
     # -- jobs --
     def register_job(self, job: int, world_size: int, rank: int,
-                     transport: Transport | str = Transport.XSK) -> None:
-        """Admit ``job``: packets must have src/dst < world_size and dst == rank."""
+                     transport: JobTransport | str = JobTransport.XSK) -> None:
+        """Admit ``job``: packets must have src/dst < world_size and dst == rank.
+
+        Args:
+            job: the job id (1..2^32-1).
+            world_size, rank: the job's size and this host's rank in it.
+            transport: how its packets are delivered (a :class:`JobTransport` or its name).
+
+        Raises :class:`HostError` on a bad argument.
+        """
         if isinstance(transport, str):
             try:
-                transport = Transport[transport.upper()]
+                transport = JobTransport[transport.upper()]
             except KeyError:
                 raise HostError(f"transport {transport!r}: use xsk or udp") from None
         if not 0 < job < 2**32:
@@ -193,7 +203,7 @@ class HostMaps:
         for k, v in self.maps["jobs"].items():
             ws, rank, tr = JOB.unpack(v)
             out[struct.unpack("=I", k)[0]] = {"world_size": ws, "rank": rank,
-                                             "transport": Transport(tr).name.lower()}
+                                             "transport": JobTransport(tr).name.lower()}
         return out
 
     # -- AF_XDP sockets --

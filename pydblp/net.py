@@ -12,12 +12,15 @@ import ctypes
 import enum
 import errno
 import fcntl
+import ipaddress
 import os
 import socket
 import struct
 
 from pyroute2 import IPRoute
 from pyroute2 import netns as _netns
+
+from pydblp._libc import libc
 
 NETNS_RUN_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
@@ -43,8 +46,6 @@ class NetError(RuntimeError):
     """A netlink or namespace operation failed; the message says what to do."""
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 @contextlib.contextmanager
 def in_netns(name: str | None):
@@ -63,13 +64,13 @@ def in_netns(name: str | None):
         raise NetError(f"network namespace {name!r} does not exist (see `ip netns list`)") from None
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
+        if libc.setns(target, CLONE_NEWNET) != 0:
             e = ctypes.get_errno()
             raise NetError(f"setns({name}): {os.strerror(e)} (needs root)")
         try:
             yield
         finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover
+            if libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover
                 raise NetError("cannot return to the original network namespace")
     finally:
         os.close(target)
@@ -196,3 +197,25 @@ def ethtool_value(ifname: str, cmd: int, value: int | None = None, netns: str | 
     with in_netns(netns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
     return struct.unpack("=II", val.raw)[1]
+
+
+def iface_addr(ifname: str, netns: str | None = None) -> str:
+    """The first IPv4 address of ``ifname``; NetError when it has none."""
+    with ipr(netns) as ip:
+        for a in ip.get_addr(index=ifindex(ifname, netns)):
+            addr = a.get_attr("IFA_ADDRESS")
+            if addr and ipaddress.ip_address(addr).version == 4:
+                return addr
+    raise NetError(f"{ifname} has no IPv4 address; pass addr=")
+
+
+def iface_mac(ifname: str, netns: str | None = None) -> str:
+    """The MAC address of ``ifname``, as ``aa:bb:cc:dd:ee:ff``."""
+    with ipr(netns) as ip:
+        return ip.get_links(ifindex(ifname, netns))[0].get_attr("IFLA_ADDRESS")
+
+
+def iface_mtu(ifname: str, netns: str | None = None) -> int:
+    """The MTU of ``ifname``."""
+    with ipr(netns) as ip:
+        return int(ip.get_links(ifindex(ifname, netns))[0].get_attr("IFLA_MTU"))

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from pydblp.cliutil import UsageError, formatter
+
 TESTBED_EPILOG = """\
 examples:
   dblp testbed up --name tb1 --workers 4          switch + w0..w3, 1 Gbit/s NICs, fabric loaded
@@ -37,27 +39,17 @@ when --port is omitted).  Times are CLOCK_MONOTONIC seconds (--at).
 """
 
 
-def _usage(msg: str):
-    from pydblp.cli import UsageError
-
-    return UsageError(msg)
-
-
-def _fmt(prog):
-    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
-
-
 # ---- dblp testbed ------------------------------------------------------------
 
 def add_testbed(sub) -> None:
     p = sub.add_parser("testbed", help="emulated cluster: worker namespaces behind an XDP switch",
-                       formatter_class=_fmt, epilog=TESTBED_EPILOG,
+                       formatter_class=formatter, epilog=TESTBED_EPILOG,
                        description="Bring up, inspect and remove emulated clusters (network "
                                    "namespaces, a Linux bridge, the fabric XDP program).")
     ts = p.add_subparsers(dest="action", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
-    up = ts.add_parser("up", help="create a testbed", formatter_class=_fmt, epilog=TESTBED_EPILOG)
+    up = ts.add_parser("up", help="create a testbed", formatter_class=formatter, epilog=TESTBED_EPILOG)
     up.add_argument("--name", help="testbed name (default: tb + random hex)")
     up.add_argument("--workers", type=int, default=4, help="worker namespaces (default 4)")
     up.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
@@ -69,17 +61,17 @@ def add_testbed(sub) -> None:
     up.add_argument("--json", action="store_true", help="print the state as JSON")
     up.set_defaults(func=cmd_up)
 
-    down = ts.add_parser("down", help="remove a testbed", formatter_class=_fmt, epilog=TESTBED_EPILOG)
+    down = ts.add_parser("down", help="remove a testbed", formatter_class=formatter, epilog=TESTBED_EPILOG)
     g = down.add_mutually_exclusive_group()
     g.add_argument("--name", help="testbed to remove (default: the only one)")
     g.add_argument("--all", action="store_true", help="every testbed, also those of crashed runs")
     down.set_defaults(func=cmd_down)
 
-    st = ts.add_parser("status", help="list testbeds", formatter_class=_fmt, epilog=TESTBED_EPILOG)
+    st = ts.add_parser("status", help="list testbeds", formatter_class=formatter, epilog=TESTBED_EPILOG)
     st.add_argument("--json", action="store_true", help="machine-readable")
     st.set_defaults(func=cmd_status)
 
-    ex = ts.add_parser("exec", help="run a command inside a worker", formatter_class=_fmt,
+    ex = ts.add_parser("exec", help="run a command inside a worker", formatter_class=formatter,
                        epilog=TESTBED_EPILOG, usage="dblp testbed exec [--name N] WORKER -- CMD...")
     ex.add_argument("--name", help="testbed (default: the only one)")
     ex.add_argument("worker", help="w0, w1, ... (or an index)")
@@ -161,21 +153,21 @@ def cmd_exec(args) -> int:
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        raise _usage("no command: dblp testbed exec w0 -- CMD [ARGS...]")
+        raise UsageError("no command: dblp testbed exec w0 -- CMD [ARGS...]")
     tb = Testbed.open(args.name)
     argv = tb.argv(args.worker, cmd)
     sys.stdout.flush()
     try:
         os.execvp(argv[0], argv)
     except FileNotFoundError:
-        raise _usage(f"{argv[0]}: not found") from None
+        raise UsageError(f"{argv[0]}: not found") from None
 
 
 # ---- dblp fault ----------------------------------------------------------------
 
 def add_fault(sub) -> None:
     p = sub.add_parser("fault", help="set or clear testbed faults at run time, show counters",
-                       formatter_class=_fmt, epilog=FAULT_EPILOG,
+                       formatter_class=formatter, epilog=FAULT_EPILOG,
                        description="Loss, Gilbert-Elliott loss, microbursts and a priority-aware "
                                    "virtual queue on the testbed switch (bpf/fabric.bpf.c).")
     fs = p.add_subparsers(dest="action", metavar="ACTION")
@@ -186,7 +178,7 @@ def add_fault(sub) -> None:
                         help="egress port wK (repeatable; default every port)")
 
     def add(name, help_):
-        return fs.add_parser(name, help=help_, parents=[common], formatter_class=_fmt, epilog=FAULT_EPILOG)
+        return fs.add_parser(name, help=help_, parents=[common], formatter_class=formatter, epilog=FAULT_EPILOG)
 
     a = add("loss", "Bernoulli loss")
     a.add_argument("p", type=float, help="drop probability, 0..1 (0 = off)")
@@ -248,7 +240,7 @@ def cmd_fault(args) -> int:
                 try:
                     thr = [int(x) for x in args.thresholds.split(",")]
                 except ValueError:
-                    raise _usage("--thresholds: 8 comma-separated integers (bytes)") from None
+                    raise UsageError("--thresholds: 8 comma-separated integers (bytes)") from None
             tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port)
             print(f"{tb.name}: virtual queue rate {args.rate} buffer {args.buffer} on {where}")
         elif args.action == "clear":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 
 from pydblp import bpf, net
+from pydblp._libc import libc
 from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
 
@@ -205,7 +205,6 @@ def _restore_host_sysctls() -> None:
 
 # ---- namespace helpers ---------------------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 
@@ -247,11 +246,11 @@ def _set_rps(ns: str, ifnames: list[str], mask: str) -> None:
     if pid == 0:  # child: syscalls only, then _exit
         code = 1
         try:
-            if _libc.unshare(CLONE_NEWNS) == 0 and \
-                    _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+            if libc.unshare(CLONE_NEWNS) == 0 and \
+                    libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
                 fd = os.open(os.path.join(net.NETNS_RUN_DIR, ns), os.O_RDONLY)
-                if _libc.setns(fd, net.CLONE_NEWNET) == 0 and \
-                        _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) == 0:
+                if libc.setns(fd, net.CLONE_NEWNET) == 0 and \
+                        libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) == 0:
                     code = 0
                     for ifn in ifnames:
                         for q in Path(f"/sys/class/net/{ifn}/queues").glob("rx-*"):

@@ -24,7 +24,6 @@ Failure semantics (the collective's, see docs/protocol.md):
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import dataclasses
-import ipaddress
 import json
 import queue as _queue
 import threading
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from pydblp import net, wire
 from pydblp.collective import Collective, CollectiveError, Config, link_chunk_bytes
+from pydblp.dataplane import check_kind, open_dataplane
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
 
@@ -93,50 +93,25 @@ class State:
         cfg.check_group(group)
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
-        if transport not in ("udp", "xsk", "xsk-ktx"):
-            raise ValueError(f"transport {transport!r}: use udp, xsk or xsk-ktx")
-        if transport != "udp" and not iface:
-            raise ValueError(f"the {transport} transport needs iface=")
-        mtu = _iface_mtu(iface, netns) if iface else None
-        me = {"addr": addr or (_iface_addr(iface, netns) if iface else "127.0.0.1"),
-              "mac": _iface_mac(iface, netns) if iface else None, "queue": queue, "mtu": mtu}
+        check_kind(transport, iface)
         # the widest chunk this rank may be given: AF_XDP frames must hold it with its headers
+        mtu = net.iface_mtu(iface, netns) if iface and by_link else None
         widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
-        owned, t = [], None
+        dp = open_dataplane(transport, iface, netns=netns, port=port, queue=queue, addr=addr, job=cfg.job,
+                            rank=rank, world=world, rate=rate, spin=spin, max_payload=widest)
         try:
-            if transport == "udp":
-                from pydblp.transport.udp import UdpTransport
-                t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin)
-            else:
-                from pydblp import host
-                from pydblp.transport.xsk import XskTransport, frame_size_for
-                try:
-                    maps = host.open_pinned(iface, netns)
-                except host.HostError:
-                    maps = host.HostProgram(iface, netns=netns)
-                owned.append(maps)
-                maps.register_job(cfg.job, world, rank, "xsk")
-                # xsk-ktx: the qdisc paces kernel transmit, so rate does not apply
-                t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
-                                 rate=rate if transport == "xsk" else 0,
-                                 tx="xsk" if transport == "xsk" else "kernel",
-                                 frame_size=frame_size_for(widest))
-            me["port"] = t.port
-            store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(me))
+            store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
             peers = [(p["addr"], p["port"], p["mac"]) for p in recs]
             if by_link:  # every rank reads the same records, so every rank picks the same size
                 mtus = [p.get("mtu") for p in recs]
                 chunk = link_chunk_bytes(min(mtus)) if all(mtus) else DEFAULT_CHUNK
                 cfg = dataclasses.replace(cfg, chunk_bytes=chunk)  # (<= widest: min(mtus) <= mine)
-            col = Collective(t, rank, world, peers, cfg, group=group)
+            col = Collective(dp.transport, rank, world, peers, cfg, group=group)
         except BaseException:  # nothing this call opened outlives it
-            if t is not None:
-                t.close()
-            for o in owned:
-                o.close()
+            dp.close()
             raise
-        return cls(col, owned=[col, *owned])
+        return cls(col, owned=[col, dp])
 
     def submit(self, fn, *args) -> torch.futures.Future:
         """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
@@ -181,25 +156,6 @@ class State:
         for o in self._owned:
             o.close()
         self._owned = []
-
-
-def _iface_addr(iface: str, netns: str | None) -> str:
-    with net.ipr(netns) as ip:
-        for a in ip.get_addr(index=net.ifindex(iface, netns)):
-            addr = a.get_attr("IFA_ADDRESS")
-            if addr and ipaddress.ip_address(addr).version == 4:
-                return addr
-    raise net.NetError(f"{iface} has no IPv4 address; pass addr=")
-
-
-def _iface_mac(iface: str, netns: str | None) -> str:
-    with net.ipr(netns) as ip:
-        return ip.get_links(net.ifindex(iface, netns))[0].get_attr("IFLA_ADDRESS")
-
-
-def _iface_mtu(iface: str, netns: str | None) -> int:
-    with net.ipr(netns) as ip:
-        return int(ip.get_links(net.ifindex(iface, netns))[0].get_attr("IFLA_MTU"))
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -147,12 +147,6 @@ class Transport(abc.ABC):
     queue: int
     port: int
 
-    @classmethod
-    def open(cls, netns: str | None = None, ifname: str | None = None, queue: int = 0,
-             port: int = wire.DEFAULT_PORT, **kw) -> "Transport":
-        """Open on (``netns``, ``ifname``, ``queue``, ``port``); ``kw`` as the subclass's constructor."""
-        return cls(ifname, netns=netns, queue=queue, port=port, **kw)
-
     spin: float = 0.0
 
     def _spin(self, ready, timeout: float | None) -> bool:

@@ -68,6 +68,7 @@ import time
 import numpy as np
 
 from pydblp import net, wire
+from pydblp._libc import libc
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
 
 SO_MEMINFO = 55
@@ -108,9 +109,8 @@ _NO_LOOPBACK = (ctypes.c_uint64 * 4)(*(int.from_bytes(ins, "little") for ins in 
     (0x06).to_bytes(2, "little") + bytes([0, 0]) + (0xFFFFFFFF).to_bytes(4, "little"),
     (0x06).to_bytes(2, "little") + bytes([0, 0]) + (0).to_bytes(4, "little"))))
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
-_libc.sendmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
+libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p)
+libc.sendmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
 
 
 def _sockaddr(family: int, ip, port: int) -> bytes:
@@ -355,7 +355,7 @@ class UdpTransport(Transport):
                 if left <= 0:
                     break
                 time.sleep(min(LINGER_STEP, left))
-                k2 = _libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
+                k2 = libc.recvmmsg(self._fd, self._rx_mmsg.ctypes.data + k * MMSG_DTYPE.itemsize, cap - k,
                                     MSG_DONTWAIT | MSG_TRUNC, None)
                 if k2 > 0:
                     k += k2
@@ -475,7 +475,7 @@ class UdpTransport(Transport):
 
     def _recvmmsg(self, ptr: int, nmsg: int, timeout: float | None) -> int:
         """recvmmsg of up to ``nmsg`` messages at ``ptr``, waiting up to ``timeout``; the count (<= 0: none)."""
-        k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
+        k = libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         if k < 0:
             e = ctypes.get_errno()
             if e not in (errno.EAGAIN, errno.EINTR):
@@ -483,12 +483,12 @@ class UdpTransport(Transport):
 
             def ready():
                 nonlocal k
-                k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
+                k = libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
                 return k >= 0
 
             if not self._spin(ready, timeout) and timeout != 0:
                 self._poll.poll(None if timeout is None else int(timeout * 1000))
-                k = _libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
+                k = libc.recvmmsg(self._fd, ptr, nmsg, MSG_DONTWAIT | MSG_TRUNC, None)
         return k
 
     def _read(self, nmsg: int, timeout: float | None) -> int:
@@ -633,7 +633,7 @@ class UdpTransport(Transport):
             done = errs = pk = 0  # messages done, packets failed, packets done
             fallback = False
             while done < nm:
-                r = _libc.sendmmsg(self._fd, self._tx_mmsg.ctypes.data + done * MMSG_DTYPE.itemsize, nm - done,
+                r = libc.sendmmsg(self._fd, self._tx_mmsg.ctypes.data + done * MMSG_DTYPE.itemsize, nm - done,
                                    MSG_DONTWAIT)
                 if r > 0:
                     k = int(count[done: done + r].sum())

@@ -1,9 +1,10 @@
-"""AF_XDP transport: raw syscalls, UMEM and the four rings as numpy views.
+"""AF_XDP transport: UMEM and the four rings as numpy views, no libxdp/libbpf.
 
-No libxdp/libbpf: ``socket(AF_XDP)``, ``setsockopt``/``getsockopt`` through
-the socket module, ``mmap`` through the mmap module, and ``bind`` through
-ctypes (Python's ``socket.bind`` rejects family 44).  DESIGN.md section 5
-lists the facts and traps this follows.
+:mod:`pydblp.transport.xsk_ring` holds the ABI (socket options, ring layout,
+bind), :mod:`pydblp.transport.pacer` the token bucket that paces transmit,
+:mod:`pydblp.transport.neighbor` the source address and MAC lookups, and
+:mod:`pydblp.transport.xsk_rx` the receive copy paths; this module holds the
+socket's lifetime, the frame bookkeeping, receive waiting and transmit.
 
 UMEM layout: ``rx_frames`` receive frames, then ``tx_frames`` transmit
 frames, ``frame_size`` bytes each (aligned mode); by default 16384 + 4096
@@ -14,11 +15,6 @@ transmit frames circulate free list → tx ring → kernel → completion ring �
 free list.  The fill ring is twice the number of receive frames, so a frame
 always fits back (the kernel publishes its consumer index lazily); a pending
 list covers the rest.
-
-Ring indices are read and written as plain numpy uint32 loads and stores.
-That is correct on x86-64 (TSO: stores are not reordered with stores,
-loads not with loads; every crossing of the interpreter is a compiler
-barrier); another architecture would need explicit barriers.
 
 Transmit bypasses the qdisc: copy mode hands each frame straight to the
 driver (``__dev_direct_xmit``), so a TBF or any other qdisc on the device
@@ -52,12 +48,9 @@ through ``host`` (an object with ``xsk_insert(queue, fd)`` and
 from __future__ import annotations
 
 import builtins
-import ctypes
 import errno
 import fcntl
-import ipaddress
 import mmap
-import os
 import select
 import socket
 import struct
@@ -67,88 +60,23 @@ import time
 import numpy as np
 
 from pydblp import net, wire
-from pydblp.transport import frames
+from pydblp.transport import frames, neighbor
+from pydblp.transport import xsk_ring as ring
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
+from pydblp.transport.pacer import Pacer
+from pydblp.transport.xsk_ring import (AF_XDP, SG_MAX_SEGMENTS, SOL_XDP, XDP_COPY, XDP_MAX_TX_SKB_BUDGET,
+                                       XDP_OPTIONS, XDP_OPTIONS_ZEROCOPY, XDP_PKT_CONTD,
+                                       XDP_RING_NEED_WAKEUP, XDP_USE_NEED_WAKEUP, XDP_USE_SG,
+                                       XDP_ZEROCOPY, Ring, pow2)
+from pydblp.transport.xsk_rx import XskReceive
 
-AF_XDP = 44
-SOL_XDP = 283
 _U64 = struct.Struct("=Q")  # the host program's control-packet count (HostMaps.control_seen)
-XDP_MMAP_OFFSETS = 1
-XDP_RX_RING = 2
-XDP_TX_RING = 3
-XDP_UMEM_REG = 4
-XDP_UMEM_FILL_RING = 5
-XDP_UMEM_COMPLETION_RING = 6
-XDP_STATISTICS = 7
-XDP_OPTIONS = 8
-XDP_MAX_TX_SKB_BUDGET = 9  # 6.17+; older kernels refuse it (harmless)
-XDP_SHARED_UMEM = 1
-XDP_COPY = 2
-XDP_ZEROCOPY = 4
-XDP_USE_NEED_WAKEUP = 8
-XDP_USE_SG = 16            # multi-buffer: a frame may span several descriptors (6.6+)
-XDP_PKT_CONTD = 1          # descriptor option: the frame continues in the next descriptor
-SG_MAX_SEGMENTS = 17       # descriptors per frame the kernel's copy-mode transmit accepts (MAX_SKB_FRAGS)
-XDP_RING_NEED_WAKEUP = 1
-XDP_OPTIONS_ZEROCOPY = 1
-XDP_PGOFF_RX_RING = 0
-XDP_PGOFF_TX_RING = 0x80000000
-XDP_UMEM_PGOFF_FILL_RING = 0x100000000
-XDP_UMEM_PGOFF_COMPLETION_RING = 0x180000000
 SIOCGIFHWADDR = 0x8927
-XDP_PACKET_HEADROOM = 256  # copy-mode receive writes a frame this far into its UMEM frame
-FRAME_HEADERS = 14 + wire.DATAGRAM_OVERHEAD  # Ethernet, then IPv6 (the longer IP header), UDP, DBLP
-
-
-def frame_size_for(payload: int) -> int:
-    """The UMEM frame size (2048 or 4096) whose receive frames hold a DBLP datagram of ``payload``
-    bytes whole: 2048 up to 1698 bytes (1408, the collective's default chunk, fits), else 4096
-    (past ~3800 bytes a datagram spans several frames, with ``XDP_USE_SG``)."""
-    return 2048 if FRAME_HEADERS + payload + XDP_PACKET_HEADROOM <= 2048 else 4096
-
-
-DESC_DTYPE = np.dtype([("addr", "<u8"), ("len", "<u4"), ("options", "<u4")])
-STAT_FIELDS = ("rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full",
-               "rx_fill_ring_empty_descs", "tx_ring_empty_descs")
 PRESSURE_MAX = 1000
 PRESSURE_STEP = 50  # write the level when it moved this much (or reached 0)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.bind.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
 
-
-class _Ring:
-    """One mmap'ed ring: producer, consumer, flags (uint32 views) and descriptors."""
-
-    def __init__(self, fd: int, pgoff: int, offs: tuple, n: int, dtype: np.dtype):
-        prod, cons, desc, flags = offs
-        size = desc + n * dtype.itemsize
-        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                            mmap.PROT_READ | mmap.PROT_WRITE, offset=pgoff)
-        buf = np.frombuffer(self.mm, np.uint8)
-        self.prod = buf[prod: prod + 4].view(np.uint32)
-        self.cons = buf[cons: cons + 4].view(np.uint32)
-        self.flags = buf[flags: flags + 4].view(np.uint32)
-        self.desc = buf[desc: desc + n * dtype.itemsize].view(dtype)
-        self.n = n
-        self.mask = n - 1
-
-    def close(self) -> bool:
-        self.prod = self.cons = self.flags = self.desc = None
-        try:
-            self.mm.close()
-            return True
-        except BufferError:  # a view escaped; the mapping goes when it does
-            return False
-
-
-def _pow2(n: int, what: str) -> int:
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"{what} must be a power of two, got {n}")
-    return n
-
-
-class XskTransport(Transport):
+class XskTransport(XskReceive, Transport):
     """An AF_XDP socket bound to (``netns``, ``ifname``, ``queue``).
 
     ``mode``: ``'auto'`` (zero-copy if the driver has it, else copy),
@@ -190,16 +118,10 @@ class XskTransport(Transport):
         self._ktx = self._ctrl = None
         if tx == "kernel":  # the tx ring stays idle: a token UMEM share, not 8 MiB populated for nothing
             tx_frames = min(tx_frames, 64)
-        if rate < 0 or (rate_burst is not None and rate_burst < 4 * frame_size):
-            raise ValueError(f"rate must be >= 0 bits/s and rate_burst at least 4 frames ({4 * frame_size} bytes)")
-        self.rate = float(rate)
-        self._Bps = self.rate / 8  # bytes per second; 0: unpaced
-        self.rate_burst = rate_burst or max(4 * frame_size, int(self._Bps / 1000))
-        self._tokens, self._t_tok = float(self.rate_burst), time.monotonic()
         self._tx_lock = threading.Lock()  # send vs. a recv that releases paced frames
         self._fd = -1
         self._sock = None
-        self._rings: list[_Ring] = []
+        self._rings: list[Ring] = []
         self._umem_mm = None
         self._host, self._xskmap = host, xskmap
         # pydblp's host program redirects a frame here only after wire.validate's checks
@@ -217,10 +139,12 @@ class XskTransport(Transport):
         if frame_size not in (2048, 4096):
             raise ValueError("frame_size must be 2048 or 4096 (aligned UMEM chunks)")
         self.frame_size = frame_size
-        self.rx_frames, self.tx_frames = _pow2(rx_frames, "rx_frames"), _pow2(tx_frames, "tx_frames")
-        rx_ring = _pow2(rx_ring or rx_frames, "rx_ring")
-        tx_ring = _pow2(tx_ring or tx_frames, "tx_ring")
+        self.rx_frames, self.tx_frames = pow2(rx_frames, "rx_frames"), pow2(tx_frames, "tx_frames")
+        rx_ring = pow2(rx_ring or rx_frames, "rx_ring")
+        tx_ring = pow2(tx_ring or tx_frames, "tx_ring")
         fill_ring, comp_ring = 2 * rx_frames, 2 * tx_frames
+        self._pacer = Pacer(rate, rate_burst, tx_ring, 4 * frame_size)
+        self.rate, self.rate_burst = self._pacer.rate, self._pacer.burst
         self._sources = frames.Sources()
         self._tmpl = frames.Templates()
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
@@ -242,24 +166,11 @@ class XskTransport(Transport):
             self._umem_mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
             self._umem = np.frombuffer(self._umem_mm, np.uint8)
             self._umem2d = self._umem.reshape(nframes, frame_size)
-            so = self._sock.setsockopt
-            so(SOL_XDP, XDP_UMEM_REG, struct.pack("=QQIIII", self._umem.ctypes.data, size, frame_size, 0, 0, 0))
-            so(SOL_XDP, XDP_UMEM_FILL_RING, fill_ring)
-            so(SOL_XDP, XDP_UMEM_COMPLETION_RING, comp_ring)
-            so(SOL_XDP, XDP_RX_RING, rx_ring)
-            so(SOL_XDP, XDP_TX_RING, tx_ring)
-            o = struct.unpack("=16Q", self._sock.getsockopt(SOL_XDP, XDP_MMAP_OFFSETS, 128))
-            # rx, tx, fill, completion: (producer, consumer, desc, flags) each
-            self._rx = _Ring(self._fd, XDP_PGOFF_RX_RING, o[0:4], rx_ring, DESC_DTYPE)
-            self._rings.append(self._rx)
-            self._tx = _Ring(self._fd, XDP_PGOFF_TX_RING, o[4:8], tx_ring, DESC_DTYPE)
-            self._rings.append(self._tx)
-            self._fill = _Ring(self._fd, XDP_UMEM_PGOFF_FILL_RING, o[8:12], fill_ring, np.dtype("<u8"))
-            self._rings.append(self._fill)
-            self._comp = _Ring(self._fd, XDP_UMEM_PGOFF_COMPLETION_RING, o[12:16], comp_ring, np.dtype("<u8"))
-            self._rings.append(self._comp)
+            ring.register_umem(self._sock, self._umem, frame_size)
+            self._rx, self._tx, self._fill, self._comp = ring.map_rings(self._sock, rx_ring, tx_ring, fill_ring,
+                                                                        comp_ring, self._rings)
             try:  # let one sendto() push a whole tx ring instead of 32 descriptors
-                so(SOL_XDP, XDP_MAX_TX_SKB_BUDGET, tx_ring)
+                self._sock.setsockopt(SOL_XDP, XDP_MAX_TX_SKB_BUDGET, tx_ring)
                 self.tx_budget = tx_ring
             except OSError:
                 self.tx_budget = 32
@@ -275,8 +186,6 @@ class XskTransport(Transport):
             self._tx_outstanding = 0
             self._wprod = int(self._tx.prod[0])  # descriptors written up to here; tx.prod: handed to the kernel
             self._tx_words = self._tx.desc.view(np.uint64).reshape(-1, 2)
-            self._bytes_written = self._bytes_released = 0  # frame bytes in the tx ring, for tx_backlog()
-            self._tx_cum = np.zeros(self._tx.n, np.int64)  # per ring slot: _bytes_written once its frame was written
             flags = {"auto": 0, "copy": XDP_COPY, "zerocopy": XDP_ZEROCOPY}[mode]
             if need_wakeup:
                 flags |= XDP_USE_NEED_WAKEUP
@@ -307,26 +216,7 @@ class XskTransport(Transport):
     # ---- setup ---------------------------------------------------------
 
     def _bind(self, flags: int, timeout: float) -> None:
-        sxdp = ctypes.create_string_buffer(struct.pack("=HHIII", AF_XDP, flags, self.ifindex, self.queue, 0), 16)
-        deadline = time.monotonic() + timeout
-        delay = 0.002
-        self.bind_retries = 0
-        while True:
-            if _libc.bind(self._fd, sxdp, 16) == 0:
-                return
-            e = ctypes.get_errno()
-            # EBUSY: the previous socket on this queue is still being torn down (deferred work)
-            if e == errno.EBUSY and time.monotonic() < deadline:
-                self.bind_retries += 1
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-                continue
-            hint = {errno.EBUSY: "another AF_XDP socket is bound to this queue",
-                    errno.EINVAL: f"queue {self.queue} does not exist on {self.ifname}, or bad flags",
-                    errno.EOPNOTSUPP: "the driver has no zero-copy support; use mode='copy'",
-                    errno.ENOPROTOOPT: "kernel without AF_XDP"}.get(e, "")
-            raise TransportError(e, f"bind AF_XDP to {self.ifname} queue {self.queue}: {os.strerror(e)}"
-                                 + (f" ({hint})" if hint else ""))
+        self.bind_retries = ring.bind(self._fd, self.ifname, self.ifindex, self.queue, flags, timeout)
 
     def _insert(self) -> None:
         if self._host is not None:
@@ -348,53 +238,13 @@ class XskTransport(Transport):
 
     # ---- peers ---------------------------------------------------------
 
-    def _local_addr(self, dst) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-        with net.ipr(self.netns) as ip:
-            rows = ip.get_addr(index=self.ifindex, family=socket.AF_INET if dst.version == 4 else socket.AF_INET6)
-        cands = [(ipaddress.ip_interface(f"{r.get_attr('IFA_ADDRESS')}/{r['prefixlen']}")) for r in rows]
-        if not cands:
-            raise TransportError(errno.EADDRNOTAVAIL, f"{self.ifname} has no IPv{dst.version} address")
-        for c in cands:
-            if dst in c.network and (dst.version == 4 or c.ip.is_link_local == dst.is_link_local):
-                return c.ip
-        for c in cands:
-            if dst.version == 4 or not c.ip.is_link_local:
-                return c.ip
-        return cands[0].ip
-
-    def _neighbour(self, dst) -> bytes | None:
-        with net.ipr(self.netns) as ip:
-            for r in ip.get_neighbours(ifindex=self.ifindex, dst=str(dst)):
-                mac = r.get_attr("NDA_LLADDR")
-                if mac and r["state"] not in (0x20, 0x01):  # NUD_FAILED, NUD_INCOMPLETE
-                    return frames.mac_bytes(mac)
-        return None
-
-    def _resolve(self, dst, timeout: float = 2.0) -> bytes:
-        mac = self._neighbour(dst)
-        if mac:
-            return mac
-        fam = socket.AF_INET if dst.version == 4 else socket.AF_INET6
-        with net.in_netns(self.netns), socket.socket(fam, socket.SOCK_DGRAM) as s:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:  # any datagram makes the kernel resolve the neighbour (discard port)
-                    s.sendto(b"", (str(dst), 9))
-                except OSError:
-                    pass
-                time.sleep(0.05)
-                mac = self._neighbour(dst)
-                if mac:
-                    return mac
-        raise TransportError(errno.EHOSTUNREACH, f"cannot resolve the MAC of {dst} on {self.ifname}; pass mac=")
-
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None, src=None) -> int:
         """Register ``addr`` (IPv4 or IPv6); the MAC comes from the neighbour table
         (resolved on demand) unless given; ``src`` overrides the local address."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
-        src = parse_ip(src) if src is not None else self._local_addr(dst)
-        dmac = frames.mac_bytes(mac) if mac is not None else self._resolve(dst)
+        src = parse_ip(src) if src is not None else neighbor.local_addr(self.ifindex, self.ifname, dst, self.netns)
+        dmac = frames.mac_bytes(mac) if mac is not None else neighbor.resolve(self.ifindex, self.ifname, dst, self.netns)
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
         self._sources.add(dst)
@@ -407,18 +257,7 @@ class XskTransport(Transport):
     def _fill_push(self, addrs: np.ndarray) -> None:
         if len(self._fill_pending):
             addrs = np.concatenate([self._fill_pending, addrs])
-        f = self._fill
-        prod = int(f.prod[0])
-        space = f.n - ((prod - int(f.cons[0])) & 0xFFFFFFFF)
-        m = min(space, len(addrs))
-        if m:
-            i0 = prod & f.mask
-            if i0 + m <= f.n:
-                f.desc[i0: i0 + m] = addrs[:m]
-            else:
-                f.desc[(prod + np.arange(m)) & f.mask] = addrs[:m]
-            f.prod[0] = (prod + m) & 0xFFFFFFFF
-        self._fill_pending = addrs[m:]
+        self._fill_pending = addrs[self._fill.produce(addrs):]
 
     def _set_pressure(self, level: int) -> None:
         if self._pressure_fn is None:
@@ -474,240 +313,7 @@ class XskTransport(Transport):
                     break
         self._ctrl_last = seen
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
-        n = min(avail, cap)
-        if n == 0:
-            into.n = 0
-            return into.view(0, 0)
-        i0 = cons & rx.mask
-        d = rx.desc[i0: i0 + n] if i0 + n <= rx.n else rx.desc[(cons + np.arange(n)) & rx.mask]
-        if self.sg and d["options"].any():  # frames spanning descriptors (multi-buffer)
-            return self._recv_sg(into, cons, avail, cap)
-        fs = self.frame_size
-        addr = d["addr"].astype(np.int64)
-        flen = d["len"].astype(np.int64)
-        rx.cons[0] = (cons + n) & 0xFFFFFFFF  # descriptors copied; frames stay ours until refilled
-        run = self._recv_run(into, addr, flen, n, copy) if (addr[1:] - addr[:-1] == fs).all() else None
-        if run is not None:
-            return run
-        frame = addr // fs
-        foff = addr - frame * fs
-        pw = frames.PARSE_WIDTH
-        # the kernel takes fill-ring frames in order and we refill in order, so
-        # frames arrive in consecutive runs: copy runs as slices (one copy, no
-        # fancy-index temporary), a loop over runs (1-2 a call), not packets
-        uniform = bool(np.all(foff == foff[0])) and foff[0] + pw <= fs
-        runs = np.flatnonzero(np.diff(frame) != 1) + 1
-        if uniform:
-            f0 = int(foff[0])
-            if len(runs) <= 8:
-                block = np.empty((n, pw), np.uint8)
-                for lo, hi in zip((0, *runs), (*runs, n)):
-                    block[lo:hi] = self._umem2d[frame[lo]: frame[lo] + hi - lo, f0: f0 + pw]
-            else:
-                block = self._umem2d[frame, f0: f0 + pw]
-        else:
-            idx = np.minimum(addr[:, None] + np.arange(pw), (frame[:, None] + 1) * fs - 1)
-            block = self._umem[idx]
-        ok, off, plen, fam = frames.parse(block, flen, self.port)
-        hdrs = wire.decode_batch(block, off)
-        if not self._validated:
-            ok &= wire.validate_batch(hdrs, plen) == 0
-        allok = bool(ok.all())
-        sel = np.arange(n) if allok else np.flatnonzero(ok)
-        k = len(sel)
-        self._c["rx_invalid"] += n - k
-        if k:
-            lens = self._headers_in(into, hdrs if allok else wire.take(hdrs, sel), plen[sel])
-            w = int(lens.max())
-            start = foff[sel] + off[sel] + wire.HEADER_LEN
-            if w:
-                s0 = int(start[0])
-                fsel = frame[sel]
-                if np.all(start == s0) and s0 + w <= fs:
-                    sruns = runs if allok else np.flatnonzero(np.diff(fsel) != 1) + 1
-                    if len(sruns) <= 8:
-                        for lo, hi in zip((0, *sruns), (*sruns, k)):
-                            into.payload[lo:hi, :w] = self._umem2d[fsel[lo]: fsel[lo] + hi - lo, s0: s0 + w]
-                    else:
-                        into.payload[:k, :w] = self._umem2d[fsel, s0: s0 + w]
-                else:
-                    for s in np.unique(start):  # a loop over distinct offsets (IPv4 vs IPv6), not packets
-                        rows = np.flatnonzero(start == s)
-                        ww = min(w, fs - int(s))
-                        into.payload[rows, :ww] = self._umem2d[fsel[rows], int(s): int(s) + ww]
-            into.peer[:k] = self._sources.match(block if allok else block[sel], fam[sel])
-            self._c["rx_packets"] += k
-            self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
-        self._fill_push((frame * fs).astype(np.uint64))
-        into.n = k
-        return into.view(0, k)
-
-    def _headers_in(self, into: Batch, hdrs: np.ndarray, plen: np.ndarray) -> np.ndarray:
-        """Put valid packets' headers and payload lengths (cut to ``into``'s width, counted) in ``into``."""
-        k = len(hdrs)
-        wire.put(into.headers[:k], hdrs)
-        lens = plen - wire.HEADER_LEN
-        trunc = lens > into.maxlen
-        if trunc.any():
-            self._c["rx_truncated"] += int(trunc.sum())
-            lens = np.minimum(lens, into.maxlen)
-        into.lengths[:k] = lens
-        return lens
-
-    def _recv_sg(self, into: Batch, cons: int, avail: int, cap: int) -> Batch:
-        """``recv`` for a batch with frames spanning descriptors (``XDP_PKT_CONTD``).
-
-        Takes up to ``cap`` whole frames.  Headers come from each frame's
-        first descriptor (it holds at least the first ~3.8 KB); the payload
-        is gathered segment by segment: one numpy copy per segment index
-        (a handful), not per packet.  The payload is always copied.
-        """
-        rx, fs = self._rx, self.frame_size
-        dd = rx.desc[(cons + np.arange(avail)) & rx.mask]
-        ends = np.flatnonzero((dd["options"] & XDP_PKT_CONTD) == 0)  # last descriptor of each frame
-        npk = min(len(ends), cap)
-        if npk == 0:  # the kernel publishes whole frames; nothing complete yet
-            into.n = 0
-            return into.view(0, 0)
-        ndesc = int(ends[npk - 1]) + 1
-        rx.cons[0] = (cons + ndesc) & 0xFFFFFFFF
-        addr = dd["addr"][:ndesc].astype(np.int64)
-        dlen = dd["len"][:ndesc].astype(np.int64)
-        first = np.concatenate(([0], ends[: npk - 1] + 1))
-        nseg = ends[:npk] - first + 1
-        flen = np.add.reduceat(dlen, first)
-        frame = addr // fs
-        fast = self._recv_sg_uniform(into, addr, dlen, frame, nseg, flen)
-        if fast is not None:
-            return fast
-        a0 = addr[first]
-        pw = frames.PARSE_WIDTH
-        block = self._umem[np.minimum(a0[:, None] + np.arange(pw), (frame[first][:, None] + 1) * fs - 1)]
-        ok, off, plen, fam = frames.parse(block, flen, self.port)
-        hdrs = wire.decode_batch(block, off)
-        if not self._validated:
-            ok &= wire.validate_batch(hdrs, plen) == 0
-        ok &= dlen[first] >= off + wire.HEADER_LEN  # the DBLP header lies in the first descriptor
-        sel = np.flatnonzero(ok)
-        k = len(sel)
-        self._c["rx_invalid"] += npk - k
-        if k:
-            lens = self._headers_in(into, wire.take(hdrs, sel), plen[sel])
-            maxlen = into.maxlen
-            col = np.zeros(k, np.int64)  # payload bytes of each packet placed so far
-            skip = off[sel] + wire.HEADER_LEN  # headers before the payload, first segment only
-            for j in range(int(nseg[sel].max())):
-                rows = np.flatnonzero((nseg[sel] > j) & (col < lens))
-                if not len(rows):
-                    break
-                di = first[sel[rows]] + j
-                src = addr[di] + (skip[rows] if j == 0 else 0)
-                seg = np.minimum(dlen[di] - (skip[rows] if j == 0 else 0), lens[rows] - col[rows])
-                fr, so = src // fs, src % fs
-                # one copy per distinct (offset in frame, offset in payload): one or two per segment
-                key = so * (maxlen + 1) + col[rows]
-                for kv in np.unique(key):
-                    g = np.flatnonzero(key == kv)
-                    o, c = int(so[g[0]]), int(col[rows[g[0]]])
-                    w = int(seg[g].max())
-                    into.payload[rows[g], c: c + w] = self._umem2d[fr[g], o: o + w]
-                col[rows] += seg
-            into.peer[:k] = self._sources.match(block[sel], fam[sel])
-            self._c["rx_packets"] += k
-            self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
-        self._fill_push((frame * fs).astype(np.uint64))
-        into.n = k
-        return into.view(0, k)
-
-    def _recv_sg_uniform(self, into: Batch, addr, dlen, frame, nseg, flen) -> Batch | None:
-        """``_recv_sg`` for the usual batch: every frame in the same number of descriptors, in
-        consecutive UMEM frames at one offset, one layout, all valid.  Each segment index is one
-        strided copy; None (nothing consumed from ``into``'s view) lets the general path run."""
-        fs = self.frame_size
-        k, npk, ndesc = int(nseg[0]), len(nseg), len(addr)
-        f0, o = int(frame[0]), int(addr[0]) - int(frame[0]) * fs
-        full = fs - o  # every descriptor but a frame's last is filled to its frame's end
-        pw = frames.PARSE_WIDTH
-        if not ((nseg == k).all() and int(frame[-1]) - f0 == ndesc - 1 and (np.diff(frame) == 1).all()
-                and (addr - frame * fs == o).all() and o + pw <= fs and npk <= into.cap
-                and into.headers.flags.c_contiguous):
-            return None
-        seg = self._umem2d[f0: f0 + ndesc].reshape(npk, k, fs)  # [packet, segment, byte]: a view
-        dl = dlen.reshape(npk, k)
-        if not (dl[:, :-1] == full).all():
-            return None
-        block = seg[:, 0, o: o + pw]
-        parsed = frames.parse_uniform(block, flen, self.port)
-        if parsed is None:
-            return None
-        ok, hoff, plen, fam = parsed
-        hdrs = into.headers[:npk]
-        hdrs.view(np.uint8).reshape(npk, wire.HEADER_LEN)[:] = block[:, hoff: hoff + wire.HEADER_LEN]
-        if not self._validated:
-            ok &= wire.validate_batch(hdrs, plen) == 0
-        lens = plen - wire.HEADER_LEN
-        skip = hoff + wire.HEADER_LEN
-        c = full - skip  # payload bytes in a first segment
-        if not ok.all() or c < 0 or k < 2 or int(lens.max()) > into.maxlen or c > into.maxlen:
-            return None
-        pay = into.payload
-        pay[:npk, :c] = seg[:, 0, o + skip: fs]
-        for j in range(1, k):
-            w = full if j < k - 1 else builtins.min(int(dl[:, j].max()), into.maxlen - c)
-            if w > 0:
-                pay[:npk, c: c + w] = seg[:, j, o: o + w]
-            c += w
-        into.lengths[:npk] = lens
-        into.peer[:npk] = self._sources.match(block, fam)
-        self._c["rx_packets"] += npk
-        self._c["rx_bytes"] += int(lens.sum()) + npk * wire.HEADER_LEN
-        self._fill_push((frame * fs).astype(np.uint64))
-        into.n = npk
-        return into.view(0, npk)
-
-    def _recv_run(self, into: Batch, addr: np.ndarray, flen: np.ndarray, n: int, copy: bool) -> Batch | None:
-        """``recv`` for the usual case, in few numpy calls: consecutive frames, one layout, all valid.
-
-        Returns the received batch (with ``copy=False`` its payload rows are
-        the UMEM frames themselves, refilled at the next ``recv``), or None
-        (frames not refilled; ``into`` may hold scratch the general path
-        overwrites) to let that path handle the batch.
-        """
-        fs = self.frame_size
-        a0 = int(addr[0])
-        f0, o0 = a0 // fs, a0 % fs
-        pw = frames.PARSE_WIDTH
-        if o0 + pw > fs or n > into.cap or not into.headers.flags.c_contiguous:
-            return None
-        block = self._umem2d[f0: f0 + n, o0: o0 + pw]
-        parsed = frames.parse_uniform(block, flen, self.port)
-        if parsed is None:
-            return None
-        ok, hoff, plen, fam = parsed
-        hdrs = into.headers[:n]  # header bytes straight into the caller's records
-        hdrs.view(np.uint8).reshape(n, wire.HEADER_LEN)[:] = block[:, hoff: hoff + wire.HEADER_LEN]
-        if not self._validated:
-            ok &= wire.validate_batch(hdrs, plen) == 0
-        if not ok.all():
-            return None
-        lens = plen - wire.HEADER_LEN
-        w = int(lens.max())
-        s0 = o0 + hoff + wire.HEADER_LEN
-        if w > into.maxlen or s0 + w > fs:
-            return None
-        into.lengths[:n] = lens
-        into.peer[:n] = self._sources.match(block, fam)
-        self._c["rx_packets"] += n
-        self._c["rx_bytes"] += int(lens.sum()) + n * wire.HEADER_LEN
-        into.n = n
-        lent = (addr - o0).astype(np.uint64)
-        if not copy:  # lend the frames: no payload copy; they go back to the fill ring next call
-            self._lent = lent
-            return Batch(into.headers[:n], self._umem2d[f0: f0 + n, s0: s0 + w], into.lengths[:n],
-                         into.peer[:n], n)
-        into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
-        self._fill_push(lent)
-        return into.view(0, n)
+        return self._receive(into, cons, avail, cap, copy)
 
     # ---- transmit ------------------------------------------------------
 
@@ -716,15 +322,14 @@ class XskTransport(Transport):
         cons = int(c.cons[0])
         n = (int(c.prod[0]) - cons) & 0xFFFFFFFF
         if n:
-            i0 = cons & c.mask
-            addrs = c.desc[i0: i0 + n] if i0 + n <= c.n else c.desc[(cons + np.arange(n)) & c.mask]
+            addrs = c.at(cons, n)
             T = self.tx_frames
             tail = (self._tx_head + self._tx_nfree) % T
             if tail + n <= T:  # completions return the frame addresses we queued
                 self._tx_free[tail: tail + n] = addrs
             else:
                 self._tx_free[(tail + np.arange(n)) % T] = addrs
-            c.cons[0] = (cons + n) & 0xFFFFFFFF
+            c.consume(cons, n)
             self._tx_nfree += n
             self._tx_outstanding -= n
         return n
@@ -752,24 +357,8 @@ class XskTransport(Transport):
         waiting = (self._wprod - prod) & 0xFFFFFFFF
         if waiting == 0:
             return 0
-        if not self._Bps:
-            tx.prod[0] = self._wprod
-            return waiting
-        now = time.monotonic()
-        self._tokens = min(self.rate_burst, self._tokens + (now - self._t_tok) * self._Bps)
-        self._t_tok = now
-        # frames whose cumulative byte count fits the tokens: a binary search, no per-call sums
-        limit = self._bytes_released + int(self._tokens)
-        i0 = prod & tx.mask
-        head = min(waiting, tx.n - i0)
-        cum = self._tx_cum
-        k = int(np.searchsorted(cum[i0: i0 + head], limit, side="right"))
-        if k == head < waiting:  # the waiting frames wrap around the ring's end
-            k += int(np.searchsorted(cum[: waiting - head], limit, side="right"))
+        k = self._pacer.take(prod, waiting)
         if k:
-            done = int(cum[(prod + k - 1) & tx.mask])
-            self._tokens -= done - self._bytes_released
-            self._bytes_released = done
             tx.prod[0] = (prod + k) & 0xFFFFFFFF
         if self._wprod != int(tx.prod[0]):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
@@ -781,18 +370,15 @@ class XskTransport(Transport):
         return self._ktx.tx_queued() if self._ktx is not None else 0
 
     def tx_backlog(self) -> float:
-        if not self._Bps or self._wprod == int(self._tx.prod[0]):
-            return 0.0
-        return (self._bytes_written - self._bytes_released - self._tokens) / self._Bps
+        return self._pacer.backlog()
 
     def _pace_wait(self) -> float:
         """Seconds until the token bucket lets the next waiting frame go (0: none waits)."""
         tx = self._tx
         prod = int(tx.prod[0])
-        if self._wprod == prod or not self._Bps:
+        if self._wprod == prod:
             return 0.0
-        need = int(tx.desc["len"][prod & tx.mask]) - self._tokens
-        return max(0.0, need / self._Bps)
+        return self._pacer.wait(int(tx.desc["len"][prod & tx.mask]))
 
     def _kick(self) -> bool:
         """Let the kernel consume the tx ring; False when it pushed back (busy)."""
@@ -967,11 +553,7 @@ class XskTransport(Transport):
         just written at tx ring ``slots`` (from ``_wprod`` on); hand the kernel what the tokens allow."""
         m = len(lens)
         q = int(np.sum(k)) if np.ndim(k) else m * k
-        if self._Bps:  # per descriptor, its frame's cumulative end: a frame's descriptors go together
-            c = np.cumsum(lens)
-            c += self._bytes_written
-            self._tx_cum[slots] = np.repeat(c, k) if np.ndim(k) or k > 1 else c
-            self._bytes_written = int(c[-1])
+        self._pacer.queued(slots, lens, k)
         self._wprod = (self._wprod + q) & 0xFFFFFFFF
         self._tx_outstanding += q
         self._c["tx_packets"] += m
@@ -1006,9 +588,7 @@ class XskTransport(Transport):
     # ---- the rest -----------------------------------------------------
 
     def xdp_statistics(self) -> dict:
-        raw = self._sock.getsockopt(SOL_XDP, XDP_STATISTICS, 48)
-        vals = struct.unpack("=6Q", raw.ljust(48, b"\0"))
-        return dict(zip(STAT_FIELDS, vals))
+        return ring.statistics(self._sock)
 
     def stats(self) -> dict:
         s = dict(self._c)

@@ -149,7 +149,7 @@ def test_frame_size_for_gives_frames_that_hold_the_datagram_whole(jpair, frame):
     """``frame_size_for`` is tight: the largest DBLP payload it puts in 2 KiB (4 KiB) frames
     arrives over IPv6 (the longer header) in one receive frame of a socket without multi-buffer,
     one byte more is dropped by the kernel.  (It sizes pydblp.torch's frames for a chunk size.)"""
-    from pydblp.transport.xsk import FRAME_HEADERS, XDP_PACKET_HEADROOM, frame_size_for
+    from pydblp.transport.xsk_ring import FRAME_HEADERS, XDP_PACKET_HEADROOM, frame_size_for
 
     most = frame - XDP_PACKET_HEADROOM - FRAME_HEADERS  # 1698 / 3746 bytes
     assert frame_size_for(most) == frame and frame_size_for(1408) == 2048

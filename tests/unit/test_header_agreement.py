@@ -42,7 +42,7 @@ def python_constants() -> dict[str, int]:
 # Python modules that mirror parts of dblp.h: the header (wire) and the maps
 # of the host program.  A macro DBLP_<X> is mirrored by attribute <X> or by
 # member <R> of an int enum named like <P> where X = P_R (DBLP_KIND_DATA ->
-# Kind.DATA, DBLP_TRANSPORT_XSK -> Transport.XSK).
+# Kind.DATA, DBLP_JOB_TRANSPORT_XSK -> JobTransport.XSK).
 MIRRORS = ("pydblp.wire", "pydblp.host", "pydblp.bpf")
 
 

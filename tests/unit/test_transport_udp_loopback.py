@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pydblp import wire
-from pydblp.transport import Batch, open_transport
+from pydblp.transport import Batch
 from pydblp.transport.base import TransportError
 from pydblp.transport.udp import UdpTransport
 
@@ -96,7 +96,7 @@ def test_udp_invalid_and_truncated_counted():
 
 
 def test_udp_recv_timeout_and_empty():
-    with open_transport("udp", port=0) as t:
+    with UdpTransport(port=0) as t:
         r = t.recv(timeout=0)
         assert len(r) == 0
         r = t.recv(timeout=0.05)

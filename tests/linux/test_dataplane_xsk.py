@@ -1,0 +1,105 @@
+"""``open_dataplane`` with the AF_XDP kinds between two namespaces over a veth pair.
+
+Each kind attaches the host program when none is loaded, registers the job,
+publishes where it listens, carries packets, and on close (or on a failed
+open) leaves nothing attached; over a program ``dblp load`` pinned it only
+adds and removes its job.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pydblp import host, net, wire
+from pydblp.dataplane import open_dataplane
+from pydblp.transport import Batch
+from pydblp.transport.xsk import XskTransport
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
+
+ADDR = ("198.18.9.1", "198.18.9.2")
+MAC = ("02:00:5e:13:00:01", "02:00:5e:13:00:02")
+JOB = 21
+
+
+@pytest.fixture
+def pair(bpf_xdp, netns):
+    """Namespaces joined by veth va <-> vb, addressed, with static neighbours."""
+    a, b = netns("da"), netns("db")
+    with net.ipr(a) as ip:
+        ip.link("add", ifname="va", kind="veth", peer={"ifname": "vb", "net_ns_fd": b})
+    for ns, dev, i in ((a, "va", 0), (b, "vb", 1)):
+        with net.ipr(ns) as ip:
+            idx = ip.link_lookup(ifname=dev)[0]
+            ip.link("set", index=idx, address=MAC[i])
+            ip.addr("add", index=idx, address=ADDR[i], prefixlen=24)
+            ip.link("set", index=idx, state="up")
+            ip.neigh("add", dst=ADDR[1 - i], lladdr=MAC[1 - i], ifindex=idx, state=0x80)  # permanent
+    return (a, "va"), (b, "vb")
+
+
+def _packets(n: int, src: int, dst: int, peer: int) -> Batch:
+    h = wire.empty_batch(n)
+    h["kind"], h["job"], h["src"], h["dst"] = wire.Kind.DATA, JOB, src, dst
+    h["chunk"], h["nchunks"] = np.arange(n), n
+    pay = np.random.default_rng(n).integers(0, 256, (n, 512), dtype=np.uint8)
+    return Batch.fill(h, pay, np.full(n, 512), peer)
+
+
+@pytest.mark.parametrize("kind, tx", [("xsk", "xsk"), ("xsk-ktx", "kernel")])
+def test_opens_attaches_registers_carries_and_releases(pair, kind, tx):
+    dps = []
+    try:
+        for r, (ns, dev) in enumerate(pair):
+            dps.append(open_dataplane(kind, dev, netns=ns, job=JOB, rank=r, world=2))
+        for r, ((ns, dev), dp) in enumerate(zip(pair, dps)):
+            assert dp.endpoint.as_dict() == {"addr": ADDR[r], "port": wire.DEFAULT_PORT, "mac": MAC[r],
+                                             "queue": 0, "mtu": 1500}
+            assert isinstance(dp.transport, XskTransport) and dp.transport.tx == tx
+            assert host.attached_program(dev, ns)["name"] == host.PROG_NAME
+            assert dp.host.jobs()[JOB] == {"world_size": 2, "rank": r, "transport": "xsk"}
+        e1 = dps[1].endpoint
+        peer = dps[0].transport.add_peer(e1.addr, e1.port, e1.mac)
+        assert dps[0].transport.send(_packets(50, 0, 1, peer), timeout=5) == 50
+        got, deadline = 0, time.monotonic() + 5
+        while got < 50 and time.monotonic() < deadline:
+            got += len(dps[1].transport.recv(timeout=0.2))
+        assert got == 50
+    finally:
+        for dp in dps:
+            dp.close()
+    for ns, dev in pair:
+        assert host.attached_program(dev, ns) is None
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_a_failed_open_releases_the_host_program(pair, kind):
+    (ns, dev), _ = pair
+    with pytest.raises(Exception, match="queue 99"):
+        open_dataplane(kind, dev, netns=ns, queue=99, job=JOB, rank=0, world=2)
+    assert host.attached_program(dev, ns) is None
+
+
+def test_over_a_loaded_program_only_the_job_comes_and_goes(pair):
+    (ns, dev), _ = pair
+    loaded = host.HostProgram(dev, netns=ns, pin=True, keep=True)  # what `dblp load` leaves behind
+    try:
+        loaded.register_job(JOB + 1, 4, 3, "udp")  # someone else's job: untouched
+        with open_dataplane("xsk", dev, netns=ns, job=JOB, rank=1, world=2) as dp:
+            assert not isinstance(dp.host, host.HostProgram)
+            assert dp.host.jobs()[JOB] == {"world_size": 2, "rank": 1, "transport": "xsk"}
+        jobs = loaded.jobs()
+        assert JOB not in jobs and jobs[JOB + 1]["rank"] == 3
+        assert host.attached_program(dev, ns)["prog_id"] == loaded.prog_id
+        # a job registered before is put back as it was
+        loaded.register_job(JOB, 8, 5, "udp")
+        with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2) as dp:
+            assert dp.host.jobs()[JOB]["rank"] == 0
+        assert loaded.jobs()[JOB] == {"world_size": 8, "rank": 5, "transport": "udp"}
+    finally:
+        loaded.close()
+        host.unload(dev, ns)
+    assert host.attached_program(dev, ns) is None
