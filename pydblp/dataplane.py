@@ -12,6 +12,11 @@ The AF_XDP kinds need pydblp's host program on the interface: the one
 ``dblp load`` pinned there if any, else one attached for this data plane
 alone.  The job is registered on it (as delivered over AF_XDP).
 
+With a job ``key`` the transport is wrapped in
+:class:`~pydblp.transport.auth.AuthTransport` (docs/authentication.md): every
+packet sent is tagged with the key and the run ``epoch``, every packet received
+is verified before anything above sees it.  Without one, nothing changes.
+
 Ownership: :meth:`DataPlane.close` (also ``with``) closes the transport,
 removes the job registration it made and detaches the host program it
 attached; a program ``dblp load`` attached stays.  If assembly fails, what
@@ -97,7 +102,8 @@ def check_kind(kind: str, iface: str | None) -> None:
 def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = None,
                    port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
                    job: int | None = None, rank: int = 0, world: int = 1, rate: float = 0,
-                   spin: float = 0.0, max_payload: int | None = None, **kw) -> DataPlane:
+                   spin: float = 0.0, max_payload: int | None = None, key: bytes | None = None,
+                   epoch: int | None = None, **kw) -> DataPlane:
     """Open the data plane of kind ``kind`` on ``iface``.
 
     Args:
@@ -113,8 +119,11 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
             other kinds transmit through the qdisc and ignore it.
         spin: seconds a receive busy-polls before sleeping.
         max_payload: the largest DBLP payload (bytes) the AF_XDP receive
-            frames must hold whole; None: the transport's default frames
-            (2 KiB, enough for 1408-byte chunks).
+            frames must hold whole (its tag included); None: the transport's
+            default frames (2 KiB, enough for 1408-byte chunks).
+        key: the job key (:func:`pydblp.auth.load_key`); None: no authentication.
+        epoch: the run epoch every rank of this run uses with ``key``
+            (:func:`pydblp.auth.new_epoch`, drawn by one rank and shared).
         **kw: passed to the transport's constructor.
 
     Raises:
@@ -124,6 +133,8 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
             nothing this call opened stays open.
     """
     check_kind(kind, iface)
+    if key is not None and epoch is None:
+        raise ValueError("key= needs epoch=: one rank draws it (pydblp.auth.new_epoch) and gives it to all")
     if kind != "udp":
         if job is None:
             raise ValueError(f"the {kind} transport needs job= (registered on the host program)")
@@ -134,7 +145,7 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
     if kind == "udp":
         from pydblp.transport.udp import UdpTransport
 
-        t = UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin, **kw)
+        t = _keyed(UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin, **kw), key, epoch)
         return DataPlane(kind, t, Endpoint(addr, t.port, mac, queue, mtu))
 
     from pydblp import host as hostprog
@@ -155,9 +166,10 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
         maps.register_job(job, world, rank, hostprog.JobTransport.XSK)
         registered = True
         if max_payload is not None:
-            kw.setdefault("frame_size", frame_size_for(max_payload))
-        t = XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
-                         rate=rate if kind == "xsk" else 0, tx="xsk" if kind == "xsk" else "kernel", **kw)
+            kw.setdefault("frame_size", frame_size_for(max_payload + (wire.TAG_LEN if key else 0)))
+        t = _keyed(XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
+                                rate=rate if kind == "xsk" else 0, tx="xsk" if kind == "xsk" else "kernel", **kw),
+                   key, epoch)
     except BaseException:
         try:
             if registered:
@@ -166,6 +178,19 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
             maps.close()
         raise
     return DataPlane(kind, t, Endpoint(addr, t.port, mac, queue, mtu), maps, job, prior, owns)
+
+
+def _keyed(t: Transport, key: bytes | None, epoch: int | None) -> Transport:
+    """``t`` itself without a key, else wrapped to tag and verify every packet (closed on failure)."""
+    if key is None:
+        return t
+    from pydblp.transport.auth import authenticate
+
+    try:
+        return authenticate(t, key, epoch)
+    except BaseException:
+        t.close()
+        raise
 
 
 def _unregister(maps, job: int | None, prior: dict | None, owns_host: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import os
 import select
@@ -20,7 +21,9 @@ import numpy as np
 from pydblp.collective.config import IDLE_GRACE, RECV_BATCH, CollectiveError, Config, RoundRecord
 from pydblp.collective.protocol import Protocol
 from pydblp.collective.timer import Alarm
-from pydblp.transport.base import Transport
+from pydblp.transport.base import Transport, TransportError
+
+log = logging.getLogger(__name__)
 
 
 class Collective:
@@ -74,6 +77,7 @@ class Collective:
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._running = False                # a round runs or is about to take the lock
         self._serving = False                # the idle responder polls the transport
+        self._idle_error: BaseException | None = None  # what ended the idle responder, raised by the next round
         self._alarm = Alarm()                # starts the idle responder IDLE_GRACE after a round
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # ends its poll
         self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
@@ -154,6 +158,8 @@ class Collective:
     def _round(self, x: np.ndarray, tensor: int, reduce: bool) -> np.ndarray:
         if self._closing:
             raise CollectiveError("collective is closed")
+        if self._idle_error is not None:
+            raise CollectiveError(f"the transport failed between rounds: {self._idle_error}") from self._idle_error
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         p = self.protocol
         self._running = True
@@ -165,6 +171,8 @@ class Collective:
                 st = p.start(flat, tensor, reduce)
                 try:
                     p.run(st)
+                except TransportError as e:  # the transport cannot go on (e.g. peers hold another job key)
+                    raise CollectiveError(str(e)) from e
                 finally:
                     p.finish(st)
             finally:
@@ -213,6 +221,10 @@ class Collective:
                             if p.trail:
                                 p.serve_trail(time.monotonic())
                             p.flush_ctrl()
+                    except Exception as e:  # e.g. TransportError: peers hold another job key
+                        log.warning("rank %d: idle responder stopped: %s", self.rank, e)
+                        self._idle_error = e
+                        return
                     finally:
                         self._poll_lock.release()
             finally:

@@ -20,6 +20,10 @@ docs/testbed.md).
 A JSON state file per testbed (``/run/dblp/testbed/NAME.json``) is written
 *before* anything is created, so ``down`` finds and removes everything a
 creator made, even one killed with SIGKILL half way.
+
+One module (~720 lines) because creation, the state file and teardown must
+agree on every object's name and order; the fabric program's owner is
+:mod:`pydblp.testbed.fabric`.
 """
 
 from __future__ import annotations

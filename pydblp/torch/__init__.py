@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pydblp import net, wire
+from pydblp.auth import load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config, link_chunk_bytes
 from pydblp.dataplane import check_kind, open_dataplane
 
@@ -57,7 +58,8 @@ class State:
     def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
                            port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
                            config: Config | None = None, store=None, spin: float = 0.0,
-                           rate: float = 0, group: tuple | None = None) -> "State":
+                           rate: float = 0, group: tuple | None = None,
+                           key_file: str | None = None) -> "State":
         """Open the data plane on ``iface`` and rendezvous through torch.distributed's store.
 
         ``transport``: ``udp`` (any user), ``xsk`` (AF_XDP: root; attaches
@@ -75,6 +77,16 @@ class State:
         ``group`` with ``Config(allgather="broadcast")``: ``(address, port)`` every rank
         receives, e.g. the subnet's broadcast address (see :class:`~pydblp.collective.Collective`);
         every rank must listen on that ``port``.
+
+        ``key_file``: the job key (docs/authentication.md), a file every rank
+        reads for itself; None: ``DBLP_KEY_FILE`` or ``DBLP_KEY`` from the
+        environment, else no key.  The key never passes through the store or
+        the wire; rank 0 draws the run's epoch and publishes it in the store.
+        With a key every packet is tagged and verified; ranks holding different
+        keys fail their first round with one :class:`CollectiveError` naming the
+        cause, within ``Config.peer_timeout``.  The AF_XDP kinds also bind every
+        peer's rank to the address and MAC it published (the host program's
+        ``peers`` map): a packet claiming a rank from elsewhere is dropped in XDP.
 
         ``Config(chunk_bytes=None)`` sizes chunks to the links: every rank
         publishes ``iface``'s MTU and all use :func:`~pydblp.collective.link_chunk_bytes`
@@ -94,15 +106,26 @@ class State:
         rank, world = dist.get_rank(), dist.get_world_size()
         store = store or dist.distributed_c10d._get_default_store()
         check_kind(transport, iface)
+        key = load_key(key_file)  # (KeyLoadError, one line, before anything opens)
+        # every rank learns the run's epoch, keyed or not, so a rank without the key fails on its
+        # packets' missing tags instead of waiting here
+        if rank == 0:
+            store.set(f"pydblp/{cfg.job}/epoch", str(new_epoch()))
+        epoch = int(store.get(f"pydblp/{cfg.job}/epoch"))
         # the widest chunk this rank may be given: AF_XDP frames must hold it with its headers
         mtu = net.iface_mtu(iface, netns) if iface and by_link else None
         widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
         dp = open_dataplane(transport, iface, netns=netns, port=port, queue=queue, addr=addr, job=cfg.job,
-                            rank=rank, world=world, rate=rate, spin=spin, max_payload=widest)
+                            rank=rank, world=world, rate=rate, spin=spin, max_payload=widest, key=key,
+                            epoch=epoch if key is not None else None)
         try:
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
             peers = [(p["addr"], p["port"], p["mac"]) for p in recs]
+            if dp.host is not None:  # anti-spoofing: a peer's rank only from its own address
+                for r, p in enumerate(recs):
+                    if r != rank:
+                        dp.host.bind_peer(cfg.job, r, ip=p["addr"], mac=p["mac"])
             if by_link:  # every rank reads the same records, so every rank picks the same size
                 mtus = [p.get("mtu") for p in recs]
                 chunk = link_chunk_bytes(min(mtus)) if all(mtus) else DEFAULT_CHUNK

@@ -147,3 +147,64 @@ def test_chunks_sized_to_the_smallest_link(tb_jumbo):
         with net.ipr(tb_jumbo.ns(1)) as ip:
             ip.link("set", index=net.ifindex("eth0", tb_jumbo.ns(1)), mtu=9000)
     assert _chunks(outs) == {1408}, outs
+
+
+KEYED = r"""
+import datetime, sys, time
+import numpy as np, torch.distributed as dist
+import pydblp.torch as ptorch
+from pydblp.collective import CollectiveError, Config
+
+rank, kind, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://198.18.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+state = ptorch.State.from_process_group(kind, iface="eth0", config=Config(job=9, peer_timeout=10.0))
+try:
+    x = np.arange(300_000, dtype=np.float32) * (rank + 1)
+    t0 = time.monotonic()
+    try:
+        got = state.submit(lambda col: col.allreduce(x)).wait()
+        assert np.array_equal(got, np.arange(300_000, dtype=np.float32) * 1.5), got[:4]
+        s = state.collective.t.stats()
+        print(f"ok {rank} exact {type(state.collective.t).__name__} verified {s['auth_verified']}", flush=True)
+    except CollectiveError as e:
+        print(f"ok {rank} failed after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+finally:
+    state.close(barrier=False)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["udp", "xsk-ktx"])
+@pytest.mark.parametrize("same", [True, False])
+def test_state_with_a_job_key(tb, tmp_path, kind, same):
+    """Each rank reads the job key from its own file (``DBLP_KEY_FILE``), never the store: with
+    the same key the rounds are exact and every packet was verified; with different keys both
+    ranks fail their round with one error naming the cause, well within the peer timeout."""
+    keys = [tmp_path / f"k{r}" for r in range(WORLD)]
+    for r, k in enumerate(keys):
+        k.write_bytes(bytes(range(32)) if same or r == 0 else bytes(range(1, 33)))
+        k.chmod(0o600)
+    port = 29620 + 2 * ["udp", "xsk-ktx"].index(kind) + same
+    procs_env = [{**ENV, "DBLP_KEY_FILE": str(k)} for k in keys]
+    import subprocess
+
+    procs = [tb.popen(w, [sys.executable, "-c", KEYED, str(r), kind, str(port)], env=procs_env[r],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r, w in enumerate(tb.workers)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a keyed rank hung: {p.communicate()[0][-3000:]}")
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"ok {r}" in out, out[-3000:]
+        if same:
+            assert "exact AuthTransport" in out and int(out.split(" verified ")[1].split()[0]) > 0, out
+        else:
+            assert "failed authentication" in out and "different job keys" in out, out
+            assert float(out.split(" failed after ")[1].split()[0]) < 10.0, out
+    for r in range(WORLD):
+        assert host.attached_program("eth0", tb.ns(r)) is None
