@@ -58,9 +58,12 @@ def parse(argv=None):
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--transport", required=True, help="-bc: pydblp with a broadcast all-gather to --group",
-                   choices=["xsk", "xsk-ktx", "udp", "xsk-bc", "xsk-ktx-bc", "udp-bc", "gloo", "floor"])
+                   choices=["xsk", "xsk-ktx", "udp", "xsk-bc", "xsk-ktx-bc", "udp-bc", "xsk-key", "xsk-ktx-key",
+                            "udp-key", "gloo", "floor"])
     p.add_argument("--peers", required=True, help="JSON list of [addr, port, mac] per rank")
     p.add_argument("--group", help="JSON [addr, port, mac] reaching every rank (the -bc transports)")
+    p.add_argument("--key-file", help="the job key of the -key transports (every packet tagged and verified)")
+    p.add_argument("--epoch", type=int, default=0, help="the run epoch of the -key transports")
     p.add_argument("--iface", default="eth0")
     p.add_argument("--job", type=int, default=31)
     p.add_argument("--tol", type=float, default=0.05)
@@ -83,9 +86,14 @@ class Pydblp:
         from pydblp.dataplane import open_dataplane
 
         peers = [tuple(p) for p in json.loads(a.peers)]
-        kind = a.transport.removesuffix("-bc")
+        from pydblp.auth import load_key
+
+        keyed = a.transport.endswith("-key")
+        kind = a.transport.removesuffix("-key").removesuffix("-bc")
+        key = load_key(a.key_file) if keyed else None
         self.dp = open_dataplane(kind, a.iface, port=peers[a.rank][1], job=a.job, rank=a.rank, world=a.world,
-                                 rate=a.rate, spin=a.spin, max_payload=a.chunk_bytes)
+                                 rate=a.rate, spin=a.spin, max_payload=a.chunk_bytes, key=key,
+                                 epoch=a.epoch if keyed else None)
         cfg = Config(job=a.job, mode=a.mode, estimator=a.estimator, phase=f"static:{a.tol}",
                      peer_timeout=a.peer_timeout)
         if a.send_burst:
@@ -93,7 +101,7 @@ class Pydblp:
         if a.chunk_bytes:
             cfg.chunk_bytes = a.chunk_bytes
         group = None
-        if kind != a.transport:
+        if a.transport.endswith("-bc"):
             cfg.allgather, group = "broadcast", tuple(json.loads(a.group))
         try:
             self.col = Collective(self.dp.transport, a.rank, a.world, peers, cfg, group=group)

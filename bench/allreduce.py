@@ -14,6 +14,9 @@ stays up for all of that transport's blocks:
   ``xsk-bc``, ``xsk-ktx-bc``, ``udp-bc``  the same with a broadcast all-gather
             (``Config(allgather="broadcast")``, ``group`` the testbed's broadcast address: an
             owner sends its all-gather once, the fabric replicates it); not in the default set
+  ``xsk-key``, ``xsk-ktx-key``, ``udp-key``  the same with a job key: every packet tagged and
+            verified (``pydblp.transport.auth``; a key file made for the run); not in the default
+            set.  ``--transports udp,udp-key`` measures what a key costs, in the same run
   ``gloo``  ``torch.distributed.all_reduce`` on a gloo process group (TCP over eth0), then /world
   ``floor`` the least a Python allreduce over plain UDP sockets does here: pydblp's chunks,
             shards and schedule, GSO sends and GRO receives, an 8-byte header and nothing else
@@ -120,6 +123,7 @@ MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
 TRANSPORTS = ("xsk", "xsk-ktx", "udp", "gloo", "floor")  # the default set
 BROADCAST = ("xsk-bc", "xsk-ktx-bc", "udp-bc")  # pydblp with a broadcast all-gather (opt in)
+KEYED = ("xsk-key", "xsk-ktx-key", "udp-key")  # pydblp with a job key (opt in)
 CONDITIONS = ("clean", "loss", "burst")
 # the workers' interpreter (theirs is this one): its build moves pydblp's CPU-bound rounds (bench/README)
 PYTHON = f"Python {sys.version.split()[0]} ({os.path.realpath(sys.executable)})"
@@ -152,7 +156,9 @@ class WorkerSet:
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--spin", str(args.spin)]
-            if transport.removesuffix("-bc") == "xsk" and not args.no_pace:
+            if transport.endswith("-key"):
+                argv += ["--key-file", str(self.key_file(tmp)), "--epoch", "1"]
+            if transport.removesuffix("-key").removesuffix("-bc") == "xsk" and not args.no_pace:
                 argv += ["--rate", str(tb.rate_bps)]  # AF_XDP bypasses the TBF: pace at its rate
             if transport.endswith("-bc"):
                 argv += ["--group", json.dumps(tb.group(wire.DEFAULT_PORT))]
@@ -162,6 +168,15 @@ class WorkerSet:
             self.procs.append(tb.popen(r, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=err, env=env))
             self.bufs.append(b"")
+
+    @staticmethod
+    def key_file(tmp: Path) -> Path:
+        """A job key for the -key transports: 32 random bytes, readable by the owner only."""
+        path = tmp / "job.key"
+        if not path.exists():
+            path.touch(0o600)
+            path.write_bytes(os.urandom(32))
+        return path
 
     def send(self, obj) -> None:
         line = (json.dumps(obj) + "\n").encode()
@@ -421,7 +436,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="measured rounds per block (default 60 up to 1 MiB, 12 up to 8 MiB, 6 above)")
     ap.add_argument("--transports", default=",".join(TRANSPORTS),
-                    help=f"comma-separated, of {', '.join(TRANSPORTS + BROADCAST)} (default: {','.join(TRANSPORTS)})")
+                    help=f"comma-separated, of {', '.join(TRANSPORTS + BROADCAST + KEYED)} "
+                         f"(default: {','.join(TRANSPORTS)})")
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tol", type=float, default=0.05, help="pydblp static tolerance (default 0.05)")
     ap.add_argument("--mode", default="tar", choices=("tar", "ps"), help="pydblp Config.mode (default tar)")
@@ -457,8 +473,8 @@ def main(argv=None) -> int:
         ap.error(f"--workers {args.workers}: use 2..8")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: use 1 or more")
-    if not set(transports) <= set(TRANSPORTS + BROADCAST) or not set(conds) <= set(CONDITIONS) or not sizes:
-        ap.error(f"transports within {TRANSPORTS + BROADCAST}, conditions within {CONDITIONS}")
+    if not set(transports) <= set(TRANSPORTS + BROADCAST + KEYED) or not set(conds) <= set(CONDITIONS) or not sizes:
+        ap.error(f"transports within {TRANSPORTS + BROADCAST + KEYED}, conditions within {CONDITIONS}")
     if "burst" in conds and "clean" not in conds:
         conds.insert(0, "clean")  # the burst duration is the clean p50
     conds = [c for c in CONDITIONS if c in conds]
