@@ -65,6 +65,8 @@ def parse(argv=None):
     p.add_argument("--phase", default="dblp", help="dblp, dblp:P_LOW or static:TOL (default dblp)")
     p.add_argument("--estimator", choices=["unbiased", "zero"], default="unbiased")
     p.add_argument("--job", type=int, default=1, help="job id, the same on every rank")
+    p.add_argument("--key-file", help="job key file, a copy on every rank (default: $DBLP_KEY_FILE or "
+                                      "$DBLP_KEY, else none): every packet tagged and verified")
     p.add_argument("--chunk-bytes", default="1408", metavar="B|link",
                    help="gradient bytes per packet, the same on every rank, or 'link': the largest the NICs' "
                         "MTU carries, agreed at start-up (8000 on jumbo frames; default 1408, for MTU 1500)")
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         cfg = Config(job=a.job, phase=a.phase, estimator=a.estimator, peer_timeout=a.peer_timeout,
                      chunk_bytes=chunk)
         state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
-                                                addr=a.addr, config=cfg, rate=a.rate)
+                                                addr=a.addr, config=cfg, rate=a.rate, key_file=a.key_file)
         col = state.collective
         log(f"world {world}, {a.transport} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
             f"phase {a.phase}, estimator {a.estimator}, {col.cfg.chunk_bytes}-byte chunks, "

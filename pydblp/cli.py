@@ -458,6 +458,8 @@ def _add_experiment(sub):
     p.add_argument("--target", type=float,
                    help="accuracy or perplexity to reach (default: what Gloo reaches at 80 %% of its steps)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--key-file", metavar="FILE",
+                   help="job key for the pydblp runs: every packet tagged and verified (docs/authentication.md)")
     p.add_argument("--out", default="dblp-experiment", help="output directory (default ./dblp-experiment)")
     p.set_defaults(func=_cmd_experiment)
     _diloco_options(p)
@@ -524,6 +526,16 @@ def _cmd_experiment(args) -> int:
     from pydblp.experiment import report, runner
 
     opt = _experiment_options(args)
+    if args.key_file is not None:  # the workers read it themselves (never through the store)
+        import os
+
+        from pydblp.auth import KeyLoadError, load_key
+
+        try:
+            load_key(args.key_file)
+        except KeyLoadError as e:
+            raise UsageError(f"--key-file: {e}") from None
+        os.environ["DBLP_KEY_FILE"] = os.path.abspath(args.key_file)
     # before a testbed comes up: the plots need matplotlib, the digits data set scikit-learn
     require("the main job", "matplotlib", *(("sklearn",) if opt.model != "text" else ()))
     try:
