@@ -2,7 +2,8 @@
 
 Names: :func:`unique_name` for namespaces and testbeds (the session's leftover
 check in ``tests/conftest.py`` looks for :data:`NS_PREFIX`);
-:func:`run_in_workers` for one process per testbed worker; and the two-namespace
+:func:`run_in_workers` for one process per testbed worker; :func:`run_threads`
+for one thread per rank of this process; and the two-namespace
 veth pair the transport tests send through (:func:`make_pair`,
 :func:`host_pair`), with :func:`packets` whose every field is a function of
 the chunk id, checked on receipt by :class:`Checker` (:func:`transfer`,
@@ -15,6 +16,7 @@ import contextlib
 import itertools
 import os
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -25,6 +27,29 @@ from pydblp.transport import Batch
 
 NS_PREFIX = f"dblpt{os.getpid() % 100000}"
 _seq = itertools.count()
+
+
+def run_threads(fn, ranks, timeout: float) -> tuple[dict, dict]:
+    """Call ``fn(rank)`` in one thread per rank at once; (results, exceptions) by rank.
+
+    A thread still running after ``timeout`` seconds fails the test ("a rank hung"); exceptions
+    are returned for the test to assert on, not raised.
+    """
+    res, errs = {}, {}
+
+    def go(r):
+        try:
+            res[r] = fn(r)
+        except Exception as e:  # returned to the caller, which asserts on them
+            errs[r] = e
+
+    th = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in th), "a rank hung"
+    return res, errs
 
 
 def run_in_workers(tb, argv_of, env: dict, timeout: float, what: str) -> list[str]:

@@ -39,7 +39,6 @@ cores).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -48,7 +47,7 @@ import torch
 from pydblp.collective import Collective, Config
 from pydblp.torch import ParameterBroadcaster, State
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import seeded_loss
+from tests.helpers import run_threads, seeded_loss
 
 WORLD = 4
 JOB = 23
@@ -90,38 +89,29 @@ def train():
     cols = [Collective(ts[r], r, WORLD, peers, Config(job=JOB, chunk_bytes=CHUNK, **CFG)) for r in range(WORLD)]
     states = [State(c) for c in cols]
     out = {r: {"a": [], "b": [], "b_after": [], "round": []} for r in range(WORLD)}
-    errs = {}
 
     def go(r):
-        try:
-            a, b = Vec(init), Vec(init)
-            bc = ParameterBroadcaster(states[r], b, every=EVERY)
-            rng = np.random.default_rng(100 + r)
-            # warm-up round: afterwards every miss is filled from a previous result ('stale')
-            states[r].submit(lambda c: c.allreduce(np.zeros(2 * N, np.float32))).wait()
-            for s in range(1, STEPS + 1):
-                noise = SIGMA * rng.standard_normal(N)
-                g = np.concatenate([CURV * (m.p.detach().numpy() - target) + noise for m in (a, b)])
-                avg = states[r].submit(lambda c, g=g.astype(np.float32): c.allreduce(g)).wait()
-                with torch.no_grad():
-                    a.p -= LR * torch.from_numpy(avg[:N])
-                    b.p -= LR * torch.from_numpy(avg[N:])
-                if s % EVERY == 0:
-                    out[r]["a"].append(a.p.detach().numpy().copy())
-                    out[r]["b"].append(b.p.detach().numpy().copy())
-                if bc.step():
-                    out[r]["b_after"].append(b.p.detach().numpy().copy())
-                    out[r]["round"].append(cols[r].round)
-        except Exception as e:  # asserted below
-            errs[r] = e
+        a, b = Vec(init), Vec(init)
+        bc = ParameterBroadcaster(states[r], b, every=EVERY)
+        rng = np.random.default_rng(100 + r)
+        # warm-up round: afterwards every miss is filled from a previous result ('stale')
+        states[r].submit(lambda c: c.allreduce(np.zeros(2 * N, np.float32))).wait()
+        for s in range(1, STEPS + 1):
+            noise = SIGMA * rng.standard_normal(N)
+            g = np.concatenate([CURV * (m.p.detach().numpy() - target) + noise for m in (a, b)])
+            avg = states[r].submit(lambda c, g=g.astype(np.float32): c.allreduce(g)).wait()
+            with torch.no_grad():
+                a.p -= LR * torch.from_numpy(avg[:N])
+                b.p -= LR * torch.from_numpy(avg[N:])
+            if s % EVERY == 0:
+                out[r]["a"].append(a.p.detach().numpy().copy())
+                out[r]["b"].append(b.p.detach().numpy().copy())
+            if bc.step():
+                out[r]["b_after"].append(b.p.detach().numpy().copy())
+                out[r]["round"].append(cols[r].round)
 
-    th = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(WORLD)]
     try:
-        for t in th:
-            t.start()
-        for t in th:
-            t.join(120)
-        assert not any(t.is_alive() for t in th), "a rank hung"
+        _, errs = run_threads(go, range(WORLD), 120)
         assert not errs, errs
         stats = [t.stats() for t in ts]
     finally:

@@ -20,6 +20,7 @@ from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedul
 from pydblp.collective.protocol import Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import run_threads
 
 
 class Ranks:
@@ -33,22 +34,7 @@ class Ranks:
 
     def run(self, fn, ranks=None, timeout: float = 60.0):
         """Call fn(rank, collective) in one thread per rank; results and exceptions by rank."""
-        ranks = range(self.world) if ranks is None else ranks
-        res, errs = {}, {}
-
-        def go(r):
-            try:
-                res[r] = fn(r, self.cols[r])
-            except Exception as e:  # collected and asserted by the test
-                errs[r] = e
-
-        th = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in th), "a rank hung"
-        return res, errs
+        return run_threads(lambda r: fn(r, self.cols[r]), range(self.world) if ranks is None else ranks, timeout)
 
     def close(self):
         for c in self.cols:

@@ -4,7 +4,6 @@ every record to ``Config.on_record``, so memory stays flat over any number of ro
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from pydblp.collective import Collective, Config, RoundRecord
 from pydblp.collective.config import RECORDS_MAX
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import run_threads
 
 
 def _pair(**cfg) -> list[Collective]:
@@ -23,24 +23,14 @@ def _pair(**cfg) -> list[Collective]:
 
 def _rounds(cols, n: int, size: int = 64) -> None:
     """``n`` allreduce rounds on both ranks (threads), of ``size`` float32 values; each result checked."""
-    errs = []
-
     def go(r):
         x = np.full(size, r + 1, np.float32)
-        try:
-            for _ in range(n):
-                y = cols[r].allreduce(x)
-                if y[0] != 1.5:
-                    raise AssertionError(f"rank {r}: {y[0]}, not 1.5")
-        except Exception as e:  # collected and asserted below
-            errs.append(e)
+        for _ in range(n):
+            y = cols[r].allreduce(x)
+            if y[0] != 1.5:
+                raise AssertionError(f"rank {r}: {y[0]}, not 1.5")
 
-    th = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(2)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(600)
-    assert not any(t.is_alive() for t in th), "a rank hung"
+    _, errs = run_threads(go, range(2), 600)
     assert not errs, errs
 
 

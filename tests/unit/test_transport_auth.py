@@ -4,7 +4,6 @@ dropped and counted before the collective, one clear error for ranks with differ
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import numpy as np
@@ -16,6 +15,7 @@ from pydblp.collective import Collective, CollectiveError, Config
 from pydblp.transport.auth import AuthTransport, authenticate
 from pydblp.transport.base import Batch, TransportError
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import run_threads
 
 KEY, OTHER = b"K" * 32, b"O" * 32
 EPOCH = 0x5EED0001
@@ -136,21 +136,7 @@ class Pair:
         self.cols = [Collective(self.ts[r], r, 2, peers, Config(**cfg)) for r in range(2)]
 
     def run(self, fn, ranks=(0, 1), timeout=30.0):
-        res, errs = {}, {}
-
-        def go(r):
-            try:
-                res[r] = fn(r, self.cols[r])
-            except Exception as e:  # collected and asserted by the test
-                errs[r] = e
-
-        th = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in th), "a rank hung"
-        return res, errs
+        return run_threads(lambda r: fn(r, self.cols[r]), ranks, timeout)
 
     def close(self):
         for c in self.cols:
