@@ -99,15 +99,20 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode, allgather):
     xs = {n: [rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)] for n in sizes}
     # paced: an unpaced 3-to-1 incast (ps mode) can overflow the receiver's switch port, a loss
     # the fabric did not inject; the links' rate is what the bench measures at
-    res, cols = run_ranks(clean, transports(clean, kind, hosts, paced=True),
-                          lambda r, c: [c.allreduce(xs[n][r]) for n in sizes], mode=mode, allgather=allgather)
+    out, cols = run_ranks(clean, transports(clean, kind, hosts, paced=True),
+                          lambda r, c: ([c.allreduce(xs[n][r]) for n in sizes], c.t.stats()),
+                          mode=mode, allgather=allgather)
+    res = {r: y for r, (y, _) in out.items()}
     for i, n in enumerate(sizes):
         exact = np.mean(xs[n], axis=0)
         for r in range(WORLD):
             np.testing.assert_allclose(res[r][i], exact, atol=1e-5)
     repaired = [(c.rank, rec.index, rec.min_delivered, rec.retransmits, rec.probes, rec.nacks, c.counters)
                 for c in cols for rec in c.records if rec.min_delivered < 1.0 or rec.retransmits]
-    assert not repaired, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
+    # nothing was injected, so a repair needs a drop the kernel counted: a receive ring or socket
+    # buffer that a CPU-starved rank did not drain in time, or a switch port's queue
+    drops = sum(st.get(k, 0) for _, st in out.values() for k in ("rx_dropped", "rx_ring_full")) + clean.fabric.dropped()
+    assert not repaired or drops > 0, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
     # bytes each rank sent in the largest round, in tensors: reduce-scatter (W-1)/W, then its
     # all-gather (1/W of the tensor) once per peer, or once in all with a broadcast
     sent = [c.records[-1].bytes_sent / (4 * sizes[-1]) for c in cols]
