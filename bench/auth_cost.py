@@ -19,7 +19,9 @@ Part 2, per round: ``--world`` ranks as threads of this process, each a
 ``--mib`` MiB float32 allreduces.  Three sets of ranks, keyless, keyed on the
 C path and keyed on the hashlib path (``authenticate``), run blocks of
 ``--rounds`` rounds in turn (A, B, C, A, B, C, ... ``--repeats`` each, after one
-warm-up block each), so all see the same machine.  CPU per rank and round: the rank threads' CPU time
+warm-up block each), so all see the same machine; with ``--floor`` a fourth
+set, keyed with a MAC that costs nothing (``nomac``: all-zero MACs), shows what
+the wrapper costs beside the hashing.  CPU per rank and round: the rank threads' CPU time
 (``time.thread_time``: user + system of the thread) over the block, divided
 by ranks and rounds, and the whole process's (``time.process_time``: the
 idle responders too); wall: the block's duration over its rounds.  Figures
@@ -31,7 +33,7 @@ No root; about ``3 * (repeats + 1) * rounds * round time`` (8 MiB, 4 ranks on
 C path is unavailable (the reason is logged)::
 
     .venv/bin/python bench/auth_cost.py [--mib 8] [--world 4] [--rounds 5] [--repeats 3]
-                                        [--batch 2048] [--chunk 1408] [--json out.json]
+                                        [--batch 2048] [--chunk 1408] [--floor] [--json out.json]
 """
 
 from __future__ import annotations
@@ -59,8 +61,14 @@ from pydblp.transport.udp import UdpTransport  # noqa: E402
 
 KEY = bytes(range(32))
 EPOCH = 0x0BADCAFE
-PATHS = ("c", "hashlib")
-SETS = {"keyless": None, "keyed_c": "c", "keyed_hashlib": "hashlib"}
+PATHS = ("c", "hashlib")  # pydblp.mac's; "nomac" (--floor) is the bench's own
+
+
+class NoMacs:
+    """A MAC that costs nothing (all zero, so every tag verifies): the keyed path's floor."""
+
+    def __call__(self, headers, payload, body, rows=None):
+        return np.zeros((len(headers) if rows is None else len(rows), wire.MAC_LEN), np.uint8)
 
 
 def _best(fn, repeats: int) -> float:
@@ -74,10 +82,10 @@ def _best(fn, repeats: int) -> float:
 
 
 def keyed(inner, key: bytes | None, path: str):
-    """``authenticate(inner, key, EPOCH)`` computing its MACs on ``path`` (``c`` or ``hashlib``)."""
+    """``authenticate(inner, key, EPOCH)`` computing its MACs on ``path`` (``c``, ``hashlib``, ``nomac``)."""
     t = authenticate(inner, key, EPOCH)
     if key is not None:
-        t._macs = mac.Macs(key, EPOCH, native=path == "c")
+        t._macs = NoMacs() if path == "nomac" else mac.Macs(key, EPOCH, native=path == "c")
     return t
 
 
@@ -153,11 +161,11 @@ class Ranks:
             c.close()
 
 
-def per_round(mib: float, world: int, rounds: int, repeats: int) -> dict:
+def per_round(mib: float, world: int, rounds: int, repeats: int, paths=PATHS) -> dict:
     n = int(mib * 2**20) // 4
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
-    sets = {name: Ranks(world, path) for name, path in SETS.items()}
+    sets = {"keyless": Ranks(world, None)} | {f"keyed_{p}": Ranks(world, p) for p in paths}
     res = {k: {"thread_cpu_ms": [], "process_cpu_ms": [], "wall_ms": []} for k in sets}
     exact = True
     try:
@@ -170,12 +178,12 @@ def per_round(mib: float, world: int, rounds: int, repeats: int) -> dict:
                 res[name]["thread_cpu_ms"].append(cpu / world / rounds * 1e3)
                 res[name]["process_cpu_ms"].append(pcpu / world / rounds * 1e3)
                 res[name]["wall_ms"].append(wall / rounds * 1e3)
-        auth = {p: sets[f"keyed_{p}"].ts[0].stats() for p in PATHS}
+        auth = {p: sets[f"keyed_{p}"].ts[0].stats() for p in paths}
     finally:
         for rk in sets.values():
             rk.close()
     out = {k: {m: statistics.median(v) for m, v in d.items()} | {"blocks": d} for k, d in res.items()}
-    for p in PATHS:
+    for p in paths:
         out[f"ratio_{p}"] = {m: out[f"keyed_{p}"][m] / out["keyless"][m]
                              for m in ("thread_cpu_ms", "process_cpu_ms", "wall_ms")}
         out[f"rank0_auth_{p}"] = {k: v for k, v in auth[p].items() if k.startswith("auth_")}
@@ -191,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=1408)
+    ap.add_argument("--floor", action="store_true",
+                    help="also keyed ranks whose MAC costs nothing: what the wrapper costs without hashing")
     ap.add_argument("--json", help="write the figures here too")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -203,12 +213,13 @@ def main(argv=None) -> int:
               f"MACs alone {pp[f'mac_us_{p}']:.2f}")
     print(f"  per-packet hashlib loops: HMAC-SHA256 {pp['hmac_sha256_us']:.2f}, SHA-1 {pp['sha1_us']:.2f}",
           flush=True)
-    pr = per_round(a.mib, a.world, a.rounds, a.repeats)
-    for k in SETS:
+    paths = (*PATHS, "nomac") if a.floor else PATHS
+    pr = per_round(a.mib, a.world, a.rounds, a.repeats, paths)
+    for k in ("keyless", *(f"keyed_{p}" for p in paths)):
         d = pr[k]
         print(f"{a.mib:g} MiB x {a.world} ranks, {k:>13}: CPU per rank and round {d['thread_cpu_ms']:.1f} ms "
               f"(process {d['process_cpu_ms']:.1f} ms), round {d['wall_ms']:.1f} ms")
-    for p in PATHS:
+    for p in paths:
         r = pr[f"ratio_{p}"]
         print(f"keyed ({p}) / keyless: CPU {r['thread_cpu_ms']:.3f} (process {r['process_cpu_ms']:.3f}), "
               f"round {r['wall_ms']:.3f}")
