@@ -1,32 +1,39 @@
 #!/usr/bin/env python3
 """What a job key costs: per-packet tag and verify, and CPU per rank and round of an allreduce.
 
+Both MAC paths of :mod:`pydblp.mac` are measured: ``c`` (the batched C
+BLAKE2b, what a transport uses where a C compiler is) and ``hashlib`` (the
+fallback without one).
+
 Part 1, per packet (no socket): ``AuthTransport``'s own work on a batch of
-``--batch`` packets of ``--chunk`` payload bytes: tagging (``send`` with the
-inner transport's send replaced by a no-op: payload copy, trailers, MACs) and
-verifying (the receive path on a batch of tagged packets: checks, MACs,
-untagging), and the hash alone over the same bytes, keyed BLAKE2b-96 (what
-the tag uses) beside HMAC-SHA256 (OpenSSL; SHA-NI where the CPU has it) and
-an unkeyed SHA-1 pass as the floor of a hash in Python here.  Medians over
-``--repeats``.
+``--batch`` packets of ``--chunk`` payload bytes, on each path: tagging
+(``send`` with the inner transport's send replaced by a no-op: payload copy,
+trailers, MACs) and verifying (the receive path on a batch of tagged packets:
+checks, MACs, untagging); and the MACs alone over the same bytes (one
+``Macs`` call per batch, each path), beside per-packet hashlib loops of
+HMAC-SHA256 (OpenSSL; SHA-NI where the CPU has it) and an unkeyed SHA-1
+pass.  Medians over ``--repeats``.
 
 Part 2, per round: ``--world`` ranks as threads of this process, each a
 ``Collective`` (``tar``, ``static:0``) over ``UdpTransport`` on 127.0.0.1,
-``--mib`` MiB float32 allreduces.  Two sets of ranks, one keyless and one
-keyed (``authenticate``), run blocks of ``--rounds`` rounds in turn (A, B, A,
-B, ... ``--repeats`` each, after one warm-up block each), so both see the
-same machine.  CPU per rank and round: the rank threads' CPU time
+``--mib`` MiB float32 allreduces.  Three sets of ranks, keyless, keyed on the
+C path and keyed on the hashlib path (``authenticate``), run blocks of
+``--rounds`` rounds in turn (A, B, C, A, B, C, ... ``--repeats`` each, after one
+warm-up block each), so all see the same machine; with ``--floor`` a fourth
+set, keyed with a MAC that costs nothing (``nomac``: all-zero MACs), shows what
+the wrapper costs beside the hashing.  CPU per rank and round: the rank threads' CPU time
 (``time.thread_time``: user + system of the thread) over the block, divided
 by ranks and rounds, and the whole process's (``time.process_time``: the
 idle responders too); wall: the block's duration over its rounds.  Figures
-are medians over blocks; the headline is keyed / keyless of each.  Results
+are medians over blocks; the headline is keyed / keyless of each, per path.  Results
 are checked against the exact mean (an inexact one is an error, exit 1).
 
-No root; about ``2 * (repeats + 1) * rounds * round time`` (8 MiB, 4 ranks on
-2 shared vCPUs: ~0.5 s a round, ~50 s with the defaults)::
+No root; about ``3 * (repeats + 1) * rounds * round time`` (8 MiB, 4 ranks on
+2 shared vCPUs: ~0.5 s a round, ~1.5 min with the defaults).  Exit 2 when the
+C path is unavailable (the reason is logged)::
 
     .venv/bin/python bench/auth_cost.py [--mib 8] [--world 4] [--rounds 5] [--repeats 3]
-                                        [--batch 2048] [--chunk 1408] [--json out.json]
+                                        [--batch 2048] [--chunk 1408] [--floor] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import hashlib
 import hmac
 import json
+import logging
 import statistics
 import sys
 import threading
@@ -45,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pydblp import wire  # noqa: E402
+from pydblp import mac, wire  # noqa: E402
 from pydblp.collective import Collective, Config  # noqa: E402
 from pydblp.transport.auth import authenticate  # noqa: E402
 from pydblp.transport.base import Batch  # noqa: E402
@@ -53,6 +61,14 @@ from pydblp.transport.udp import UdpTransport  # noqa: E402
 
 KEY = bytes(range(32))
 EPOCH = 0x0BADCAFE
+PATHS = ("c", "hashlib")  # pydblp.mac's; "nomac" (--floor) is the bench's own
+
+
+class NoMacs:
+    """A MAC that costs nothing (all zero, so every tag verifies): the keyed path's floor."""
+
+    def __call__(self, headers, payload, body, rows=None):
+        return np.zeros((len(headers) if rows is None else len(rows), wire.MAC_LEN), np.uint8)
 
 
 def _best(fn, repeats: int) -> float:
@@ -65,25 +81,38 @@ def _best(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
+def keyed(inner, key: bytes | None, path: str):
+    """``authenticate(inner, key, EPOCH)`` computing its MACs on ``path`` (``c``, ``hashlib``, ``nomac``)."""
+    t = authenticate(inner, key, EPOCH)
+    if key is not None:
+        t._macs = NoMacs() if path == "nomac" else mac.Macs(key, EPOCH, native=path == "c")
+    return t
+
+
 def per_packet(n: int, chunk: int, repeats: int) -> dict:
-    """Microseconds per packet: the wrapper's tag and verify paths, and bare hashes."""
+    """Microseconds per packet: the wrapper's tag and verify paths and the MACs alone, per MAC
+    path, and bare per-packet hashes."""
     rng = np.random.default_rng(0)
     h = wire.empty_batch(n)
     h["kind"], h["job"], h["nchunks"], h["chunk"] = wire.Kind.DATA, 1, n, np.arange(n)
     plain = Batch.fill(h, rng.integers(0, 256, (n, chunk), dtype=np.uint8))
-    t = authenticate(UdpTransport(port=0), KEY, EPOCH)
-    tagged = {}
+    out = {}
+    for path in PATHS:
+        t = keyed(UdpTransport(port=0), KEY, path)
+        tagged = {}
 
-    def keep(b, timeout=1.0):  # the inner send: keep the tagged batch, send nothing
-        tagged["b"] = Batch(b.headers.copy(), b.payload.copy(), b.lengths.copy(), b.peer.copy(), b.n)
-        return b.n
+        def keep(b, timeout=1.0):  # the inner send: keep the tagged batch (its rows are reused
+            tagged["b"] = b         # by the next send, which tags the same packets), send nothing
+            return b.n
 
-    t.inner.send = keep
-    out = {"tag_us": _best(lambda: t.send(plain), repeats) / n * 1e6}
-    got, into = tagged["b"], Batch.empty(n, chunk)
-    out["verify_us"] = _best(lambda: t._deliver(got, into, False), repeats) / n * 1e6
-    assert into.n == n and t.stats()["auth_bad_tag"] == 0
-    t.close()
+        t.inner.send = keep
+        out[f"tag_us_{path}"] = _best(lambda: t.send(plain), repeats) / n * 1e6
+        got, into = tagged["b"], Batch.empty(n, chunk)
+        out[f"verify_us_{path}"] = _best(lambda: t._deliver(got, into, False), repeats) / n * 1e6
+        assert into.n == n and t.stats()["auth_bad_tag"] == 0
+        t.close()
+        m, lens = mac.Macs(KEY, EPOCH, native=path == "c"), plain.lengths[:n].astype(np.int64)
+        out[f"mac_us_{path}"] = _best(lambda: m(plain.headers, plain.payload, lens), repeats) / n * 1e6
     rows = [memoryview(r) for r in np.ascontiguousarray(rng.integers(0, 256, (n, chunk + 32), dtype=np.uint8))]
 
     def each(base):
@@ -95,15 +124,14 @@ def per_packet(n: int, chunk: int, repeats: int) -> dict:
                 m.digest()
         return go
 
-    out["blake2b96_us"] = _best(each(wire.mac_state(KEY, EPOCH)), repeats) / n * 1e6
     out["hmac_sha256_us"] = _best(each(hmac.new(KEY, digestmod="sha256")), repeats) / n * 1e6
     out["sha1_us"] = _best(each(hashlib.sha1()), repeats) / n * 1e6
     return out
 
 
 class Ranks:
-    def __init__(self, world: int, key: bytes | None):
-        self.ts = [authenticate(UdpTransport(port=0), key, EPOCH) for _ in range(world)]
+    def __init__(self, world: int, path: str | None):
+        self.ts = [keyed(UdpTransport(port=0), None if path is None else KEY, path) for _ in range(world)]
         peers = [("127.0.0.1", t.port) for t in self.ts]
         self.cols = [Collective(t, r, world, peers, Config(peer_timeout=60)) for r, t in enumerate(self.ts)]
 
@@ -133,11 +161,11 @@ class Ranks:
             c.close()
 
 
-def per_round(mib: float, world: int, rounds: int, repeats: int) -> dict:
+def per_round(mib: float, world: int, rounds: int, repeats: int, paths=PATHS) -> dict:
     n = int(mib * 2**20) // 4
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
-    sets = {"keyless": Ranks(world, None), "keyed": Ranks(world, KEY)}
+    sets = {"keyless": Ranks(world, None)} | {f"keyed_{p}": Ranks(world, p) for p in paths}
     res = {k: {"thread_cpu_ms": [], "process_cpu_ms": [], "wall_ms": []} for k in sets}
     exact = True
     try:
@@ -150,14 +178,16 @@ def per_round(mib: float, world: int, rounds: int, repeats: int) -> dict:
                 res[name]["thread_cpu_ms"].append(cpu / world / rounds * 1e3)
                 res[name]["process_cpu_ms"].append(pcpu / world / rounds * 1e3)
                 res[name]["wall_ms"].append(wall / rounds * 1e3)
-        auth = sets["keyed"].ts[0].stats()
+        auth = {p: sets[f"keyed_{p}"].ts[0].stats() for p in paths}
     finally:
         for rk in sets.values():
             rk.close()
     out = {k: {m: statistics.median(v) for m, v in d.items()} | {"blocks": d} for k, d in res.items()}
-    out["ratio"] = {m: out["keyed"][m] / out["keyless"][m] for m in ("thread_cpu_ms", "process_cpu_ms", "wall_ms")}
+    for p in paths:
+        out[f"ratio_{p}"] = {m: out[f"keyed_{p}"][m] / out["keyless"][m]
+                             for m in ("thread_cpu_ms", "process_cpu_ms", "wall_ms")}
+        out[f"rank0_auth_{p}"] = {k: v for k, v in auth[p].items() if k.startswith("auth_")}
     out["exact"] = exact
-    out["rank0_auth"] = {k: v for k, v in auth.items() if k.startswith("auth_")}
     return out
 
 
@@ -169,20 +199,31 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=1408)
+    ap.add_argument("--floor", action="store_true",
+                    help="also keyed ranks whose MAC costs nothing: what the wrapper costs without hashing")
     ap.add_argument("--json", help="write the figures here too")
     a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not mac.native_available():
+        return 2
     pp = per_packet(a.batch, a.chunk, 2 * a.repeats + 1)
-    print(f"per packet ({a.chunk}-byte payloads, batches of {a.batch}): tag {pp['tag_us']:.2f} us, "
-          f"verify {pp['verify_us']:.2f} us; hash alone: BLAKE2b-96 {pp['blake2b96_us']:.2f} us, "
-          f"HMAC-SHA256 {pp['hmac_sha256_us']:.2f} us, SHA-1 {pp['sha1_us']:.2f} us", flush=True)
-    pr = per_round(a.mib, a.world, a.rounds, a.repeats)
-    for k in ("keyless", "keyed"):
+    print(f"per packet ({a.chunk}-byte payloads, batches of {a.batch}), us:")
+    for p in PATHS:
+        print(f"  {p:>7}: tag {pp[f'tag_us_{p}']:.2f}, verify {pp[f'verify_us_{p}']:.2f}, "
+              f"MACs alone {pp[f'mac_us_{p}']:.2f}")
+    print(f"  per-packet hashlib loops: HMAC-SHA256 {pp['hmac_sha256_us']:.2f}, SHA-1 {pp['sha1_us']:.2f}",
+          flush=True)
+    paths = (*PATHS, "nomac") if a.floor else PATHS
+    pr = per_round(a.mib, a.world, a.rounds, a.repeats, paths)
+    for k in ("keyless", *(f"keyed_{p}" for p in paths)):
         d = pr[k]
-        print(f"{a.mib:g} MiB x {a.world} ranks, {k:>7}: CPU per rank and round {d['thread_cpu_ms']:.1f} ms "
+        print(f"{a.mib:g} MiB x {a.world} ranks, {k:>13}: CPU per rank and round {d['thread_cpu_ms']:.1f} ms "
               f"(process {d['process_cpu_ms']:.1f} ms), round {d['wall_ms']:.1f} ms")
-    r = pr["ratio"]
-    print(f"keyed / keyless: CPU {r['thread_cpu_ms']:.3f} (process {r['process_cpu_ms']:.3f}), "
-          f"round {r['wall_ms']:.3f}; results exact: {pr['exact']}")
+    for p in paths:
+        r = pr[f"ratio_{p}"]
+        print(f"keyed ({p}) / keyless: CPU {r['thread_cpu_ms']:.3f} (process {r['process_cpu_ms']:.3f}), "
+              f"round {r['wall_ms']:.3f}")
+    print(f"results exact: {pr['exact']}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "per_packet": pp, "per_round": pr}, indent=1))
     return 0 if pr["exact"] else 1

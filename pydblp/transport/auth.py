@@ -43,9 +43,10 @@ whose round failed first goes silent: its last failing packets still count).  On
 rank has sent one packet that verifies, it holds the key and the run's epoch,
 so later failures under its name are forgeries: counted, never raised.
 
-Cost: hashing, one BLAKE2b pass over each packet sent and each received
-(``bench/auth_cost.py``); the rest (trailers, checks, compaction) is numpy
-on the whole batch.  Thread model as the inner transport's: one thread in
+Cost: hashing, one BLAKE2b pass over each packet sent and each received, a
+whole batch per call (:class:`pydblp.mac.Macs`: C over SIMD lanes, or hashlib
+where no C compiler is; ``bench/auth_cost.py``); the rest (trailers, checks,
+compaction) is numpy on the whole batch.  Thread model as the inner transport's: one thread in
 ``send``, one in ``recv``.
 """
 
@@ -56,6 +57,7 @@ import time
 import numpy as np
 
 from pydblp import wire
+from pydblp.mac import Macs
 from pydblp.transport.base import DEFAULT_MAXLEN, Batch, Transport, TransportError
 
 TAG = int(wire.Flag.TAG)
@@ -82,16 +84,6 @@ def authenticate(transport: Transport, key: bytes | None, epoch: int = 0,
     return AuthTransport(transport, key, epoch, fail_after)
 
 
-def _rows(a: np.ndarray) -> tuple[memoryview, int]:
-    """A flat byte view over the rows of a 2-D uint8 array (unit column stride) and its row stride."""
-    n, w = a.shape
-    if a.strides[1] != 1 or a.strides[0] < w:
-        a = np.ascontiguousarray(a)
-    s = a.strides[0]
-    flat = np.lib.stride_tricks.as_strided(a, shape=((n - 1) * s + w,), strides=(1,), writeable=False)
-    return memoryview(flat), s
-
-
 class AuthTransport(Transport):
     """Tag every packet sent, verify and untag every packet received (see the module docstring).
 
@@ -115,7 +107,7 @@ class AuthTransport(Transport):
         if not 0 <= epoch < 1 << 32:
             raise ValueError(f"epoch {epoch}: use 0..2**32-1")
         self.inner, self.epoch, self.fail_after = inner, epoch, fail_after
-        self._mac = wire.mac_state(key, epoch)
+        self._macs = Macs(key, epoch)
         self._epb = np.frombuffer(epoch.to_bytes(EPOCH_LEN, "big"), np.uint8)
         self._c = {f"auth_{r}": 0 for r in ("tagged", "verified", *REASONS)}
         self._rx: Batch | None = None
@@ -151,21 +143,6 @@ class AuthTransport(Transport):
         return {**self.inner.stats(), **self._c}
 
     # ---- tags -----------------------------------------------------------
-    def _macs(self, h: np.ndarray, pay: np.ndarray, body: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """(m, MAC_LEN) MACs of packets ``rows`` (None: all): header records ``h`` (contiguous),
-        payload rows ``pay`` of ``body`` bytes each (tag excluded)."""
-        hv = memoryview(h.view(np.uint8).reshape(-1))
-        pv, s = _rows(pay)
-        idx = range(len(h)) if rows is None else rows.tolist()
-        cp = self._mac.copy
-        out = []
-        for i, b in zip(idx, (body if rows is None else body[rows]).tolist()):
-            m = cp()
-            m.update(hv[32 * i: 32 * i + 32])
-            m.update(pv[s * i: s * i + b])
-            out.append(m.digest())
-        return np.frombuffer(b"".join(out), np.uint8).reshape(-1, MAC_LEN)
-
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
         """Tag and send every packet of ``batch`` (untagged: its ``lengths`` exclude any tag);
         as :meth:`Transport.send`."""
