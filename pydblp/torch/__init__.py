@@ -117,7 +117,7 @@ class State:
         widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
         dp = open_dataplane(transport, iface, netns=netns, port=port, queue=queue, addr=addr, job=cfg.job,
                             rank=rank, world=world, rate=rate, spin=spin, max_payload=widest, key=key,
-                            epoch=epoch if key is not None else None)
+                            epoch=epoch if key is not None else None, dscp=cfg.dscp)
         try:
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
