@@ -93,7 +93,8 @@ class Config:
     fill: str = "stale"              # all-gather misses (consistent=False only): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
-    priority: str = "magnitude"      # "magnitude", "position" or "none"
+    priority: str = "magnitude"      # "magnitude", "position", "layer" (the model's structure, absolute:
+                                     # Collective.set_layers / pydblp.torch.State.register_model) or "none"
     dscp: object = "default"         # DSCP per priority on the wire (pydblp.dscp): "default" (AF41/42/43
                                      # by priority band), "off" (0), or {prio: dscp} / "PRIO=DSCP,...";
                                      # pydblp.torch opens the transport with it
