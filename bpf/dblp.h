@@ -111,12 +111,17 @@ struct dblp_msg_key {
 	__u16 pad;
 };
 
+/* where a shedding decision takes a packet's priority from (dblp_host_cfg.classify) */
+#define DBLP_CLASSIFY_HEADER 0  /* the DBLP header's prio */
+#define DBLP_CLASSIFY_DSCP   1  /* the IP header's DSCP, through dscp_prio (pydblp.dscp.prio_table) */
+#define DBLP_NDSCP          64
 struct dblp_host_cfg {
 	__u16 port;                 /* UDP destination port of DBLP traffic */
-	__u16 pad;
+	__u16 classify;             /* DBLP_CLASSIFY_* */
 	__u32 pressure;             /* 0..DBLP_PRESSURE_MAX, written by userspace */
 	__u32 rate_pps;             /* > 0: raise pressure from the arrival rate */
 	__u32 shed_at[DBLP_MAX_PRIO + 1]; /* shed prio p when pressure >= shed_at[p] */
+	__u8  dscp_prio[DBLP_NDSCP];      /* DSCP -> prio under DBLP_CLASSIFY_DSCP (0: never shed) */
 };
 
 /* Anti-spoofing: where a registered job's rank sends from.  A packet claiming

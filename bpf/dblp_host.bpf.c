@@ -143,7 +143,7 @@ int dblp_host(struct xdp_md *ctx)
 	u32 zero = 0;
 	u16 proto;
 	u32 sip[4] = {};  /* source IP for the anti-spoofing check */
-	u8 fam;
+	u8 fam, dscp;
 
 	struct dblp_host_cfg *cfg = config.lookup(&zero);
 	if (!cfg)
@@ -170,6 +170,7 @@ int dblp_host(struct xdp_md *ctx)
 		udp = (void *)ip + ip->ihl * 4;
 		sip[0] = ip->saddr;
 		fam = 4;
+		dscp = ip->tos >> 2;
 	} else if (proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = l3;
 		if ((void *)(ip6 + 1) > data_end || ip6->nexthdr != IPPROTO_UDP)
@@ -177,6 +178,7 @@ int dblp_host(struct xdp_md *ctx)
 		udp = (void *)(ip6 + 1);
 		__builtin_memcpy(sip, &ip6->saddr, sizeof(sip));
 		fam = 6;
+		dscp = (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
 	} else {
 		goto pass;
 	}
@@ -219,9 +221,16 @@ int dblp_host(struct xdp_md *ctx)
 	if (why)
 		return drop(why);
 
-	/* Shed least important data first, never past the message's own budget. */
+	/* Shed least important data first, never past the message's own budget.  The
+	 * priority comes from the DBLP header, or from the IP header's DSCP (as a switch
+	 * would see it; the budget still from the DBLP header). */
 	u8 prio = h->prio & DBLP_MAX_PRIO;
-	if (h->prio <= DBLP_MAX_PRIO && prio > 0 && h->kind == DBLP_KIND_DATA &&
+	u8 valid = h->prio <= DBLP_MAX_PRIO;
+	if (cfg->classify == DBLP_CLASSIFY_DSCP) {
+		prio = cfg->dscp_prio[dscp & (DBLP_NDSCP - 1)] & DBLP_MAX_PRIO;
+		valid = 1;
+	}
+	if (valid && prio > 0 && h->kind == DBLP_KIND_DATA &&
 	    !(h->flags & DBLP_FLAG_RETX) && cfg->shed_at[prio] &&
 	    pressure(cfg) >= cfg->shed_at[prio]) {
 		u32 budget = (u64)nchunks * h->tol / DBLP_TOL_SCALE;

@@ -12,7 +12,8 @@
  * loss, then the virtual queue of the egress port (token bucket draining at
  * `rate` bytes/s, `buffer` bytes deep): tail drop beyond the buffer, and below
  * it DBLP-priority-aware early drop (prio p dropped once the backlog would
- * pass thresh[p]; prio 0 and non-DBLP traffic never), at most
+ * pass thresh[p]; prio 0 and non-DBLP traffic never; with FABRIC_F_DSCP p is
+ * the IP header's DSCP through dscp_prio, as a DiffServ switch ranks it), at most
  * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
  * src, dst, all-gather or not).  The queue decides drops only; it never
  * delays a frame.  TCP, UDP and everything else unicast are treated alike.  A frame that
@@ -103,6 +104,26 @@ static __always_inline struct dblp_hdr *dblp_of(struct ethhdr *eth, void *data_e
 	return h;
 }
 
+/* The DSCP of an IPv4|IPv6 frame (0 for anything else). */
+static __always_inline u32 dscp_of(struct ethhdr *eth, void *data_end)
+{
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+
+		if ((void *)(ip + 1) > data_end)
+			return 0;
+		return ip->tos >> 2;
+	}
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+
+		if ((void *)(ip6 + 1) > data_end)
+			return 0;
+		return (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
+	}
+	return 0;
+}
+
 /* Burst window armed on this port and `now` inside one. */
 static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
 {
@@ -164,8 +185,11 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	struct dblp_hdr *h = dblp_of(eth, data_end);
 	u32 prio = 0, *spent = NULL;
 	u64 thresh = 0, bound = 0;
-	if (h && h->prio > 0 && h->prio < FABRIC_NPRIO) {
+	if (h && (cfg->flags & FABRIC_F_DSCP))  /* as a DiffServ switch sees it; the bound stays DBLP's */
+		prio = cfg->dscp_prio[dscp_of(eth, data_end) & (FABRIC_NDSCP - 1)];
+	else if (h && h->prio < FABRIC_NPRIO)
 		prio = h->prio;
+	if (h && prio > 0 && prio < FABRIC_NPRIO) {
 		thresh = cfg->thresh[prio & (FABRIC_NPRIO - 1)];
 		bound = (u64)bpf_ntohl(h->nchunks) * h->tol / DBLP_TOL_SCALE;
 	}

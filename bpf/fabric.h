@@ -19,6 +19,8 @@
 /* fabric_cfg.flags */
 #define FABRIC_F_GE    (1 << 0)  /* Gilbert-Elliott loss on */
 #define FABRIC_F_QUEUE (1 << 1)  /* virtual queue on (rate, buffer) */
+#define FABRIC_F_DSCP  (1 << 2)  /* early drop by the IP header's DSCP (dscp_prio), not the DBLP prio */
+#define FABRIC_NDSCP   64
 
 /* counter causes (fabric_ckey.cause) */
 #define FABRIC_C_PASS   0  /* forwarded to its egress port */
@@ -47,6 +49,7 @@ struct fabric_cfg {
 	__u32 buffer;          /* virtual queue capacity, bytes: tail drop beyond it */
 	__u32 flags;           /* FABRIC_F_* */
 	__u32 thresh[FABRIC_NPRIO]; /* early drop of DBLP prio p when backlog + len > thresh[p]; 0 = never */
+	__u8  dscp_prio[FABRIC_NDSCP]; /* FABRIC_F_DSCP: DSCP -> prio (pydblp.dscp.prio_table; 0 never) */
 };
 
 /* Per egress port, kernel-owned. */

@@ -40,7 +40,8 @@ CNT_MAX = 40
 STRUCTS = {
     "dblp_job": (("world_size", "H"), ("rank", "H"), ("transport", "B"), ("pad", "3x")),
     "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H"), ("allgather", "H"), ("pad", "H")),
-    "dblp_host_cfg": (("port", "H"), ("pad", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I")),
+    "dblp_host_cfg": (("port", "H"), ("classify", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I"),
+                      ("dscp_prio", "64B")),
     "dblp_peer_key": (("job", "I"), ("rank", "H"), ("pad", "H")),
     "dblp_peer": (("ip", "16s"), ("mac", "6s"), ("family", "B"), ("has_mac", "B")),
 }
@@ -48,6 +49,8 @@ JOB, MSG_KEY, HOST_CFG, PEER_KEY, PEER = (struct.Struct("=" + "".join(code for _
                                           for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg",
                                                        "dblp_peer_key", "dblp_peer"))
 MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen", "peers")
+
+NDSCP = 64
 
 # Default pressure at which each priority is shed: prio 7 first, prio 0 never.
 DEFAULT_SHED_AT = (0, 900, 800, 700, 600, 500, 400, 300)
@@ -58,6 +61,16 @@ class JobTransport(enum.IntEnum):
 
     XSK = 0  # redirect to the AF_XDP socket of the rx queue
     UDP = 1  # XDP_PASS to the kernel UDP stack
+
+
+class Classify(enum.IntEnum):
+    """Where a shedding decision takes a packet's priority from (``DBLP_CLASSIFY_*``)."""
+
+    HEADER = 0  # the DBLP header's prio
+    DSCP = 1    # the IP header's DSCP, through pydblp.dscp.prio_table
+
+
+CLASSIFY = tuple(c.name.lower() for c in Classify)
 
 
 class HostError(net.NetError):
@@ -84,11 +97,15 @@ class HostMaps:
         return self._cfg()[0]
 
     def configure(self, port: int | None = None, rate_pps: int | None = None,
-                  shed_at: tuple[int, ...] | None = None) -> None:
+                  shed_at: tuple[int, ...] | None = None, classify: str | None = None,
+                  dscp="default") -> None:
         """Set the DBLP UDP port, the in-kernel rate estimate (0 = off) and per-prio shed levels.
 
         ``shed_at[p]`` is the pressure (0..1000) from which prio ``p`` is shed;
-        0 means never.  Prio 0 is never shed whatever is given.
+        0 means never.  Prio 0 is never shed whatever is given.  ``classify``:
+        ``"header"`` takes a packet's priority from its DBLP header, ``"dscp"``
+        from its IP header's DSCP through ``dscp`` (a map as ``Config.dscp``:
+        :func:`pydblp.dscp.prio_table`); None leaves it as it is.
         """
         c = self._cfg()
         if port is not None:
@@ -100,7 +117,14 @@ class HostMaps:
         if shed_at is not None:
             if len(shed_at) != wire.MAX_PRIO + 1:
                 raise HostError(f"shed_at needs {wire.MAX_PRIO + 1} levels, got {len(shed_at)}")
-            c[4:] = [0] + [int(x) for x in shed_at[1:]]
+            c[4:12] = [0] + [int(x) for x in shed_at[1:]]
+        if classify is not None:
+            if classify not in CLASSIFY:
+                raise HostError(f"classify {classify!r}: use header or dscp")
+            from pydblp import dscp as dscp_mod
+
+            c[1] = Classify[classify.upper()]
+            c[12:] = dscp_mod.prio_table(dscp).tolist()
         self._set_cfg(c)
 
     @property

@@ -33,6 +33,7 @@ from scapy.layers.inet import IP, UDP  # noqa: E402
 from scapy.layers.inet6 import IPv6  # noqa: E402
 from scapy.packet import Packet, bind_bottom_up, bind_layers  # noqa: E402
 
+from pydblp import dscp as dscp_mod  # noqa: E402
 from pydblp import wire  # noqa: E402
 
 _FLAG_NAMES = [f.name for f in sorted(wire.Flag, key=int)]
@@ -124,6 +125,15 @@ def _endpoints(pkt: Packet) -> str:
     return f"{ip.src} > {ip.dst}"
 
 
+def dscp_of(pkt: Packet) -> int | None:
+    """The packet's DSCP (IPv4 TOS or IPv6 traffic class, upper six bits); None without IP."""
+    if IP in pkt:
+        return int(pkt[IP].tos) >> 2
+    if IPv6 in pkt:
+        return int(pkt[IPv6].tc) >> 2
+    return None
+
+
 def _time(pkt: Packet) -> str:
     return _dt.datetime.fromtimestamp(float(pkt.time)).strftime("%H:%M:%S.%f")
 
@@ -169,7 +179,8 @@ def tag_status(data: bytes, key: bytes) -> str:
 
 
 def summary(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
-    """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``;
+    """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``,
+    the IP header's DSCP when not 0 (``dscp AF41``: :mod:`pydblp.dscp`);
     with the job ``key``, then the tag's verdict (:func:`tag_status`).
 
     Packets that are not on a DBLP port get scapy's own summary.
@@ -181,7 +192,9 @@ def summary(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None
     reason = wire.validate(data)
     if reason is not wire.Reason.OK:
         return f"{head} malformed ({reason.name.lower()}) {len(data)} bytes"
-    return f"{head} {header_line(wire.Header.unpack(data))}" + (f" {tag_status(data, key)}" if key else "")
+    d = dscp_of(pkt)
+    mark = f" dscp {dscp_mod.name(d)}" if d else ""  # (best effort, the usual, is not shown)
+    return f"{head} {header_line(wire.Header.unpack(data))}{mark}" + (f" {tag_status(data, key)}" if key else "")
 
 
 def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
@@ -200,6 +213,9 @@ def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = Non
              "tol": f"{h.tol} ({h.tol / wire.TOL_SCALE:.2%})"}
     for name, _ in wire.FIELDS:
         out.append(f"    {name:<8} {shown.get(name, getattr(h, name))}")
+    d = dscp_of(pkt)
+    if d is not None:  # the IP header's mark of the priority (pydblp.dscp)
+        out.append(f"    {'dscp':<8} {dscp_mod.name(d)} ({d})")
     taglen = wire.TAG_LEN if h.flags & wire.Flag.TAG else 0
     body = data[wire.HEADER_LEN: len(data) - taglen] if len(data) - wire.HEADER_LEN >= taglen else b""
     out.append(f"    {'payload':<8} {len(body)} bytes" + (f": {body[:16].hex()}{'...' if len(body) > 16 else ''}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydblp import wire
+from pydblp import dscp, wire
 from pydblp.collective import estimators, phase as phases
 
 # plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
@@ -93,7 +93,11 @@ class Config:
     fill: str = "stale"              # all-gather misses (consistent=False only): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
-    priority: str = "magnitude"      # "magnitude", "position" or "none"
+    priority: str = "magnitude"      # "magnitude", "position", "layer" (the model's structure, absolute:
+                                     # Collective.set_layers / pydblp.torch.State.register_model) or "none"
+    dscp: object = "default"         # DSCP per priority on the wire (pydblp.dscp): "default" (AF41/42/43
+                                     # by priority band), "off" (0), or {prio: dscp} / "PRIO=DSCP,...";
+                                     # pydblp.torch opens the transport with it
     phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
     chunk_bytes: int | None = 1408   # payload per packet (fits MTU 1500 over IPv4 and IPv6); None:
                                      # pydblp.torch.State picks the links' size (link_chunk_bytes)
@@ -143,6 +147,7 @@ class Config:
         if self.on_record is not None and not callable(self.on_record):
             raise ValueError(f"on_record {self.on_record!r}: give a callable taking a RoundRecord, or None")
         phases.make(self.phase)  # a bad phase spec or tolerance
+        dscp.resolve(self.dscp)  # a bad DSCP map
 
     def check_group(self, group) -> None:
         """Raise ValueError unless ``group`` (Collective's) is given exactly when ``allgather`` is

@@ -90,6 +90,22 @@ class Collective:
         self._alarm.set(IDLE_GRACE)
 
     # ---- public ----------------------------------------------------------
+    def set_layers(self, tensor: int, classes: np.ndarray | None) -> None:
+        """Give tensor ``tensor`` its chunks' priority classes for ``Config(priority="layer")``
+        (:func:`~pydblp.collective.estimators.layer_classes`; None forgets them).  Call it between
+        rounds, from the thread that runs them; a round uses what was given when it started.
+
+        Raises:
+            ValueError: a class outside 1..7.
+        """
+        if classes is None:
+            self.protocol.layers.pop(tensor, None)
+            return
+        c = np.asarray(classes, np.uint8)
+        if len(c) and (c.min() < 1 or c.max() > 7):
+            raise ValueError("layer classes must be 1..7 (0 is kept for control packets)")
+        self.protocol.layers[tensor] = c
+
     @property
     def index(self) -> int:
         """Rounds this rank has finished."""

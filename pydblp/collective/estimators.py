@@ -23,7 +23,7 @@ import numpy as np
 
 ESTIMATORS = ("zero", "unbiased")
 FILLS = ("stale", "local")
-PRIORITIES = ("magnitude", "position", "none")
+PRIORITIES = ("magnitude", "position", "layer", "none")
 
 
 def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool = False) -> np.ndarray:
@@ -66,17 +66,26 @@ def _classes(n: int) -> np.ndarray:
     return c
 
 
-def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None) -> np.ndarray:
+def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None,
+                   layers: np.ndarray | None = None) -> np.ndarray:
     """Priority class 1 (most important) .. 7 per chunk; 0 is kept for control and pins.
 
     ``magnitude``: chunks ranked by L2 norm, largest first (MLT).
     ``position``: by position in the tensor, earliest first (DDP buckets
     list the last layers first, so early rows are the layers nearest the
-    output).  ``none``: all 1.
+    output).  ``layer``: ``layers[first_row + i]``, the whole tensor's class
+    per chunk from the model's structure (:func:`layer_classes`); without
+    ``layers`` (a tensor nobody described), as ``position``.  ``none``: all 1.
+    Every class but ``layer``'s is relative to the message.
     """
     n = len(rows)
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
+    if how == "layer":
+        if layers is None:
+            how = "position"
+        else:
+            return np.ascontiguousarray(layers[first_row: first_row + n], np.uint8)
     if how == "magnitude":
         norms = np.einsum("ij,ij->i", rows, rows)  # squared: same order, no temporary
         out = np.empty(n, np.uint8)
@@ -85,3 +94,43 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: i
     if how == "position":
         return _bands((first_row + np.arange(n)) / (total_rows or n))
     raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")
+
+
+def layer_classes(sizes, depths, layers: int, chunk_values: int) -> np.ndarray:
+    """The ``layer`` priority of each chunk of a flat tensor made of parameters.
+
+    The rule: layer ``d`` of ``layers`` (0 the input's, ``layers - 1`` the
+    output's: the model's order, not the bucket's) gets class
+    ``1 + floor(7 * (layers - 1 - d) / layers)``: the layers nearest the
+    output most important (their error reaches the loss undiluted, they are
+    the fewest parameters of a typical network, and DDP all-reduces them
+    first), the input's least.  A chunk spanning several parameters takes the
+    most important class among them.  Classes depend only on the model's
+    structure, so every rank computes the same ones, and they are absolute
+    over the model (a bucket of early layers is all low priority), unlike
+    ``magnitude`` and ``position``, which rank chunks within one message.
+
+    Args:
+        sizes: values of each parameter, in the flat tensor's order.
+        depths: each parameter's layer, 0..layers-1.
+        layers: the model's number of layers.
+        chunk_values: values per chunk (``Config.chunk_bytes // 4``).
+
+    Raises:
+        ValueError: lengths that differ, a depth outside 0..layers-1 or a
+            chunk size below 1.
+    """
+    sizes, depths = np.asarray(sizes, np.int64), np.asarray(depths, np.int64)
+    if len(sizes) != len(depths) or chunk_values < 1 or layers < 1:
+        raise ValueError("layer_classes: one depth per size, chunk_values >= 1, layers >= 1")
+    if len(depths) and (depths.min() < 0 or depths.max() >= layers):
+        raise ValueError(f"layer_classes: depths must be in 0..{layers - 1}")
+    cls = (1 + (7 * (layers - 1 - depths)) // layers).astype(np.uint8)
+    ends = np.cumsum(sizes)
+    n = int(-(-int(ends[-1]) // chunk_values)) if len(ends) else 0
+    out = np.full(n, 7, np.uint8)
+    starts = ends - sizes
+    for s, e, c in zip((starts // chunk_values).tolist(), ((ends - 1) // chunk_values).tolist(), cls.tolist()):
+        if e >= s:
+            np.minimum(out[s: e + 1], c, out=out[s: e + 1])
+    return out

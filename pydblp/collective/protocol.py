@@ -46,6 +46,7 @@ class Protocol:
                  group: tuple | None = None):
         self.cfg = c = config or Config()
         c.check()
+        self.layers: dict[int, np.ndarray] = {}  # tensor -> class per chunk (priority "layer")
         c.check_group(group)
         if not 1 <= world <= 0xFFFF:
             raise ValueError(f"world {world}: use 1..65535")
@@ -153,7 +154,7 @@ class Protocol:
             if not reduce:
                 continue
             rows = st.x[a:b]
-            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(rows, a, T), st.tol8, st.round, tensor)
+            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(rows, a, T, tensor), st.tol8, st.round, tensor)
         for key, inn in list(st.ins.items()):
             if inn.n == 0:
                 del st.ins[key]
@@ -169,8 +170,8 @@ class Protocol:
             buf = self._bufs[key] = np.empty(shape, np.float32)
         return buf
 
-    def _prio(self, rows: np.ndarray, first: int, total: int) -> np.ndarray:
-        return estimators.chunk_priority(rows, self.cfg.priority, first, total)
+    def _prio(self, rows: np.ndarray, first: int, total: int, tensor: int) -> np.ndarray:
+        return estimators.chunk_priority(rows, self.cfg.priority, first, total, self.layers.get(tensor))
 
     # ---- the loop --------------------------------------------------------
     def run(self, st: Round) -> None:
@@ -254,7 +255,7 @@ class Protocol:
         a, b = st.bounds[st.my_shard]
         st.have[a:b] = True
         st.reduced = True
-        prio = self._prio(st.y[a:b], a, len(st.y))
+        prio = self._prio(st.y[a:b], a, len(st.y), st.tensor)
         tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets the shard whole
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
         # (the last owner to reduce has none left: all of it goes at once)

@@ -31,6 +31,8 @@ P_ONE = 1 << 32
 NPRIO = 8
 F_GE = 1 << 0
 F_QUEUE = 1 << 1
+F_DSCP = 1 << 2
+NDSCP = 64
 
 # counter causes (bpf/fabric.h FABRIC_C_*)
 C_PASS, C_LOSS, C_GE, C_BURST, C_TAIL, C_BOUND, C_FLOOD, C_EARLY = 0, 1, 2, 3, 4, 5, 6, 8
@@ -41,10 +43,10 @@ CAUSES.update({C_EARLY + p: f"early{p}" for p in range(NPRIO)})
 DROP_CAUSES = ("loss", "ge", "burst", "tail") + tuple(f"early{p}" for p in range(NPRIO))
 
 # struct layouts (native byte order, as the kernel sees them)
-CFG = struct.Struct("=11QII8I")      # struct fabric_cfg
+CFG = struct.Struct("=11QII8I64B")  # struct fabric_cfg
 CFG_FIELDS = ("loss", "ge_p", "ge_r", "ge_loss_good", "ge_loss_bad", "burst_ratio",
               "burst_start_ns", "burst_dur_ns", "burst_period_ns", "burst_count", "rate",
-              "buffer", "flags", "thresh")
+              "buffer", "flags", "thresh", "dscp_prio")
 STATE = struct.Struct("=IIQQQ")      # struct fabric_state (lock, ge_bad, backlog, last_ns, peak)
 CKEY = struct.Struct("=II")          # struct fabric_ckey
 CVAL = struct.Struct("=QQ")          # struct fabric_cval
@@ -85,15 +87,16 @@ class PortConfig:
     buffer: int = 0
     flags: int = 0
     thresh: tuple = (0,) * NPRIO
+    dscp_prio: tuple = (0,) * NDSCP
 
     def pack(self) -> bytes:
-        vals = [getattr(self, f) for f in CFG_FIELDS[:-1]]
-        return CFG.pack(*vals, *self.thresh)
+        vals = [getattr(self, f) for f in CFG_FIELDS[:-2]]
+        return CFG.pack(*vals, *self.thresh, *self.dscp_prio)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PortConfig":
         vals = CFG.unpack(raw)
-        return cls(*vals[:13], thresh=tuple(vals[13:]))
+        return cls(*vals[:13], thresh=tuple(vals[13:13 + NPRIO]), dscp_prio=tuple(vals[13 + NPRIO:]))
 
     def describe(self) -> dict:
         """Human units: what ``dblp fault stats``/``status`` print."""
@@ -109,7 +112,8 @@ class PortConfig:
                             "every": self.burst_period_ns / 1e9 or None,
                             "count": self.burst_count or None}
         if self.flags & F_QUEUE:
-            out["queue"] = {"rate_bps": self.rate * 8, "buffer": self.buffer, "thresh": list(self.thresh)}
+            out["queue"] = {"rate_bps": self.rate * 8, "buffer": self.buffer, "thresh": list(self.thresh),
+                            "classify": "dscp" if self.flags & F_DSCP else "header"}
         return out
 
 
@@ -278,13 +282,25 @@ class Fabric:
                      burst_count=_field(int(count or 0), U64_MAX, "burst count"))
         return start_ns / 1e9
 
-    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None) -> None:
+    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, classify: str = "header",
+              dscp="default") -> None:
         """Virtual queue on the egress port: drain at ``rate`` (bits/s or '1gbit'), ``buffer`` bytes.
 
         ``thresholds``: early-drop backlog per DBLP prio (8 values, bytes; prio 0
         is never early-dropped whatever its value); default
-        :func:`default_thresholds`.  ``rate=0`` removes the queue.
+        :func:`default_thresholds`; all 0: a drop-tail queue.  ``rate=0`` removes
+        the queue.  ``classify``: a packet's prio from its DBLP header
+        (``"header"``) or from its IP header's DSCP (``"dscp"``, through
+        ``dscp``, a map as ``Config.dscp``: :func:`pydblp.dscp.prio_table`).
         """
+        if classify not in ("header", "dscp"):
+            raise FabricError(f"classify {classify!r}: use header or dscp")
+        from pydblp import dscp as dscp_mod
+
+        try:
+            dscp_prio = tuple(dscp_mod.prio_table(dscp).tolist())
+        except ValueError as e:
+            raise FabricError(str(e)) from None
         bits = parse_rate(rate)
         size = parse_size(buffer)
         if bits and size < 64:
@@ -300,6 +316,8 @@ class Fabric:
             cfg.rate, cfg.buffer = bits // 8, size if bits else 0
             cfg.thresh = thresholds if bits else (0,) * NPRIO
             cfg.flags = (cfg.flags | F_QUEUE) if bits else (cfg.flags & ~F_QUEUE)
+            cfg.flags = (cfg.flags | F_DSCP) if bits and classify == "dscp" else (cfg.flags & ~F_DSCP)
+            cfg.dscp_prio = dscp_prio
             self.maps["port_cfg"].update(U32.pack(idx), cfg.pack())
             self._reset_state(idx, keep_queue=False)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pydblp import net, wire
 from pydblp.auth import load_key, new_epoch
-from pydblp.collective import Collective, CollectiveError, Config, link_chunk_bytes
+from pydblp.collective import Collective, CollectiveError, Config, estimators, link_chunk_bytes
 from pydblp.dataplane import check_kind, open_dataplane
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
@@ -48,6 +48,7 @@ class State:
 
     def __init__(self, collective: Collective, owned=()):
         self.collective = collective
+        self.depth: dict[int, tuple[int, int]] = {}  # id(parameter) -> (layer, layers): register_model
         self._owned = list(owned)
         self._jobs: _queue.Queue = _queue.Queue()
         self._failed: BaseException | None = None
@@ -117,7 +118,7 @@ class State:
         widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
         dp = open_dataplane(transport, iface, netns=netns, port=port, queue=queue, addr=addr, job=cfg.job,
                             rank=rank, world=world, rate=rate, spin=spin, max_payload=widest, key=key,
-                            epoch=epoch if key is not None else None)
+                            epoch=epoch if key is not None else None, dscp=cfg.dscp)
         try:
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
@@ -135,6 +136,15 @@ class State:
             dp.close()
             raise
         return cls(col, owned=[col, dp])
+
+    def register_model(self, module: torch.nn.Module) -> None:
+        """Describe ``module``'s layers for ``Config(priority="layer")``: a layer is a module
+        holding parameters of its own, numbered in registration order (the model's order from input
+        to output for sequential models), the same on every rank.  :func:`hook` then gives each
+        bucket its chunks' classes (:func:`pydblp.collective.estimators.layer_classes`).
+        """
+        owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.depth = {id(p): (d, len(owners)) for d, m in enumerate(owners) for p in m.parameters(recurse=False)}
 
     def submit(self, fn, *args) -> torch.futures.Future:
         """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
@@ -196,12 +206,30 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     grad = buf.detach().to("cpu", torch.float32).numpy()
     tensor_id = bucket.index() & 0xFFFF
     last = bucket.is_last()
+    classes = _bucket_layers(state, bucket, len(grad))
 
     def run(col: Collective, g=grad, like=buf):
+        if classes is not None:
+            col.set_layers(tensor_id, classes)
         out = _stepped_allreduce(col, g, tensor_id, last)
         return torch.from_numpy(out).to(like.device, like.dtype)
 
     return state.submit(run)
+
+
+def _bucket_layers(state: State, bucket, values: int):
+    """The bucket's chunk classes under ``priority="layer"`` (its parameters' layers, in the
+    bucket's order, which is its buffer's), or None: another priority, no model registered
+    (``State.register_model``; the collective then ranks by position), or a parameter unknown."""
+    cfg = state.collective.cfg
+    if cfg.priority != "layer" or not state.depth:
+        return None
+    params = bucket.parameters()
+    known = [state.depth.get(id(p)) for p in params]
+    if None in known or sum(p.numel() for p in params) != values:
+        return None
+    return estimators.layer_classes([p.numel() for p in params], [d for d, _ in known], known[0][1],
+                                    cfg.chunk_bytes // 4)
 
 
 def _stepped_allreduce(col: Collective, grad: np.ndarray, tensor: int, last: bool) -> np.ndarray:

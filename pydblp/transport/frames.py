@@ -9,7 +9,10 @@ On send, each peer has a template (the Eth/IP/UDP headers with lengths and
 checksums zero) and a precomputed partial checksum; only the length fields
 and checksums differ per packet.  The IPv4 header checksum is always
 computed; the UDP checksum is 0 on IPv4 (allowed, RFC 768) and computed on
-IPv6 (mandatory, RFC 8200 section 8.1).
+IPv6 (mandatory, RFC 8200 section 8.1).  A batch may carry a TOS byte per
+packet (``tos``: :func:`pydblp.dscp.tos_table` of the header's priority),
+written into the IPv4 TOS byte (the header checksum adjusted, RFC 1624) or
+the IPv6 traffic class; the UDP checksum covers neither.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class Templates:
 
 
 def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
-          lengths: np.ndarray) -> list[tuple]:
+          lengths: np.ndarray, tos: np.ndarray | None = None) -> list[tuple]:
     """Frames for a batch: ``[(rows, frames (m, L) uint8, frame_lens (m,))]``, one item per header length.
 
     ``rows`` index the batch (None: all rows, in order); frame bytes past
@@ -140,17 +143,21 @@ def build(tp: Templates, peer: np.ndarray, headers: np.ndarray, payload: np.ndar
     hl_all = tp.hlen[peer]
     hl0 = hl_all[0]
     if np.all(hl_all == hl0):
-        return [(None, *build_one(tp, int(hl0), peer, headers, payload, lengths))]
+        return [(None, *build_one(tp, int(hl0), peer, headers, payload, lengths, tos=tos))]
     out_list = []
     for hl in np.unique(hl_all):
         rows = np.flatnonzero(hl_all == hl)
-        out_list.append((rows, *build_one(tp, int(hl), peer[rows], wire.take(headers, rows), payload[rows], lengths[rows])))
+        out_list.append((rows, *build_one(tp, int(hl), peer[rows], wire.take(headers, rows), payload[rows],
+                                          lengths[rows], tos=None if tos is None else tos[rows])))
     return out_list
 
 
 def build_one(tp: Templates, hl: int, peer: np.ndarray, headers: np.ndarray, payload: np.ndarray,
-              lengths: np.ndarray, out: np.ndarray | None = None) -> tuple:
-    """``build`` for peers that all have header length ``hl`` (unchecked): ``(frames, frame_lens)``."""
+              lengths: np.ndarray, out: np.ndarray | None = None, tos: np.ndarray | None = None) -> tuple:
+    """``build`` for peers that all have header length ``hl`` (unchecked): ``(frames, frame_lens)``.
+
+    ``tos``: the TOS / traffic-class byte of each packet, or None (0).
+    """
     m = len(peer)
     w = int(lengths.max()) if m else 0
     if w > payload.shape[1]:
@@ -182,7 +189,36 @@ def build_one(tp: Templates, hl: int, peer: np.ndarray, headers: np.ndarray, pay
         c[c == 0] = 0xFFFF
         st[:, u + 6] = (c >> np.uint64(8)).astype(np.uint8)
         st[:, u + 7] = (c & np.uint64(0xFF)).astype(np.uint8)
+    if tos is not None:
+        set_tos(st, hl, tos)
     return st, hl + wire.HEADER_LEN + lengths
+
+
+def set_tos(st: np.ndarray, hl: int, tos: np.ndarray) -> None:
+    """Write ``tos`` into frames ``st`` built from templates (``hl``: HDR4 or HDR6): the IPv4 TOS
+    byte with the header checksum updated incrementally (RFC 1624: the template's TOS is 0, so the
+    word 0x45|TOS grows by TOS), or the IPv6 traffic class (flow label 0, as templates have it)."""
+    t = np.asarray(tos, np.uint8)
+    if hl == HDR4:
+        old = (st[:, 24].astype(np.uint32) << 8) | st[:, 25]
+        c = (~old & 0xFFFF) + t
+        c = (c & 0xFFFF) + (c >> 16)
+        c = ~c & 0xFFFF
+        st[:, 15] = t
+        st[:, 24] = c >> 8
+        st[:, 25] = c & 0xFF
+    else:
+        st[:, 14] = 0x60 | (t >> 4)
+        st[:, 15] = (t & 0x0F) << 4
+
+
+def dscp_of(block: np.ndarray, family) -> np.ndarray:
+    """The DSCP of each frame of ``block`` (Ethernet without VLAN tag; ``family`` 4 or 6 per frame
+    or one int): the IPv4 TOS byte's or the IPv6 traffic class's upper six bits."""
+    b = block.astype(np.int64)
+    v4 = b[:, 15] >> 2
+    v6 = ((b[:, 14] & 0x0F) << 2) | (b[:, 15] >> 6)
+    return np.where(np.asarray(family) == 4, v4, v6)
 
 
 def parse(block: np.ndarray, frame_lens: np.ndarray, port: int | None = None):

@@ -72,6 +72,7 @@ import time
 
 import numpy as np
 
+from pydblp import dscp as dscp_mod
 from pydblp import net, wire
 from pydblp._libc import libc
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
@@ -88,9 +89,12 @@ MMSG_DTYPE = np.dtype([("name", "<u8"), ("namelen", "<u4"), ("_p0", "<u4"), ("io
                        ("control", "<u8"), ("controllen", "<u8"), ("flags", "<i4"), ("_p1", "<u4"),
                        ("len", "<u4"), ("_p2", "<u4")])
 IOV_DTYPE = np.dtype([("base", "<u8"), ("len", "<u8")])
-# struct cmsghdr carrying UDP_SEGMENT's u16 segment size: CMSG_LEN(2) = 18, CMSG_SPACE(2) = 24
-CMSG_DTYPE = np.dtype([("len", "<u8"), ("level", "<i4"), ("type", "<i4"), ("gso", "<u2"), ("_pad", "V6")])
-assert MMSG_DTYPE.itemsize == 64 and IOV_DTYPE.itemsize == 16 and CMSG_DTYPE.itemsize == 24
+# a message's control data: a struct cmsghdr carrying UDP_SEGMENT's u16 segment size (CMSG_LEN(2) = 18,
+# CMSG_SPACE(2) = 24), then one carrying the int TOS / traffic class (CMSG_LEN(4) = 20, CMSG_SPACE(4) = 24)
+CMSG_DTYPE = np.dtype([("len", "<u8"), ("level", "<i4"), ("type", "<i4"), ("gso", "<u2"), ("_pad", "V6"),
+                       ("tlen", "<u8"), ("tlevel", "<i4"), ("ttype", "<i4"), ("tos", "<i4"), ("_pad2", "V4")])
+CMSG_SEG = 24  # bytes of the UDP_SEGMENT cmsg: a message without one points its control data past it
+assert MMSG_DTYPE.itemsize == 64 and IOV_DTYPE.itemsize == 16 and CMSG_DTYPE.itemsize == 48
 SOL_UDP = 17
 UDP_SEGMENT = 103
 GSO_MAX_SEGS = 64        # datagrams per message (UDP_MAX_SEGMENTS; 6.x kernels allow 128)
@@ -162,6 +166,16 @@ class UdpTransport(Transport):
     its port: the first peer registered at an address names everything
     from it.
 
+    ``dscp`` (as ``Config.dscp``, :mod:`pydblp.dscp`): each datagram's DSCP
+    from its DBLP priority, set per ``sendmmsg`` message in an ``IP_TOS`` (IPv4
+    peer) or ``IPV6_TCLASS`` (IPv6 peer) cmsg; a GSO message then holds
+    packets of one DSCP only.  (Measured on loopback, 1024 packets of 1408
+    bytes a send: one cmsg per message costs nothing measurable with
+    priorities in runs (position, layer: 2.9 vs 3.0 Mpps), but priorities that
+    alternate packet by packet (magnitude) cut GSO runs short: 1.3 vs 3.7
+    Mpps.  A socket per DSCP would break the same runs; reordering a send by
+    DSCP would break the in-order sending the loss detection relies on.)
+
     A peer may be an IPv4 broadcast address (the socket then gets SO_BROADCAST):
     one send reaches every host on the segment.  The kernel loops a copy of
     each such message back to this host; a socket filter (attached with the
@@ -175,7 +189,7 @@ class UdpTransport(Transport):
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 32 << 20,
                  sndbuf: int = 2 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None,
-                 gro: bool | None = None):
+                 gro: bool | None = None, dscp="default"):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
         self.spin = spin
         self._sock = None
@@ -214,6 +228,9 @@ class UdpTransport(Transport):
         self._tx_cmsg["len"] = 18
         self._tx_cmsg["level"] = SOL_UDP
         self._tx_cmsg["type"] = UDP_SEGMENT
+        self._tx_cmsg["tlen"] = 20
+        self._tos = dscp_mod.tos_table(dscp)  # header prio -> TOS byte; None: none set (DSCP 0)
+        self._v6peer = np.zeros(0, bool)  # per peer: sent to over IPv6 (traffic class), else IPv4 (TOS)
         self.max_batch = cap
         self.gso = False
         try:
@@ -289,6 +306,7 @@ class UdpTransport(Transport):
         self._peer_key.setdefault(self._addr_key(row[0]), len(self._peers) - 1)  # first registration wins
         self._host_peer.clear()  # a source seen before it was registered is looked up again
         self._bcast = np.append(self._bcast, bcast)
+        self._v6peer = np.append(self._v6peer, ip.version == 6)
         self._nbcast = int(self._bcast.sum())
         if self.family == socket.AF_INET6:
             mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed) if ip.version == 4 else ip
@@ -612,6 +630,7 @@ class UdpTransport(Transport):
         if lens.max() > pay.shape[1]:
             raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
         names = self._names  # keep alive for the call (the messages point into it)
+        tos = None if self._tos is None else self._tos[hdrs["prio"]]
         deadline = None if timeout is None else time.monotonic() + timeout
         sent = 0
         while sent < n:
@@ -625,16 +644,21 @@ class UdpTransport(Transport):
                 iov["base"][:m, 1] = np.uint64(key[1]) + self._tx_off[:m] * np.uint64(key[2])
                 self._tx_bound = (key, m)
             iov["len"][:m, 1] = lens[rows]
-            first, count = self._messages(peer[rows], lens[rows])
+            first, count = self._messages(peer[rows], lens[rows], None if tos is None else tos[rows])
             nm = len(first)
             mm = self._tx_mmsg[:nm]
             mm["iov"] = self._tx_iov_at[first]
             mm["iovlen"] = 2 * count
             mm["name"] = np.uint64(names.ctypes.data) + peer[rows][first].astype(np.uint64) * np.uint64(SOCKADDR_LEN)
             seg = count > 1  # a message of several datagrams carries their size in a UDP_SEGMENT cmsg
-            mm["control"] = self._tx_cmsg_at[:nm] * seg
-            mm["controllen"] = seg * CMSG_DTYPE.itemsize
             self._tx_cmsg["gso"][:nm] = lens[rows][first] + wire.HEADER_LEN
+            if tos is None:
+                mm["control"] = self._tx_cmsg_at[:nm] * seg
+                mm["controllen"] = seg * CMSG_SEG
+            else:  # every message carries its TOS (after the UDP_SEGMENT cmsg when it has one)
+                mm["control"] = self._tx_cmsg_at[:nm] + (~seg * np.uint64(CMSG_SEG))
+                mm["controllen"] = np.where(seg, CMSG_DTYPE.itemsize, CMSG_DTYPE.itemsize - CMSG_SEG)
+                self._set_tos(self._tx_cmsg[:nm], peer[rows][first], tos[rows][first])
             done = errs = pk = 0  # messages done, packets failed, packets done
             fallback = False
             while done < nm:
@@ -675,6 +699,14 @@ class UdpTransport(Transport):
                 break
         return sent
 
+    def _set_tos(self, cm: np.ndarray, peer: np.ndarray, tos: np.ndarray) -> None:
+        """Fill the TOS cmsgs ``cm`` for messages to ``peer`` with ``tos``: IP_TOS to an IPv4 peer
+        (a dual-stack socket sends to it over IPv4), IPV6_TCLASS to an IPv6 one."""
+        v6 = self._v6peer[peer]
+        cm["tlevel"] = np.where(v6, socket.IPPROTO_IPV6, socket.IPPROTO_IP)
+        cm["ttype"] = np.where(v6, socket.IPV6_TCLASS, socket.IP_TOS)
+        cm["tos"] = tos
+
     def _wait_room(self, deadline: float | None) -> bool:
         """The socket buffer is full: wait (<= 5 ms at a time) for room; False once ``deadline`` passed."""
         self._c["tx_blocked"] += 1
@@ -691,13 +723,18 @@ class UdpTransport(Transport):
             raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
         if max(lens) > batch.payload.shape[1]:
             raise ValueError(f"lengths exceed the payload width {batch.payload.shape[1]}")
-        hb = np.ascontiguousarray(batch.headers[:n]).view(np.uint8).reshape(n, wire.HEADER_LEN)
+        hdrs = np.ascontiguousarray(batch.headers[:n])
+        hb = hdrs.view(np.uint8).reshape(n, wire.HEADER_LEN)
+        anc = [[] for _ in range(n)] if self._tos is None else [
+            [(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, int(t).to_bytes(4, sys.byteorder)) if self._v6peer[p]
+             else (socket.IPPROTO_IP, socket.IP_TOS, int(t).to_bytes(4, sys.byteorder))]
+            for p, t in zip(peer, self._tos[hdrs["prio"]].tolist())]
         deadline = None if timeout is None else time.monotonic() + timeout
         sent = 0
         while sent < n:
             i = sent
             try:
-                self._sock.sendmsg([hb[i], np.ascontiguousarray(batch.payload[i, : lens[i]])], (), MSG_DONTWAIT,
+                self._sock.sendmsg([hb[i], np.ascontiguousarray(batch.payload[i, : lens[i]])], anc[i], MSG_DONTWAIT,
                                    self._addrs[peer[i]])
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
@@ -712,18 +749,21 @@ class UdpTransport(Transport):
             sent += 1
         return sent
 
-    def _messages(self, peer: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _messages(self, peer: np.ndarray, lens: np.ndarray, tos: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
         """Group packets into sendmmsg messages: (first packet, packet count) of each.
 
         With GSO, a message is a run of consecutive packets to one peer with
-        one length, cut at GSO_MAX_SEGS datagrams or GSO_MAX_BYTES; else one
-        packet per message.
+        one length and one TOS (``tos``, per packet, or None), cut at
+        GSO_MAX_SEGS datagrams or GSO_MAX_BYTES; else one packet per message.
         """
         m = len(peer)
         if not self.gso or m == 1:
             return np.arange(m), np.ones(m, np.int64)
         size = lens + wire.HEADER_LEN
-        key = peer * 65536 + size  # a run: one peer, one size
+        key = peer * 65536 + size  # a run: one peer, one size (one TOS)
+        if tos is not None:
+            key = key * 256 + tos
         brk = np.empty(m, bool)
         brk[0] = True
         np.not_equal(key[1:], key[:-1], out=brk[1:])

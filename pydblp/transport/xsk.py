@@ -59,6 +59,7 @@ import time
 
 import numpy as np
 
+from pydblp import dscp as dscp_mod
 from pydblp import net, wire
 from pydblp.transport import frames, neighbor
 from pydblp.transport import xsk_ring as ring
@@ -91,6 +92,8 @@ class XskTransport(XskReceive, Transport):
     again (``wire.validate_batch``) and counts failures in ``rx_invalid``.
     ``rate`` (bits/s, 0: none) and ``rate_burst`` (bytes) pace transmission
     like a line-rate link (module docstring: qdiscs never see AF_XDP frames).
+    ``dscp`` (as ``Config.dscp``, :mod:`pydblp.dscp`): the DSCP written into
+    each frame's IP header from its DBLP priority.
     ``sg``: multi-buffer (``XDP_USE_SG``; None: where the kernel has it,
     6.6+): a frame longer than a UMEM frame (jumbo MTUs) spans several
     descriptors, chained with ``XDP_PKT_CONTD``, on receive and transmit;
@@ -107,7 +110,8 @@ class XskTransport(XskReceive, Transport):
                  rx_frames: int = 16384, tx_frames: int = 4096, rx_ring: int | None = None,
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
-                 spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk"):
+                 spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
+                 dscp="default"):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port)
         self.spin = spin
         if tx not in ("xsk", "kernel"):
@@ -147,6 +151,7 @@ class XskTransport(XskReceive, Transport):
         self.rate, self.rate_burst = self._pacer.rate, self._pacer.burst
         self._sources = frames.Sources()
         self._tmpl = frames.Templates()
+        self._tos = dscp_mod.tos_table(dscp)  # header prio -> TOS / traffic class byte; None: 0
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
                                  "rx_truncated", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
         try:
@@ -208,7 +213,7 @@ class XskTransport(XskReceive, Transport):
             if tx == "kernel":  # its own ephemeral port: it must not take this port's traffic
                 from pydblp.transport.udp import UdpTransport
 
-                self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096)
+                self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096, dscp=dscp)
         except BaseException:
             self.close()
             raise
@@ -470,11 +475,11 @@ class XskTransport(XskReceive, Transport):
                 np.empty((m, kmax * fs), np.uint8)
             if one_hl:
                 _, lens = frames.build_one(self._tmpl, int(hl[0]), part.peer, part.headers, part.payload,
-                                           part.lengths, out=span)
+                                           part.lengths, out=span, tos=self._tos_of(part))
             else:
                 lens = np.empty(m, np.int64)
                 for rows, st, flen in frames.build(self._tmpl, part.peer, part.headers, part.payload,
-                                                   part.lengths):  # rows: an index array (lengths differ)
+                                                   part.lengths, self._tos_of(part)):  # rows: index arrays
                     span[rows, : st.shape[1]] = st
                     lens[rows] = flen
             pk = np.repeat(np.arange(m), k)  # packet of each descriptor
@@ -520,11 +525,11 @@ class XskTransport(XskReceive, Transport):
             f0 = int(fr[0])
             if one_hl:  # built in place: every frame fits a UMEM frame (checked above)
                 _, lens = frames.build_one(self._tmpl, hl_max, part.peer, part.headers, part.payload,
-                                           part.lengths, out=self._umem2d[f0: f0 + m])
+                                           part.lengths, out=self._umem2d[f0: f0 + m], tos=self._tos_of(part))
             else:
                 lens = np.empty(m, np.int64)
                 for rows, st, flen in frames.build(self._tmpl, part.peer, part.headers, part.payload,
-                                                   part.lengths):
+                                                   part.lengths, self._tos_of(part)):
                     self._umem2d[fr[rows], : st.shape[1]] = st
                     lens[rows] = flen
             dd = self._tx_words[i0: i0 + m]  # descriptors as (addr, len | options << 32) words
@@ -534,6 +539,10 @@ class XskTransport(XskReceive, Transport):
             sent += m
         self._push_out(deadline)
         return sent
+
+    def _tos_of(self, part: Batch) -> np.ndarray | None:
+        """The TOS byte of each packet of ``part`` from its priority, or None (none set)."""
+        return None if self._tos is None else self._tos[part.headers["prio"]]
 
     def _wait_room(self, deadline: float | None) -> bool:
         """The ring or the frames are all taken: push, wait for completions (and tokens, when paced).

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pydblp import bpf, wire
+from pydblp import bpf, dscp, wire
 from pydblp.testbed import fabric as fb
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -100,7 +100,7 @@ def _layout(ctype) -> list[tuple[str, int, int]]:
 
 def test_struct_mirrors_match_compiled_types(compiled):
     b, _ = compiled
-    assert ctypes.sizeof(b[b"port_cfg"].Leaf) == fb.CFG.size == 128
+    assert ctypes.sizeof(b[b"port_cfg"].Leaf) == fb.CFG.size == 192
     assert ctypes.sizeof(b[b"port_state"].Leaf) == fb.STATE.size
     assert ctypes.sizeof(b[b"msgs"].Key) == fb.MSG.size
     assert ctypes.sizeof(b[b"fdb"].Key) == fb.MAC.size
@@ -116,7 +116,8 @@ def test_struct_mirrors_match_compiled_types(compiled):
 
 def test_constants_match_header():
     text = (bpf.BPF_DIR / "fabric.h").read_text()
-    consts = {"FABRIC_F_GE": fb.F_GE, "FABRIC_F_QUEUE": fb.F_QUEUE, "FABRIC_C_PASS": fb.C_PASS,
+    consts = {"FABRIC_F_GE": fb.F_GE, "FABRIC_F_QUEUE": fb.F_QUEUE, "FABRIC_F_DSCP": fb.F_DSCP,
+              "FABRIC_NDSCP": fb.NDSCP, "FABRIC_C_PASS": fb.C_PASS,
               "FABRIC_C_LOSS": fb.C_LOSS, "FABRIC_C_GE": fb.C_GE, "FABRIC_C_BURST": fb.C_BURST,
               "FABRIC_C_TAIL": fb.C_TAIL, "FABRIC_C_BOUND": fb.C_BOUND, "FABRIC_C_FLOOD": fb.C_FLOOD,
               "FABRIC_C_EARLY": fb.C_EARLY, "FABRIC_NCAUSES": fb.NCAUSES, "FABRIC_NPRIO": fb.NPRIO}
@@ -292,6 +293,30 @@ def test_priority_queue_early_drop_order_and_bound(fab):
     assert max(spent.values()) == bound
     st = fab.stats()["a"]
     assert st["backlog"] <= buffer and st["peak"] <= buffer
+
+
+@pytest.mark.parametrize("classify", ["header", "dscp"])
+def test_queue_classifies_by_dscp_when_told(fab, classify):
+    """DBLP prio 1 in the header, AF43 (the default map's prio 6-7) in the IP header: a queue that
+    classifies by DSCP early-drops them from prio 6's threshold on, within the message's bound;
+    one that reads the header keeps them to prio 1's."""
+    buffer, nchunks, tol = 40_500, 30, 26
+    bound = nchunks * tol // 255  # 3
+    fab.queue(8, buffer=buffer, port="a", classify=classify)  # 1 byte/s: the queue only fills
+    assert fab.config(PORT_A).describe()["queue"]["classify"] == classify
+    af43 = dscp.NAMES["AF43"] << 2
+    got = []
+    for i in range(15):
+        f = bytearray(dblp_frame(1, tensor=1, src=1, nchunks=nchunks, tol=tol, chunk=i))
+        f[15] = af43
+        got.append(bpf.test_run(fab.prog_fd, bytes(f))[0])
+    if classify == "dscp":  # prio 6 sheds past buffer * 2/8 = 10125 bytes: from the 11th frame on
+        assert got == [FORWARD] * 10 + [XDP_DROP] * bound + [FORWARD] * (5 - bound)
+        assert counts(fab)["early6"] == bound
+    else:
+        assert got == [FORWARD] * 15 and not any(k.startswith("early") for k in counts(fab))
+    with pytest.raises(fb.FabricError, match="classify"):
+        fab.queue(8, buffer=buffer, port="a", classify="tos")
 
 
 def test_reduce_scatter_and_all_gather_between_two_ranks_have_separate_bounds(fab):

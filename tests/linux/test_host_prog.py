@@ -16,7 +16,7 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Dot1Q, Ether
 from scapy.packet import Raw
 
-from pydblp import bpf, host, net, wire
+from pydblp import bpf, dscp, host, net, wire
 from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
@@ -237,6 +237,38 @@ def test_prio0_retx_and_low_pressure_are_never_shed(prog):
         assert XDP_DROP in _msg(prog, tensor=5, n=20, prio=7, tol=255)
         assert XDP_DROP not in _msg(prog, tensor=6, n=20, prio=1, tol=255)  # prio 1 sheds at 900
     finally:
+        prog.set_pressure(0)
+
+
+@pytest.mark.parametrize("l3", ["ip4", "ip6"])
+def test_shedding_classifies_by_dscp_when_told(prog, l3):
+    """Header prio 7, DSCP AF41 (the default map's prio 1): at pressure 800 (prio 7 sheds, prio 1
+    not) the header classifier sheds them, the DSCP one does not; header prio 1 with AF43 the
+    other way round.  Both keep the message's budget."""
+    def frames(tensor, prio, mark):
+        out = []
+        for i in range(20):
+            eth = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:00:02")
+            ip = IP(src="198.18.0.1", dst="198.18.0.2", tos=dscp.NAMES[mark] << 2) if l3 == "ip4" else \
+                IPv6(src="2001:2::1", dst="2001:2::2", tc=dscp.NAMES[mark] << 2)
+            pl = data(round=77, tensor=tensor, chunk=i, nchunks=20, prio=prio, tol=255)
+            out.append(bpf.test_run(prog.prog_fd, bytes(eth / ip / UDP(sport=PORT, dport=PORT) / Raw(pl)))[0])
+        return out
+
+    base = 40 if l3 == "ip4" else 50
+    prog.set_pressure(800)
+    try:
+        prog.configure(classify="header")
+        assert frames(base, 7, "AF41").count(XDP_DROP) == 20 * 255 // 255
+        assert XDP_DROP not in frames(base + 1, 1, "AF43")
+        prog.configure(classify="dscp")
+        assert XDP_DROP not in frames(base + 2, 7, "AF41")
+        assert frames(base + 3, 1, "AF43").count(XDP_DROP) == 20
+        assert prog.shed_count(JOB, 77, base + 3, 0) == 20
+        with pytest.raises(host.HostError, match="classify"):
+            prog.configure(classify="tos")
+    finally:
+        prog.configure(classify="header")
         prog.set_pressure(0)
 
 

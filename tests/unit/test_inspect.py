@@ -12,7 +12,7 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from pydblp import inspect, wire
+from pydblp import dscp, inspect, wire
 from pydblp.wire import Header
 
 KEY = b"secret-key"
@@ -191,3 +191,24 @@ def test_decoders_never_raise(data, v6):
     else:
         assert "malformed" not in line and f"len {len(data) - 32 - (16 if data[31] & 4 else 0)}" in line
     assert inspect.describe(pkt).startswith(line)
+
+
+@pytest.mark.parametrize("v6", [False, True])
+def test_summary_and_describe_show_the_dscp(v6):
+    """The IP header's DSCP, as pydblp.dscp's default map writes it for each class, in both views."""
+    table = dscp.tos_table("default")
+    for prio, want in ((0, "AF41 (34)"), (1, "AF41 (34)"), (4, "AF42 (36)"), (7, "AF43 (38)")):
+        udp = wire.encode(Header(prio=prio, nchunks=8), b"x" * 8)
+        ip = IPv6(src="2001:db8::1", dst="2001:db8::2", tc=int(table[prio])) if v6 else \
+            IP(src="198.18.0.1", dst="198.18.0.2", tos=int(table[prio]))
+        pkt = Ether(bytes(Ether(**MACS) / ip / UDP(sport=40000, dport=wire.DEFAULT_PORT) / Raw(udp)))
+        line = inspect.summary(pkt)
+        assert line.endswith(f"prio {prio} len 8 flags - dscp {want.split()[0]}")
+        body = {ln.split()[0]: ln.split(None, 1)[1] for ln in inspect.describe(pkt).splitlines()[1:]}
+        assert body["dscp"] == want
+
+
+def test_summary_leaves_out_best_effort_but_describe_shows_it():
+    pkt = frame(wire.encode(Header(nchunks=8), b"x" * 8))
+    assert "dscp" not in inspect.summary(pkt)
+    assert "    dscp     BE (0)" in inspect.describe(pkt).splitlines()

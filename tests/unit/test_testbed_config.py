@@ -46,13 +46,14 @@ def test_port_config_round_trip_and_describe():
     c = fb.PortConfig(loss=fb.prob(0.25), ge_p=fb.prob(0.01), ge_r=fb.prob(0.5), ge_loss_bad=fb.P_ONE,
                       flags=fb.F_GE | fb.F_QUEUE, rate=125_000_000, buffer=65536,
                       thresh=fb.default_thresholds(65536), burst_dur_ns=50_000_000,
-                      burst_ratio=fb.prob(0.8), burst_start_ns=10**9)
+                      burst_ratio=fb.prob(0.8), burst_start_ns=10**9, dscp_prio=tuple(range(64)))
     raw = c.pack()
-    assert len(raw) == fb.CFG.size == 128
+    assert len(raw) == fb.CFG.size == 192
     assert fb.PortConfig.unpack(raw) == c
     d = c.describe()
     assert d["loss"] == 0.25 and d["ge"]["r"] == 0.5 and d["queue"]["rate_bps"] == 10**9
     assert d["burst"]["duration"] == 0.05 and d["burst"]["every"] is None
+    assert d["queue"]["classify"] == "header"
     assert fb.PortConfig().describe() == {}
 
 
