@@ -95,9 +95,13 @@ class Config:
                                      # Collective's group address; the network replicates it)
     priority: str = "magnitude"      # "magnitude", "position", "layer" (the model's structure, absolute:
                                      # Collective.set_layers / pydblp.torch.State.register_model) or "none"
-    dscp: object = "default"         # DSCP per priority on the wire (pydblp.dscp): "default" (AF41/42/43
-                                     # by priority band), "off" (0), or {prio: dscp} / "PRIO=DSCP,...";
-                                     # pydblp.torch opens the transport with it
+    dscp: object = "off"             # DSCP per priority on the wire (pydblp.dscp): "off" (0, default),
+                                     # "default" (the documented map: AF41/42/43 by priority band), or
+                                     # {prio: dscp} / "PRIO=DSCP,..."; pydblp.torch opens the transport
+                                     # with it.  Off by default: with magnitude priority the class changes
+                                     # packet by packet and cuts UDP's GSO runs (1024-packet sends on
+                                     # loopback 3.7 -> 1.3 Mpps, docs/wire.md); turn it on where switches
+                                     # honour it
     phase: object = "static:0"       # a PhaseController or "static:TOL" / "dblp[:P_LOW]"
     chunk_bytes: int | None = 1408   # payload per packet (fits MTU 1500 over IPv4 and IPv6); None:
                                      # pydblp.torch.State picks the links' size (link_chunk_bytes)

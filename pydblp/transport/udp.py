@@ -189,7 +189,7 @@ class UdpTransport(Transport):
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 32 << 20,
                  sndbuf: int = 2 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None,
-                 gro: bool | None = None, dscp="default"):
+                 gro: bool | None = None, dscp="off"):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
         self.spin = spin
         self._sock = None

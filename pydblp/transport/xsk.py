@@ -111,7 +111,7 @@ class XskTransport(XskReceive, Transport):
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
                  spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
-                 dscp="default"):
+                 dscp="off"):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port)
         self.spin = spin
         if tx not in ("xsk", "kernel"):

@@ -32,8 +32,8 @@ def _capture(pair):
 
 def _sender(pair, kind):
     if kind == "udp":
-        return UdpTransport("va", netns=pair["ns"][0], port=0)
-    return xsk(pair, 0, **({"tx": "kernel"} if kind == "xsk-ktx" else {}))
+        return UdpTransport("va", netns=pair["ns"][0], port=0, dscp="default")
+    return xsk(pair, 0, dscp="default", **({"tx": "kernel"} if kind == "xsk-ktx" else {}))
 
 
 @pytest.mark.parametrize("family", [4, 6])
