@@ -15,6 +15,7 @@ from pydblp.collective import estimators, phase as phases
 DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
+NB = int(wire.Flag.NEIGHBOUR)
 DST_ALL = wire.DST_ALL
 RETX = int(wire.Flag.RETX)
 TAG = int(wire.Flag.TAG)
@@ -65,7 +66,7 @@ class RoundRecord:
     tol: float
     phase: str
     latency: float
-    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
+    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" / "nb:<src>" -> fraction received
     min_delivered: float = 1.0
     # retransmits and probes: of this round's messages while it ran; a trailing message's after
     # it returned are in counters["trail_retransmits"] and ["trail_probes"]
@@ -75,6 +76,7 @@ class RoundRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     below_bound: bool = False
+    left_out: list = field(default_factory=list)    # neighbour round: the neighbours skipped (timeout)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pydblp.collective.config import LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET
+from pydblp.collective.config import AG, LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET, NB
 
 
 class OutMessage:
@@ -26,10 +26,13 @@ class OutMessage:
         tol8: the loss bound in 1/255 units; ``need`` chunks make it done.
         rnd: the round number.
         tensor: the tensor id.
+        nb: a neighbour round's message (flag ``NEIGHBOUR``; ``ag`` is False).
     """
 
-    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int):
-        self.ag, self.dst, self.rows, self.prio, self.tol8 = ag, dst, rows, prio, tol8
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int,
+                 nb: bool = False):
+        self.ag, self.dst, self.rows, self.prio, self.tol8, self.nb = ag, dst, rows, prio, tol8, nb
+        self.flag = AG if ag else NB if nb else 0  # the header flag marking its kind of message
         self.rnd, self.tensor = rnd, tensor
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
@@ -46,6 +49,7 @@ class OutMessage:
         self.members = ()                    # broadcast all-gather: the messages whose first pass this one
                                              # sends (their own ``sent`` follows it; they never send one)
         self.trailing = False                # the round has returned; this waits for its STOP (trailing)
+        self.abandoned = False               # neighbour round: its receiver was skipped (timeout); never sent again
         self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
         self.t_sent_all = None
         self.t_last = 0.0
@@ -142,10 +146,13 @@ class InMessage:
         src: the sending rank.
         mask: a view of the reduce buffer's or the result's mask marking its chunks that
             arrived (the receive path writes it; :meth:`arrived` reads the count).
+        nb: a neighbour round's message (``ag`` is False).
     """
 
-    def __init__(self, ag: bool, src: int, mask: np.ndarray):
-        self.ag, self.src, self.n, self.mask = ag, src, len(mask), mask
+    def __init__(self, ag: bool, src: int, mask: np.ndarray, nb: bool = False):
+        self.ag, self.src, self.n, self.mask, self.nb = ag, src, len(mask), mask, nb
+        self.flag = AG if ag else NB if nb else 0
+        self.skipped = False   # neighbour round: left out (below its bound at the round's timeout)
         self.count = 0
         self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
         self.t_data = 0.0      # when a new chunk last arrived
@@ -199,7 +206,7 @@ class InMessage:
         with less than half of what was missing, 2x ``NACK_QUIET`` since the last one.  Loss
         within the bound never NACKs.
         """
-        if self.done or self.count == 0:
+        if self.done or self.skipped or self.count == 0:
             return False
         tail = self.count + self.n - self.hi >= self.need  # within reach if the chunks not seen yet come
         if tail and not self.t_nack:
@@ -232,7 +239,7 @@ class Round:
     round: int                       # the round number on the wire (wraps at 2**32)
     tensor: int                      # the caller's tensor id
     index: int                       # this rank's round count (RoundRecord.index)
-    reduce: bool                     # an allreduce (else a broadcast of shards, no reduce-scatter)
+    reduce: bool                     # an allreduce (else a broadcast of shards or a neighbour round)
     tol: float                       # the loss bound the phase controller chose
     tol8: int                        # the same in 1/255 units, as on the wire
     phase: str                       # the controller's phase name
@@ -262,6 +269,12 @@ class Round:
     repair: bool = False             # a NACK went out or a BITMAP came in this round
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
+    # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
+    # slot[r] is rank r's slot (-1: not a neighbour this round); timeout: s a neighbour has (from t0)
+    peers: list | None = None
+    weights: np.ndarray | None = None
+    slot: np.ndarray | None = None
+    timeout: float = 0.0
 
     def expected(self, now: float) -> int:
         """How many packets a receive may wait for: the data packets on their way, at most
@@ -275,7 +288,7 @@ class Round:
         """
         due = 0
         for inn in self.ins.values():
-            if inn.ag != self.reduced:  # before the reduce: reduce-scatter only; after it: all-gather only
+            if inn.ag != self.reduced and not inn.nb:  # before the reduce: reduce-scatter only; after it: all-gather only
                 continue
             due += inn.due(now)
             if due >= LINGER_WANT:
