@@ -4,7 +4,9 @@
 
 * absorbs this round's DATA for this rank: payloads go straight into the round's reduce
   buffer (a neighbour round's: the neighbours' buffer) or result, masks and :class:`~pydblp.collective.messages.InMessage` counts follow;
-* stashes the next round's packets (bounded) until that round starts;
+* stashes the next rounds' packets (bounded) until their round starts: the next one's (an
+  allreduce's peers are at most one round ahead), and in neighbour rounds, where a rank that
+  fell behind lags more, up to ``STASH_AHEAD`` rounds ahead;
 * hands control packets (PROBE, STOP, BITMAP) back to the caller, which answers them;
 * counts and drops the rest (``foreign``, ``late``, ``duplicate``, ``bad_payload``, ...).
 
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pydblp import wire
-from pydblp.collective.config import AG, DATA, DST_ALL, F32, FEW, MASK32, NB, RECV_BATCH, STASH_MAX, TAG
+from pydblp.collective.config import (AG, DATA, DST_ALL, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD,
+                                      STASH_MAX, TAG)
 from pydblp.collective.messages import InMessage, Round
 from pydblp.wire import F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR
 
@@ -66,7 +69,8 @@ class Matcher:
         self._vals = np.tile(v.view(np.uint64), RECV_BATCH)
 
     def begin(self, st: Round) -> list[tuple]:
-        """Match round ``st`` from now on; returns (and forgets) the packets stashed for it."""
+        """Match round ``st`` from now on; returns (and forgets) the packets stashed (this round's;
+        those of later rounds go back to the stash when they are processed)."""
         v = self._rec
         v["round"], v["tensor"] = st.round, st.tensor
         v["flags"] = 0 if st.peers is None else NB
@@ -125,7 +129,7 @@ class Matcher:
         fields = (h if rows is None else wire.take(h, rows)).tolist()
         rows = range(len(h)) if rows is None else rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
-        nxt, prev = (base + 1) & MASK32, (base - 1) & MASK32
+        prev = (base - 1) & MASK32
         data, keep, ctrl = [], [], []
         foreign = late = bad = 0
         for i, f in zip(rows, fields):
@@ -133,7 +137,7 @@ class Matcher:
             if (f[F_JOB] != job or src >= W or src == me
                     or (f[F_DST] != me and not (f[F_DST] == DST_ALL and kind == DATA and f[F_FLAGS] & AG))):
                 foreign += 1
-            elif rnd == nxt:
+            elif 0 < ((rnd - base) & MASK32) <= STASH_AHEAD:  # a round to come
                 keep.append(i)
                 if st is not None:
                     st.heard[src] = now  # a peer already in the next round is alive
@@ -177,7 +181,7 @@ class Matcher:
         out.control += [(f, pay[i, : lens[i]], current) for f, i, current in ctrl]
 
     def _keep(self, h, pay, lens, rows) -> None:
-        """Stash packets ``rows`` of the next round (bounded: beyond it the loss machinery repairs)."""
+        """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs)."""
         room = STASH_MAX - sum(len(x[0]) for x in self.stash)
         if room < len(rows):
             self.counters["stash_full"] += len(rows) - max(room, 0)

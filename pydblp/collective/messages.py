@@ -156,6 +156,7 @@ class InMessage:
         self.count = 0
         self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
         self.t_data = 0.0      # when a new chunk last arrived
+        self.t_first = None    # when its first chunk arrived (a neighbour round's next deadline starts from it)
         self.t_nack = 0.0      # when the last unsolicited BITMAP went out
         self.nacks = 0         # unsolicited BITMAPs since a repair last got through
         self.asked = 0         # chunks missing below hi when the last one went out
@@ -190,6 +191,8 @@ class InMessage:
             self.tol8 = tol8
         dup = got - (count - self.count)
         if count > self.count:
+            if self.t_first is None:
+                self.t_first = now
             self.count = count
             self.hi = hi
             self.t_data = now
@@ -222,7 +225,7 @@ class InMessage:
         """Chunks of this message on their way that a receive may wait for at ``now``: the rest of
         a stream that still flows (a chunk within ``NACK_QUIET``) and the repair a NACK asked for
         within ``NACK_QUIET``, at most what the bound still needs; 0 when done or stalled."""
-        if self.done or now - max(self.t_data, self.t_nack) >= NACK_QUIET:
+        if self.done or self.skipped or now - max(self.t_data, self.t_nack) >= NACK_QUIET:
             return 0
         coming = (self.n - self.hi if self.hi else 0) + max(0, self.asked - (self.count - self.count_nack))
         return min(coming, self.need - self.count)
@@ -270,11 +273,12 @@ class Round:
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
     # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
-    # slot[r] is rank r's slot (-1: not a neighbour this round); timeout: s a neighbour has (from t0)
+    # slot[r] is rank r's slot (-1: not a neighbour this round); until: per slot, when that
+    # neighbour is left out if its message is still below its bound
     peers: list | None = None
     weights: np.ndarray | None = None
     slot: np.ndarray | None = None
-    timeout: float = 0.0
+    until: np.ndarray | None = None
 
     def expected(self, now: float) -> int:
         """How many packets a receive may wait for: the data packets on their way, at most

@@ -94,6 +94,7 @@ class Protocol:
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
+        self._began: tuple[int, dict] = (0, {})   # (neighbour round, {rank: when its message began arriving})
 
     @property
     def estimate(self) -> float:
@@ -171,9 +172,14 @@ class Protocol:
     def start_neighbours(self, flat: np.ndarray, tensor: int, peers: list[int], weights: list[float],
                          timeout: float) -> Round:
         """Begin a neighbour round on ``flat`` (float32, this rank's input): send it whole to each of
-        ``peers`` and take in theirs (weights: one per peer; this rank's own is ``1 - sum``).  A
-        neighbour whose message is below its bound ``timeout`` s from now is left out.  Takes in
-        the packets of it that were stashed; sends nothing yet.  The caller checked the arguments.
+        ``peers`` and take in theirs (weights: one per peer; this rank's own is ``1 - sum``).  Takes
+        in the packets of it that were stashed; sends nothing yet.  The caller checked the arguments.
+
+        A neighbour whose message is below its bound ``timeout`` s from now is left out, or, if
+        the previous round was a neighbour round whose message from it began arriving at ``t``,
+        ``timeout`` s after ``max(now, t + timeout)``: that neighbour may still be waiting out a
+        dead peer of its own in that round (up to ``timeout``), and a live neighbour late only
+        for that is not left out.
         """
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
@@ -185,13 +191,16 @@ class Protocol:
         K = len(peers)
         slot = np.full(self.world, -1, np.intp)
         slot[peers] = np.arange(K)
+        last, began = self._began
+        began = began if last == (rnd - 1) & MASK32 else {}
+        until = np.array([max(t0, began[r] + timeout) + timeout if r in began else t0 + timeout for r in peers])
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=False, tol=tol,
                    tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x, y=np.empty_like(x),
                    have=np.ones(T, bool), bounds=[(0, T)], my_shard=None, reduced=True, t0=t0,
                    heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
                    ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
                    foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0,
-                   peers=list(peers), weights=np.asarray(weights, np.float64), slot=slot, timeout=timeout)
+                   peers=list(peers), weights=np.asarray(weights, np.float64), slot=slot, until=until)
         st.rbuf = self._scratch("nbuf", tensor, (K, T, self.C))  # masked by rmask
         st.rmask = np.zeros((K, T), bool)
         st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row slot * T + chunk
@@ -554,8 +563,8 @@ class Protocol:
         if self.trail:
             self._trail_timers(now)
         if st.peers is not None:
-            if now - st.t0 >= st.timeout:
-                self.skip(st)
+            if len(st.until) and now >= st.until.min():
+                self.skip(st, now)
             return
         if now - st.t_alive < DEAD_TICK:
             return
@@ -580,17 +589,20 @@ class Protocol:
                     f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
                     f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
 
-    def skip(self, st: Round) -> None:
-        """A neighbour round's timeout: leave out every neighbour whose message is below its bound
-        (its chunks are not used) and abandon this rank's messages to them, and every message of
-        this rank that has not gone out whole or waits for retransmissions (no probes, no repair
-        past the timeout).  The round may then return."""
-        for (_, r), inn in st.ins.items():
+    def skip(self, st: Round, now: float) -> None:
+        """A neighbour round's timeouts: leave out every neighbour past its deadline (``st.until``)
+        whose message is below its bound (its chunks are not used) and abandon this rank's message
+        to it, as well as one that has not gone out whole or waits for retransmissions (no probes,
+        no repair past the timeout).  Once every neighbour is in or left out the round may return."""
+        for k, r in enumerate(st.peers):
+            if now < st.until[k]:
+                continue
+            inn, o = st.ins[(False, r)], st.outs[(False, r)]
             if not inn.done:
                 inn.skipped = True
-        for (_, r), o in st.outs.items():
-            if not o.done and (st.ins[(False, r)].skipped or o.sent < o.n or o.nretx):
+            if not o.done and (inn.skipped or o.sent < o.n or o.nretx):
                 o.done = o.abandoned = True
+            st.until[k] = np.inf
 
     # ---- trailing all-gather messages ------------------------------------
     def _trail_timers(self, now: float) -> None:
@@ -681,6 +693,7 @@ class Protocol:
         mask = st.rmask & taken[:, None]
         estimators.neighbour_mean(st.x, 1.0 - float(st.weights.sum()), st.rbuf, mask, st.weights, st.y)
         self._prev = (st.round, st.ins)
+        self._began = (st.round, {r: i.t_first for (_, r), i in st.ins.items() if i.t_first is not None})
         self._trail_from(st)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
