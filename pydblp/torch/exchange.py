@@ -10,13 +10,15 @@ implementations:
   point-to-point receive cannot serve here: a Gloo ``wait(timeout)`` that
   expires closes the connection to that peer for good, so a slow peer could
   never be re-admitted.  A mailbox wait that expires costs nothing.
-* :class:`PydblpExchange`: the exact mean through pydblp's bounded-loss
-  collective (:class:`~pydblp.torch.State`).  It has no neighbour average:
-  the collective runs rounds over its whole world, and a neighbour round
-  needs a primitive in its engine (``docs/diloco.md`` gives the
-  specification).
+* :class:`PydblpExchange`: the exact mean and the neighbour average through
+  pydblp's bounded-loss collective (:class:`~pydblp.torch.State`):
+  ``Collective.allreduce`` and ``Collective.neighbours`` (a neighbour round:
+  loss within the round's tolerance absorbed, above it repaired; a neighbour
+  below its bound at its deadline left out of that round, and taken in again
+  as soon as its messages arrive in time).
 
-Failure semantics of a neighbour average: each neighbour has ``timeout``
+Failure semantics of a neighbour average (Gloo; pydblp's in
+:meth:`pydblp.collective.Collective.neighbours`): each neighbour has ``timeout``
 seconds, from the start of the call, to deliver this round's tensor; one that
 does not is left out of this round's average (the weights of those that
 arrived are renormalised) and becomes *suspect*: later rounds take its tensor
@@ -270,17 +272,47 @@ class GlooExchange(Exchange):
 
 
 class PydblpExchange(Exchange):
-    """Exact mean through pydblp's bounded-loss collective; no neighbour average (see the module).
+    """Exact mean and neighbour average through pydblp's bounded-loss collective.
+
+    Both run on the state's transport thread, in the order they are called; the collective
+    numbers every round with one counter, so every rank must make the same calls in the
+    same order (DiLoCo does).  A neighbour average waits for each neighbour up to ``timeout``
+    (longer for one that may still be waiting out a dead peer of its own in the previous
+    round: :meth:`~pydblp.collective.Collective.neighbours`), leaves out one below its bound
+    then, and never raises for it: a dead neighbour costs about one timeout per round.
 
     Args:
         state: a :class:`~pydblp.torch.State` (its transport thread runs the rounds).
         tensor: the collective's tensor id for DiLoCo's rounds (apart from DDP buckets').
+        timeout: seconds a neighbour has per round; below the collective's
+            ``Config.peer_timeout`` (default: half of it).
     """
 
-    def __init__(self, state, tensor: int = 0xFFFE):
-        self.state, self.tensor = state, tensor
+    supports_neighbours = True
+
+    def __init__(self, state, tensor: int = 0xFFFE, timeout: float | None = None):
+        peer_timeout = state.collective.cfg.peer_timeout
+        if timeout is not None and not 0 < timeout < peer_timeout:
+            raise ValueError(f"timeout {timeout}: use seconds in (0, Config.peer_timeout = {peer_timeout})")
+        self.state, self.tensor, self.timeout = state, tensor, timeout
         self.rank, self.world = state.collective.rank, state.collective.world
         self.bytes_sent = 0
+
+    def neighbours_average(self, tensor, peers, weights, round):
+        if len(peers) != len(weights):
+            raise ValueError(f"{len(peers)} peers but {len(weights)} weights")
+        x = tensor.detach().to("cpu", torch.float32).reshape(-1).numpy()
+
+        def run(col, x=x):
+            y, arrived = col.neighbours(x, list(peers), list(weights), tensor=self.tensor, timeout=self.timeout)
+            return y, arrived, col.records[-1].bytes_sent
+
+        y, arrived, sent = self.state.submit(run).wait()
+        self.bytes_sent += sent
+        left = [p for p in peers if p not in arrived]
+        if left:
+            log.info("rank %d: neighbour round %d ran without %s", self.rank, round, left)
+        return torch.from_numpy(np.ascontiguousarray(y)).to(tensor.dtype).view_as(tensor), list(arrived)
 
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         x = tensor.detach().to("cpu", torch.float32).numpy()
