@@ -134,7 +134,7 @@ class Collective:
         return self._round(x, start=lambda p, flat: p.start(flat, tensor, False))
 
     def neighbours(self, x: np.ndarray, peers: list[int], weights: list[float], tensor: int = 0,
-                   timeout: float | None = None) -> tuple[np.ndarray, list[int]]:
+                   timeout=None) -> tuple[np.ndarray, list[int]]:
         """One neighbour (gossip) round: send ``x`` whole to each rank in ``peers``, average theirs.
 
         Returns ``(y, arrived)``: ``y`` (same shape as ``x``, float32) is per chunk
@@ -146,7 +146,8 @@ class Collective:
         ``NEIGHBOUR``).
 
         A neighbour whose message is below its bound ``timeout`` seconds after the round began
-        is left out of this round (not in ``arrived``; partial chunks unused; this rank's own
+        (later for one that may still be waiting out a dead peer of its own in the previous
+        neighbour round: see ``Protocol.start_neighbours``) is left out of this round (not in ``arrived``; partial chunks unused; this rank's own
         message to it abandoned) and never raises: dead or slow neighbours cost one timeout
         per round, and one whose packets arrive in a later round is taken in again.
 
@@ -160,8 +161,9 @@ class Collective:
             peers: distinct ranks other than this one.
             weights: one per peer, each >= 0, summing to at most 1.
             tensor: the tensor id (as in :meth:`allreduce`).
-            timeout: seconds a neighbour has, from the start of the round; below
-                ``Config.peer_timeout`` (default: half of it).
+            timeout: seconds a neighbour has, from the start of the round, in [0,
+                ``Config.peer_timeout``) (default: half of it); or one such per peer (0: only
+                what is already here or arrives at once, for a neighbour thought dead).
 
         Raises ValueError for bad peers, weights or timeout; :class:`CollectiveError` only
         when the collective is closed.
@@ -174,12 +176,14 @@ class Collective:
             raise ValueError(f"weights {weights}: give one weight >= 0 per peer, summing to at most 1 "
                              "(this rank's own weight is 1 - sum)")
         timeout = self.cfg.peer_timeout / 2 if timeout is None else timeout
-        if not 0 < timeout < self.cfg.peer_timeout:
-            raise ValueError(f"timeout {timeout}: use seconds in (0, Config.peer_timeout = {self.cfg.peer_timeout})")
+        per = [float(t) for t in timeout] if np.ndim(timeout) else [float(timeout)] * len(peers)
+        if len(per) != len(peers) or not all(0 <= t < self.cfg.peer_timeout for t in per):
+            raise ValueError(f"timeout {timeout}: use seconds in [0, Config.peer_timeout = {self.cfg.peer_timeout}), "
+                             "one number or one per peer")
         arrived = []
 
         def start(p, flat):
-            return p.start_neighbours(flat, tensor, peers, w, timeout)
+            return p.start_neighbours(flat, tensor, peers, w, per)
 
         def done(st):
             arrived.extend(r for r in peers if st.ins[(False, r)].done and not st.ins[(False, r)].skipped)

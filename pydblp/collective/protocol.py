@@ -170,16 +170,16 @@ class Protocol:
         return st
 
     def start_neighbours(self, flat: np.ndarray, tensor: int, peers: list[int], weights: list[float],
-                         timeout: float) -> Round:
+                         timeouts: list[float]) -> Round:
         """Begin a neighbour round on ``flat`` (float32, this rank's input): send it whole to each of
         ``peers`` and take in theirs (weights: one per peer; this rank's own is ``1 - sum``).  Takes
         in the packets of it that were stashed; sends nothing yet.  The caller checked the arguments.
 
-        A neighbour whose message is below its bound ``timeout`` s from now is left out, or, if
-        the previous round was a neighbour round whose message from it began arriving at ``t``,
-        ``timeout`` s after ``max(now, t + timeout)``: that neighbour may still be waiting out a
-        dead peer of its own in that round (up to ``timeout``), and a live neighbour late only
-        for that is not left out.
+        A neighbour whose message is below its bound ``timeout`` s (its entry of ``timeouts``)
+        from now is left out, or, if the previous round was a neighbour round whose message from
+        it began arriving at ``t``, ``timeout`` s after ``max(now, t + timeout)``: that neighbour
+        may still be waiting out a dead peer of its own in that round (up to ``timeout``), and a
+        live neighbour late only for that is not left out.
         """
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
@@ -193,7 +193,7 @@ class Protocol:
         slot[peers] = np.arange(K)
         last, began = self._began
         began = began if last == (rnd - 1) & MASK32 else {}
-        until = np.array([max(t0, began[r] + timeout) + timeout if r in began else t0 + timeout for r in peers])
+        until = np.array([max(t0, began[r] + w) + w if r in began else t0 + w for r, w in zip(peers, timeouts)])
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=False, tol=tol,
                    tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x, y=np.empty_like(x),
                    have=np.ones(T, bool), bounds=[(0, T)], my_shard=None, reduced=True, t0=t0,

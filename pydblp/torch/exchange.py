@@ -279,39 +279,57 @@ class PydblpExchange(Exchange):
     same order (DiLoCo does).  A neighbour average waits for each neighbour up to ``timeout``
     (longer for one that may still be waiting out a dead peer of its own in the previous
     round: :meth:`~pydblp.collective.Collective.neighbours`), leaves out one below its bound
-    then, and never raises for it: a dead neighbour costs about one timeout per round.
+    then, and never raises for it.  One left out becomes *suspect*, as in
+    :class:`GlooExchange`: later rounds take its message only if it is already there (or
+    arrives at once), except every ``readmit_every``-th round, which waits the full timeout
+    for it; so a dead neighbour costs one timeout per ``readmit_every`` rounds.  A suspect
+    whose message arrives is re-admitted.
 
     Args:
         state: a :class:`~pydblp.torch.State` (its transport thread runs the rounds).
         tensor: the collective's tensor id for DiLoCo's rounds (apart from DDP buckets').
         timeout: seconds a neighbour has per round; below the collective's
             ``Config.peer_timeout`` (default: half of it).
+        readmit_every: a suspect neighbour is waited for once every this many rounds.
     """
 
     supports_neighbours = True
 
-    def __init__(self, state, tensor: int = 0xFFFE, timeout: float | None = None):
+    def __init__(self, state, tensor: int = 0xFFFE, timeout: float | None = None, readmit_every: int = 4):
         peer_timeout = state.collective.cfg.peer_timeout
         if timeout is not None and not 0 < timeout < peer_timeout:
             raise ValueError(f"timeout {timeout}: use seconds in (0, Config.peer_timeout = {peer_timeout})")
-        self.state, self.tensor, self.timeout = state, tensor, timeout
+        if readmit_every < 1:
+            raise ValueError(f"readmit_every {readmit_every}: use 1 or more rounds")
+        self.state, self.tensor = state, tensor
+        self.timeout = peer_timeout / 2 if timeout is None else timeout
+        self.readmit_every = readmit_every
         self.rank, self.world = state.collective.rank, state.collective.world
         self.bytes_sent = 0
+        self.suspects: dict[int, int] = {}   # peer -> rounds since it was last waited for
 
     def neighbours_average(self, tensor, peers, weights, round):
         if len(peers) != len(weights):
             raise ValueError(f"{len(peers)} peers but {len(weights)} weights")
         x = tensor.detach().to("cpu", torch.float32).reshape(-1).numpy()
+        probe = {p: p not in self.suspects or self.suspects[p] + 1 >= self.readmit_every for p in peers}
+        waits = [self.timeout if probe[p] else 0.0 for p in peers]
 
         def run(col, x=x):
-            y, arrived = col.neighbours(x, list(peers), list(weights), tensor=self.tensor, timeout=self.timeout)
+            y, arrived = col.neighbours(x, list(peers), list(weights), tensor=self.tensor, timeout=waits)
             return y, arrived, col.records[-1].bytes_sent
 
         y, arrived, sent = self.state.submit(run).wait()
         self.bytes_sent += sent
-        left = [p for p in peers if p not in arrived]
-        if left:
-            log.info("rank %d: neighbour round %d ran without %s", self.rank, round, left)
+        for p in peers:
+            if p in arrived:
+                if self.suspects.pop(p, None) is not None:
+                    log.info("rank %d: peer %d is back (round %d)", self.rank, p, round)
+            else:
+                if p not in self.suspects:
+                    log.warning("rank %d: peer %d below its bound for %.1f s in round %d: left out until it "
+                                "returns", self.rank, p, self.timeout, round)
+                self.suspects[p] = 0 if probe[p] else self.suspects[p] + 1
         return torch.from_numpy(np.ascontiguousarray(y)).to(tensor.dtype).view_as(tensor), list(arrived)
 
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,8 @@ def test_neighbours_argument_errors(ranks):
     for peers, w, t, says in (([0], [0.5], 1.0, "not this rank"), ([1, 1], [0.2, 0.2], 1.0, "distinct"),
                               ([3], [0.5], 1.0, "0..2"), ([1], [0.5, 0.1], 1.0, "one weight"),
                               ([1, 2], [0.7, 0.7], 1.0, "at most 1"), ([1], [-0.1], 1.0, ">= 0"),
-                              ([1], [0.5], 2.0, "peer_timeout"), ([1], [0.5], 0.0, "timeout")):
+                              ([1], [0.5], 2.0, "peer_timeout"), ([1], [0.5], -1.0, "timeout"),
+                              ([1], [0.5], [1.0, 1.0], "one per peer")):
         with pytest.raises(ValueError, match=says):
             c.neighbours(x, peers, w, timeout=t)
     assert c.index == 0  # nothing started
