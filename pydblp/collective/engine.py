@@ -147,9 +147,10 @@ class Collective:
 
         A neighbour whose message is below its bound ``timeout`` seconds after the round began
         (later for one that may still be waiting out a dead peer of its own in the previous
-        neighbour round: see ``Protocol.start_neighbours``) is left out of this round (not in ``arrived``; partial chunks unused; this rank's own
-        message to it abandoned) and never raises: dead or slow neighbours cost one timeout
-        per round, and one whose packets arrive in a later round is taken in again.
+        neighbour round: see ``Protocol.start_neighbours``) is left out of this round (not in
+        ``arrived``; partial chunks unused; this rank's own message to it abandoned) and never
+        raises: dead or slow neighbours cost one timeout per round, and one whose packets
+        arrive in a later round is taken in again.
 
         The round takes the next number of the collective's one round counter: every rank
         must call :meth:`allreduce`, :meth:`broadcast_shards` and :meth:`neighbours` in the same

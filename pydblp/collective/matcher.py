@@ -3,7 +3,8 @@
 :class:`Matcher` takes the packets one receive returned and
 
 * absorbs this round's DATA for this rank: payloads go straight into the round's reduce
-  buffer (a neighbour round's: the neighbours' buffer) or result, masks and :class:`~pydblp.collective.messages.InMessage` counts follow;
+  buffer (a neighbour round's: the neighbours' buffer) or result, masks and
+  :class:`~pydblp.collective.messages.InMessage` counts follow;
 * stashes the next rounds' packets (bounded) until their round starts: the next one's (an
   allreduce's peers are at most one round ahead), and in neighbour rounds, where a rank that
   fell behind lags more, up to ``STASH_AHEAD`` rounds ahead;

@@ -292,7 +292,8 @@ class Round:
         """
         due = 0
         for inn in self.ins.values():
-            if inn.ag != self.reduced and not inn.nb:  # before the reduce: reduce-scatter only; after it: all-gather only
+            # before the reduce: reduce-scatter only; after it: all-gather only (a neighbour round: all)
+            if inn.ag != self.reduced and not inn.nb:
                 continue
             due += inn.due(now)
             if due >= LINGER_WANT:
