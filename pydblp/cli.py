@@ -552,7 +552,8 @@ def _diloco_options(p):
     """``dblp experiment --algo diloco`` (pydblp/experiment/diloco.py): its options, in a group of their own."""
     from pydblp.experiment import diloco
 
-    g = p.add_argument_group("DiLoCo (--algo diloco: DDP vs exact vs gossip DiLoCo over Gloo, a worker killed)",
+    g = p.add_argument_group("DiLoCo (--algo diloco: DDP vs exact vs gossip DiLoCo over Gloo or pydblp, a worker "
+                             "killed)",
                              "--workers, --model, --rate (default 20 here), --loss, --bursts, --burst-ms, --seed and "
                              "--out apply too (--bursts: one every 3 s from the start of each run); --steps "
                              "and --scenario do not.")
@@ -590,7 +591,8 @@ def _cmd_experiment_diloco(args) -> int:
               (args.peer_timeout > 0, f"--peer-timeout {args.peer_timeout:g}: use a positive number of seconds"),
               (0 <= a["loss"] < 1, f"--loss {a['loss']:g}: use a probability in [0, 1)"),
               (a["bursts"] >= 0, f"--bursts {a['bursts']}: use 0 (none) or more"),
-              ("gossip-kill" not in runs or a["workers"] >= 3, "gossip-kill needs --workers 3 or more"))
+              (not any(r.startswith("gossip-kill") for r in runs) or a["workers"] >= 3,
+               "gossip-kill needs --workers 3 or more"))
     for ok, what in checks:
         if not ok:
             raise UsageError(what)

@@ -15,12 +15,14 @@ from pydblp.collective import estimators, phase as phases
 DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
+NB = int(wire.Flag.NEIGHBOUR)
 DST_ALL = wire.DST_ALL
 RETX = int(wire.Flag.RETX)
 TAG = int(wire.Flag.TAG)
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
-STASH_MAX = 65536  # packets of the next round kept before it starts
+STASH_MAX = 65536  # packets of the next rounds kept before they start
+STASH_AHEAD = 64  # rounds ahead whose packets are kept (a rank behind in neighbour rounds catches up on them)
 RECV_BATCH = 2048  # packets taken from the transport per receive call
 DRAIN_READS = 8  # receives at most when taking in what has already arrived (a bound was reached)
 NACK_QUIET = 0.002  # s of silence from a sender before a receiver that cannot reach the bound NACKs
@@ -65,7 +67,7 @@ class RoundRecord:
     tol: float
     phase: str
     latency: float
-    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" -> fraction received
+    delivered: dict = field(default_factory=dict)   # "rs:<src>" / "ag:<src>" / "nb:<src>" -> fraction received
     min_delivered: float = 1.0
     # retransmits and probes: of this round's messages while it ran; a trailing message's after
     # it returned are in counters["trail_retransmits"] and ["trail_probes"]
@@ -75,6 +77,7 @@ class RoundRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     below_bound: bool = False
+    left_out: list = field(default_factory=list)    # neighbour round: the neighbours skipped (timeout)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class Collective:
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
-        out = self._round(x, tensor, reduce=True)
+        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True))
         self.controller.observe(self.index - 1, out)
         return out * np.float32(self.world) if op == "sum" else out
 
@@ -151,7 +151,66 @@ class Collective:
         at most what one missed broadcast leaves, never a random walk.
         Same bound, STOP/PROBE and failure semantics as :meth:`allreduce`.
         """
-        return self._round(x, tensor, reduce=False)
+        return self._round(x, start=lambda p, flat: p.start(flat, tensor, False))
+
+    def neighbours(self, x: np.ndarray, peers: list[int], weights: list[float], tensor: int = 0,
+                   timeout=None) -> tuple[np.ndarray, list[int]]:
+        """One neighbour (gossip) round: send ``x`` whole to each rank in ``peers``, average theirs.
+
+        Returns ``(y, arrived)``: ``y`` (same shape as ``x``, float32) is per chunk
+        ``(w_self x + sum_j w_j x_j) / (w_self + sum_j w_j)`` over the neighbours ``j`` whose
+        message reached its bound and whose chunk arrived (``w_self = 1 - sum(weights)``), and
+        ``arrived`` lists those neighbours.  Loss within the round's tolerance (the phase
+        controller's, as for :meth:`allreduce`) is tolerated, above it repaired (STOP, PROBE,
+        BITMAP and NACK as in an allreduce, one message per neighbour and direction, flag
+        ``NEIGHBOUR``).
+
+        A neighbour whose message is below its bound ``timeout`` seconds after the round began
+        (later for one that may still be waiting out a dead peer of its own in the previous
+        neighbour round: see ``Protocol.start_neighbours``) is left out of this round (not in
+        ``arrived``; partial chunks unused; this rank's own message to it abandoned) and never
+        raises: dead or slow neighbours cost one timeout per round, and one whose packets
+        arrive in a later round is taken in again.
+
+        The round takes the next number of the collective's one round counter: every rank
+        must call :meth:`allreduce`, :meth:`broadcast_shards` and :meth:`neighbours` in the same
+        order, each rank calling this even with no peers this round.  The topology must be
+        symmetric (``j`` in ``i``'s peers exactly when ``i`` is in ``j``'s).
+
+        Args:
+            x: this rank's tensor (the same size on every rank).
+            peers: distinct ranks other than this one.
+            weights: one per peer, each >= 0, summing to at most 1.
+            tensor: the tensor id (as in :meth:`allreduce`).
+            timeout: seconds a neighbour has, from the start of the round, in [0,
+                ``Config.peer_timeout``) (default: half of it); or one such per peer (0: only
+                what is already here or arrives at once, for a neighbour thought dead).
+
+        Raises ValueError for bad peers, weights or timeout; :class:`CollectiveError` only
+        when the collective is closed.
+        """
+        peers = [int(r) for r in peers]
+        if len(set(peers)) != len(peers) or any(not 0 <= r < self.world or r == self.rank for r in peers):
+            raise ValueError(f"peers {peers}: give distinct ranks in 0..{self.world - 1}, not this rank ({self.rank})")
+        w = [float(v) for v in weights]
+        if len(w) != len(peers) or any(not v >= 0 for v in w) or sum(w) > 1 + 1e-6:
+            raise ValueError(f"weights {weights}: give one weight >= 0 per peer, summing to at most 1 "
+                             "(this rank's own weight is 1 - sum)")
+        timeout = self.cfg.peer_timeout / 2 if timeout is None else timeout
+        per = [float(t) for t in timeout] if np.ndim(timeout) else [float(timeout)] * len(peers)
+        if len(per) != len(peers) or not all(0 <= t < self.cfg.peer_timeout for t in per):
+            raise ValueError(f"timeout {timeout}: use seconds in [0, Config.peer_timeout = {self.cfg.peer_timeout}), "
+                             "one number or one per peer")
+        arrived = []
+
+        def start(p, flat):
+            return p.start_neighbours(flat, tensor, peers, w, per)
+
+        def done(st):
+            arrived.extend(r for r in peers if st.ins[(False, r)].done and not st.ins[(False, r)].skipped)
+
+        y = self._round(x, start=start, done=done)
+        return y, arrived
 
     def close(self) -> None:
         """Stop answering peers and close the transport.
@@ -171,7 +230,9 @@ class Collective:
                 os.close(self._wake)
         self.t.close()
 
-    def _round(self, x: np.ndarray, tensor: int, reduce: bool) -> np.ndarray:
+    def _round(self, x: np.ndarray, start, done=None) -> np.ndarray:
+        """Run one round that ``start(protocol, flat)`` begins; ``done(round)`` sees it before the
+        state is released."""
         if self._closing:
             raise CollectiveError("collective is closed")
         if self._idle_error is not None:
@@ -184,13 +245,15 @@ class Collective:
             os.eventfd_write(self._wake, 1)
         with self._poll_lock:  # the idle responder leaves its poll at once; a receive of its runs to the end
             try:
-                st = p.start(flat, tensor, reduce)
+                st = start(p, flat)
                 try:
                     p.run(st)
                 except TransportError as e:  # the transport cannot go on (e.g. peers hold another job key)
                     raise CollectiveError(str(e)) from e
                 finally:
                     p.finish(st)
+                if done is not None:
+                    done(st)
             finally:
                 self._running = False
                 self._alarm.set(IDLE_GRACE)

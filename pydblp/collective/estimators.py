@@ -10,6 +10,11 @@ mask ``mask[w]``):
   contribution arrives independently with the same probability, the
   expectation equals the true mean.
 
+Neighbour average (:func:`neighbour_mean`, a neighbour round): per chunk, the weighted
+mean over this rank and the neighbours whose chunk arrived, the weights renormalised over
+them: ``(w_self x + sum_j m_j w_j x_j) / (w_self + sum_j m_j w_j)``, the per-chunk
+renormalisation ``unbiased`` makes for the mean.
+
 All-gather misses (a chunk of the result that did not arrive):
 
 * ``stale``: the previous round's value of that chunk (falls back to local
@@ -46,6 +51,36 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
         arrived = mask.sum(axis=0, dtype=np.float32)
         total /= np.maximum(arrived, 1, out=arrived)[:, None]
     return total
+
+
+def neighbour_mean(x: np.ndarray, w_self: float, buf: np.ndarray, mask: np.ndarray, weights: np.ndarray,
+                   out: np.ndarray) -> np.ndarray:
+    """The weighted mean of this rank's rows and its neighbours', per chunk over what arrived.
+
+    Args:
+        x: (n, C) this rank's rows.
+        w_self: this rank's weight (>= 0).
+        buf: (K, n, C) the neighbours' rows; entries where ``mask`` is False are ignored
+            (zeroed in place).
+        mask: (K, n) which neighbour chunks count (arrived, from a neighbour taken in).
+        weights: (K,) the neighbours' weights.
+        out: (n, C) where the result goes (may not alias ``x``).
+
+    A chunk with zero total weight (``w_self`` 0 and nothing arrived) keeps ``x``'s values.
+    """
+    w = mask * weights[:, None].astype(np.float32)           # (K, n)
+    den = np.float32(w_self) + w.sum(axis=0, dtype=np.float32)  # (n,)
+    np.multiply(x, np.float32(w_self), out=out)
+    for k in range(len(buf)):
+        if w[k].any():
+            buf[k][~mask[k]] = 0
+            out += buf[k] * w[k][:, None]
+    zero = den <= 0
+    if zero.any():
+        out[zero] = x[zero]
+        den[zero] = 1
+    out /= den[:, None]
+    return out
 
 
 def _bands(frac: np.ndarray) -> np.ndarray:

@@ -3,8 +3,11 @@
 :class:`Matcher` takes the packets one receive returned and
 
 * absorbs this round's DATA for this rank: payloads go straight into the round's reduce
-  buffer or result, masks and :class:`~pydblp.collective.messages.InMessage` counts follow;
-* stashes the next round's packets (bounded) until that round starts;
+  buffer (a neighbour round's: the neighbours' buffer) or result, masks and
+  :class:`~pydblp.collective.messages.InMessage` counts follow;
+* stashes the next rounds' packets (bounded) until their round starts: the next one's (an
+  allreduce's peers are at most one round ahead), and in neighbour rounds, where a rank that
+  fell behind lags more, up to ``STASH_AHEAD`` rounds ahead;
 * hands control packets (PROBE, STOP, BITMAP) back to the caller, which answers them;
 * counts and drops the rest (``foreign``, ``late``, ``duplicate``, ``bad_payload``, ...).
 
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pydblp import wire
-from pydblp.collective.config import AG, DATA, DST_ALL, F32, FEW, MASK32, RECV_BATCH, STASH_MAX, TAG
+from pydblp.collective.config import (AG, DATA, DST_ALL, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD,
+                                      STASH_MAX, TAG)
 from pydblp.collective.messages import InMessage, Round
 from pydblp.wire import F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR
 
@@ -57,7 +61,7 @@ class Matcher:
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
             if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
                 m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
-        m["flags"] = TAG
+        m["flags"] = TAG | NB  # (NB: a neighbour round's DATA never matches an allreduce round, nor the reverse)
         self._mask = np.tile(m.view(np.uint64), RECV_BATCH)
         self._tmp = np.empty_like(self._mask)
         v = self._rec = np.zeros(1, wire.HEADER_DTYPE)
@@ -66,10 +70,13 @@ class Matcher:
         self._vals = np.tile(v.view(np.uint64), RECV_BATCH)
 
     def begin(self, st: Round) -> list[tuple]:
-        """Match round ``st`` from now on; returns (and forgets) the packets stashed for it."""
+        """Match round ``st`` from now on; returns (and forgets) the packets stashed (this round's;
+        those of later rounds go back to the stash when they are processed)."""
         v = self._rec
         v["round"], v["tensor"] = st.round, st.tensor
-        self._vals[1::4] = v.view(np.uint64)[1]  # only the word with round and tensor changes
+        v["flags"] = 0 if st.peers is None else NB
+        self._vals[1::4] = v.view(np.uint64)[1]  # only the words with round and tensor, and flags, change
+        self._vals[3::4] = v.view(np.uint64)[3]
         stash, self.stash = self.stash, []
         return stash
 
@@ -123,7 +130,7 @@ class Matcher:
         fields = (h if rows is None else wire.take(h, rows)).tolist()
         rows = range(len(h)) if rows is None else rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
-        nxt, prev = (base + 1) & MASK32, (base - 1) & MASK32
+        prev = (base - 1) & MASK32
         data, keep, ctrl = [], [], []
         foreign = late = bad = 0
         for i, f in zip(rows, fields):
@@ -131,7 +138,7 @@ class Matcher:
             if (f[F_JOB] != job or src >= W or src == me
                     or (f[F_DST] != me and not (f[F_DST] == DST_ALL and kind == DATA and f[F_FLAGS] & AG))):
                 foreign += 1
-            elif rnd == nxt:
+            elif 0 < ((rnd - base) & MASK32) <= STASH_AHEAD:  # a round to come
                 keep.append(i)
                 if st is not None:
                     st.heard[src] = now  # a peer already in the next round is alive
@@ -145,15 +152,17 @@ class Matcher:
                 if kind != DATA:
                     ctrl.append((f, i, True))
                 elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
-                      and not f[F_FLAGS] & TAG):
+                      and not f[F_FLAGS] & TAG and bool(f[F_FLAGS] & NB) == (st.peers is not None)):
                     data.append(i)
                 else:
                     bad += 1
                     if src not in st.misfit:
                         kind = "" if f[F_DTYPE] == F32 else f" of dtype {f[F_DTYPE]}"
-                        st.misfit[src] = (now, f"tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
-                                               f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is at "
-                                               f"tensor {st.tensor} with {width}-byte float32 chunks")
+                        nb = "neighbour" if f[F_FLAGS] & NB else "allreduce"
+                        mine = "allreduce" if st.peers is None else "neighbour"
+                        st.misfit[src] = (now, f"{nb} round, tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
+                                               f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is in a "
+                                               f"{mine} round at tensor {st.tensor} with {width}-byte float32 chunks")
             elif kind != DATA:  # of an earlier round: a late probe, a STOP or BITMAP for a trailing message
                 if rnd == prev:
                     st.heard[src] = now
@@ -173,7 +182,7 @@ class Matcher:
         out.control += [(f, pay[i, : lens[i]], current) for f, i, current in ctrl]
 
     def _keep(self, h, pay, lens, rows) -> None:
-        """Stash packets ``rows`` of the next round (bounded: beyond it the loss machinery repairs)."""
+        """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs)."""
         room = STASH_MAX - sum(len(x[0]) for x in self.stash)
         if room < len(rows):
             self.counters["stash_full"] += len(rows) - max(room, 0)
@@ -196,6 +205,9 @@ class Matcher:
         W = self.world
         src = h["src"].astype(np.intp)
         per = np.bincount(src, minlength=W)
+        if st.peers is not None:
+            self._absorb_nb(st, h, pay, prow, src, per, now, out)
+            return
         if len(per) > W or per[self.rank]:
             ok = (src < W) & (src != self.rank)
             self.counters["foreign"] += int(np.count_nonzero(~ok))
@@ -238,6 +250,44 @@ class Matcher:
                 self._arrived(st, inn, h, src, got, int(np.count_nonzero(inn.mask)), hi[k], now)
                 touched.append(inn)
         for inn in touched:
+            if inn.done and not inn.stop_sent:
+                inn.stop_sent = True
+                out.stops.append(inn)
+
+    def _absorb_nb(self, st: Round, h, pay, prow, src, per, now: float, out: Sorted) -> None:
+        """:meth:`absorb` for a neighbour round: each neighbour's message goes to its slot of the
+        neighbours' buffer.  A packet from a rank that is not a neighbour this round (or past the
+        world) is counted in ``foreign``."""
+        W = self.world
+        if len(per) > W:
+            ok = src < W
+            self.counters["foreign"] += int(np.count_nonzero(~ok))
+            prow = (np.arange(len(h)) if prow is None else prow)[ok]
+            h, src = h[ok], src[ok]
+        slot = st.slot[src]
+        if (slot < 0).any():
+            ok = slot >= 0
+            self.counters["foreign"] += int(np.count_nonzero(~ok))
+            prow = (np.arange(len(h)) if prow is None else prow)[ok]
+            h, src, slot = h[ok], src[ok], slot[ok]
+        per = np.bincount(src, minlength=W)
+        chunk = h["chunk"].astype(np.intp)
+        n = st.rmask.shape[1]
+        ok = h["nchunks"] == n
+        if not ok.all():
+            h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, n, now)
+            slot = st.slot[src]
+        row = slot * n + chunk
+        st.rflat[row] = self._chunks(pay, prow)
+        st.rmflat[row] = True
+        np.maximum.at(st.hi[0], src, chunk + 1)
+        hi = st.hi[0].tolist()
+        count = st.rmask.sum(axis=1).tolist()
+        for r, got in enumerate(per.tolist()):
+            if not got:
+                continue
+            inn = st.ins[(False, r)]
+            self._arrived(st, inn, h, src, got, count[st.slot[r]], hi[r], now)
             if inn.done and not inn.stop_sent:
                 inn.stop_sent = True
                 out.stops.append(inn)

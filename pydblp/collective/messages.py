@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pydblp.collective.config import LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET
+from pydblp.collective.config import AG, LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET, NB
 
 
 class OutMessage:
@@ -26,10 +26,13 @@ class OutMessage:
         tol8: the loss bound in 1/255 units; ``need`` chunks make it done.
         rnd: the round number.
         tensor: the tensor id.
+        nb: a neighbour round's message (flag ``NEIGHBOUR``; ``ag`` is False).
     """
 
-    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int):
-        self.ag, self.dst, self.rows, self.prio, self.tol8 = ag, dst, rows, prio, tol8
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int,
+                 nb: bool = False):
+        self.ag, self.dst, self.rows, self.prio, self.tol8, self.nb = ag, dst, rows, prio, tol8, nb
+        self.flag = AG if ag else NB if nb else 0  # the header flag marking its kind of message
         self.rnd, self.tensor = rnd, tensor
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
@@ -46,6 +49,7 @@ class OutMessage:
         self.members = ()                    # broadcast all-gather: the messages whose first pass this one
                                              # sends (their own ``sent`` follows it; they never send one)
         self.trailing = False                # the round has returned; this waits for its STOP (trailing)
+        self.abandoned = False               # neighbour round: its receiver was skipped (timeout); never sent again
         self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
         self.t_sent_all = None
         self.t_last = 0.0
@@ -142,13 +146,17 @@ class InMessage:
         src: the sending rank.
         mask: a view of the reduce buffer's or the result's mask marking its chunks that
             arrived (the receive path writes it; :meth:`arrived` reads the count).
+        nb: a neighbour round's message (``ag`` is False).
     """
 
-    def __init__(self, ag: bool, src: int, mask: np.ndarray):
-        self.ag, self.src, self.n, self.mask = ag, src, len(mask), mask
+    def __init__(self, ag: bool, src: int, mask: np.ndarray, nb: bool = False):
+        self.ag, self.src, self.n, self.mask, self.nb = ag, src, len(mask), mask, nb
+        self.flag = AG if ag else NB if nb else 0
+        self.skipped = False   # neighbour round: left out (below its bound at the round's timeout)
         self.count = 0
         self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
         self.t_data = 0.0      # when a new chunk last arrived
+        self.t_first = None    # when its first chunk arrived (a neighbour round's next deadline starts from it)
         self.t_nack = 0.0      # when the last unsolicited BITMAP went out
         self.nacks = 0         # unsolicited BITMAPs since a repair last got through
         self.asked = 0         # chunks missing below hi when the last one went out
@@ -183,6 +191,8 @@ class InMessage:
             self.tol8 = tol8
         dup = got - (count - self.count)
         if count > self.count:
+            if self.t_first is None:
+                self.t_first = now
             self.count = count
             self.hi = hi
             self.t_data = now
@@ -199,7 +209,7 @@ class InMessage:
         with less than half of what was missing, 2x ``NACK_QUIET`` since the last one.  Loss
         within the bound never NACKs.
         """
-        if self.done or self.count == 0:
+        if self.done or self.skipped or self.count == 0:
             return False
         tail = self.count + self.n - self.hi >= self.need  # within reach if the chunks not seen yet come
         if tail and not self.t_nack:
@@ -215,7 +225,7 @@ class InMessage:
         """Chunks of this message on their way that a receive may wait for at ``now``: the rest of
         a stream that still flows (a chunk within ``NACK_QUIET``) and the repair a NACK asked for
         within ``NACK_QUIET``, at most what the bound still needs; 0 when done or stalled."""
-        if self.done or now - max(self.t_data, self.t_nack) >= NACK_QUIET:
+        if self.done or self.skipped or now - max(self.t_data, self.t_nack) >= NACK_QUIET:
             return 0
         coming = (self.n - self.hi if self.hi else 0) + max(0, self.asked - (self.count - self.count_nack))
         return min(coming, self.need - self.count)
@@ -232,7 +242,7 @@ class Round:
     round: int                       # the round number on the wire (wraps at 2**32)
     tensor: int                      # the caller's tensor id
     index: int                       # this rank's round count (RoundRecord.index)
-    reduce: bool                     # an allreduce (else a broadcast of shards, no reduce-scatter)
+    reduce: bool                     # an allreduce (else a broadcast of shards or a neighbour round)
     tol: float                       # the loss bound the phase controller chose
     tol8: int                        # the same in 1/255 units, as on the wire
     phase: str                       # the controller's phase name
@@ -262,6 +272,13 @@ class Round:
     repair: bool = False             # a NACK went out or a BITMAP came in this round
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
+    # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
+    # slot[r] is rank r's slot (-1: not a neighbour this round); until: per slot, when that
+    # neighbour is left out if its message is still below its bound
+    peers: list | None = None
+    weights: np.ndarray | None = None
+    slot: np.ndarray | None = None
+    until: np.ndarray | None = None
 
     def expected(self, now: float) -> int:
         """How many packets a receive may wait for: the data packets on their way, at most
@@ -275,7 +292,8 @@ class Round:
         """
         due = 0
         for inn in self.ins.values():
-            if inn.ag != self.reduced:  # before the reduce: reduce-scatter only; after it: all-gather only
+            # before the reduce: reduce-scatter only; after it: all-gather only (a neighbour round: all)
+            if inn.ag != self.reduced and not inn.nb:
                 continue
             due += inn.due(now)
             if due >= LINGER_WANT:

@@ -7,11 +7,16 @@ all-gather messages, round records) and runs a round's steps: :meth:`~Protocol.s
 owns one, serialises its callers and answers peers between rounds through it.  Each step takes
 the time it acts at (``now``), so a test can drive it by hand.  The protocol itself (STOP, PROBE,
 BITMAP, NACK, bounds, trailing messages, failure semantics) is described in docs/protocol.md.
+
+Neighbour (gossip) rounds share the machinery: :meth:`~Protocol.start_neighbours` sets a round
+up whose messages go rank to rank, :meth:`~Protocol.skip` ends it at its timeout.  (Over 700
+lines: one state machine whose sending, control and timer paths serve every kind of round.)
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import numpy as np
@@ -19,12 +24,14 @@ import numpy as np
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
-                                      MASK32, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
+                                      MASK32, NB, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
                                       TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import InMessage, OutMessage, Round
 from pydblp.transport.base import Batch, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
+
+log = logging.getLogger(__name__)
 
 
 class Protocol:
@@ -78,7 +85,7 @@ class Protocol:
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped"), 0)
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
-        self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, ag, dst,
+        self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, flag, dst,
                                                   # nchunks, tol8, chunk, payload)
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
@@ -88,6 +95,7 @@ class Protocol:
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
+        self._began: tuple[int, dict] = (0, {})   # (neighbour round, {rank: when its message began arriving})
 
     @property
     def estimate(self) -> float:
@@ -162,6 +170,49 @@ class Protocol:
             self.process(st, hdr, pay, lens, t0)
         return st
 
+    def start_neighbours(self, flat: np.ndarray, tensor: int, peers: list[int], weights: list[float],
+                         timeouts: list[float]) -> Round:
+        """Begin a neighbour round on ``flat`` (float32, this rank's input): send it whole to each of
+        ``peers`` and take in theirs (weights: one per peer; this rank's own is ``1 - sum``).  Takes
+        in the packets of it that were stashed; sends nothing yet.  The caller checked the arguments.
+
+        A neighbour whose message is below its bound ``timeout`` s (its entry of ``timeouts``)
+        from now is left out, or, if the previous round was a neighbour round whose message from
+        it began arriving at ``t``, ``timeout`` s after ``max(now, t + timeout)``: that neighbour
+        may still be waiting out a dead peer of its own in that round (up to ``timeout``), and a
+        live neighbour late only for that is not left out.
+        """
+        rnd = self.round = (self.round + 1) & MASK32
+        tol = self.controller.tol(self.index)
+        T = max(1, -(-flat.size // self.C))
+        x = self._scratch("x", tensor, (T, self.C))
+        x.reshape(-1)[: flat.size] = flat
+        x.reshape(-1)[flat.size:] = 0
+        t0 = time.monotonic()
+        K = len(peers)
+        slot = np.full(self.world, -1, np.intp)
+        slot[peers] = np.arange(K)
+        last, began = self._began
+        began = began if last == (rnd - 1) & MASK32 else {}
+        until = np.array([max(t0, began[r] + w) + w if r in began else t0 + w for r, w in zip(peers, timeouts)])
+        st = Round(round=rnd, tensor=tensor, index=self.index, reduce=False, tol=tol,
+                   tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x, y=np.empty_like(x),
+                   have=np.ones(T, bool), bounds=[(0, T)], my_shard=None, reduced=True, t0=t0,
+                   heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
+                   ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
+                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0,
+                   peers=list(peers), weights=np.asarray(weights, np.float64), slot=slot, until=until)
+        st.rbuf = self._scratch("nbuf", tensor, (K, T, self.C))  # masked by rmask
+        st.rmask = np.zeros((K, T), bool)
+        st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row slot * T + chunk
+        prio = self._prio(x, 0, T)
+        for k, r in enumerate(peers):
+            st.ins[(False, r)] = InMessage(False, r, st.rmask[k], nb=True)
+            st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True)
+        for hdr, pay, lens in self.matcher.begin(st):
+            self.process(st, hdr, pay, lens, t0)
+        return st
+
     def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
         """A float32 buffer kept across rounds (no allocation or page faults per round); contents stale."""
         key = (name, tensor)
@@ -232,7 +283,7 @@ class Protocol:
         bound are queued, control packets answered."""
         out = self.matcher.process(st, h, pay, lens, now, self.round if st is None else st.round)
         for inn in out.stops:
-            self._ctrl_packet(st.round, st.tensor, STOP, inn.ag, inn.src, inn.n, inn.tol8 or 0)
+            self._ctrl_packet(st.round, st.tensor, STOP, inn.flag, inn.src, inn.n, inn.tol8 or 0)
         for f, payload, current in out.control:
             self.control(st, f, payload, now, current)
 
@@ -240,9 +291,11 @@ class Protocol:
         """This rank's result is in (every all-gather message to it reached its bound), its reduce-scatter
         messages are done, its own all-gather has gone out whole, no retransmission it was asked for
         waits, and the transport holds no paced backlog: the round may return.  All-gather messages
-        not yet acknowledged then trail (see :meth:`finish`)."""
-        return (st.reduced and all(i.done for i in st.ins.values() if i.ag)
-                and all(o.done or (o.ag and o.sent == o.n and not o.nretx) for o in st.outs.values())
+        not yet acknowledged then trail (see :meth:`finish`).  A neighbour round: every neighbour's
+        message is done or skipped, each of this rank's went out whole (or was abandoned), and no
+        retransmission waits; those not acknowledged yet trail likewise."""
+        return (st.reduced and all(i.done or i.skipped for i in st.ins.values() if i.ag or i.nb)
+                and all(o.done or ((o.ag or o.nb) and o.sent == o.n and not o.nretx) for o in st.outs.values())
                 and self.t.tx_backlog() <= 0)
 
     def reduce(self, st: Round) -> None:
@@ -364,9 +417,9 @@ class Protocol:
         lens = self._txlens[:k]
         lens[:] = width
         peer = self._txpeer[:k]
-        for i, (rnd, tensor, kind, ag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
+        for i, (rnd, tensor, kind, flag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
             h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
-                    RAW, chunk, max(n, 1), len(pl), tol8, AG if ag else 0)
+                    RAW, chunk, max(n, 1), len(pl), tol8, flag)
             payload[i, : len(pl)] = np.frombuffer(pl, np.uint8)
             lens[i] = len(pl)
             peer[i] = self._pid[dst]
@@ -388,7 +441,7 @@ class Protocol:
                 h["chunk"][i:j] = idx
                 h["nchunks"][i:j] = o.n
                 h["tol"][i:j] = o.tol8
-                h["flags"][i:j] = flags | (AG if o.ag else 0)
+                h["flags"][i:j] = flags | o.flag
                 if o.rnd != rnd:  # a trailing message of an earlier round
                     h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
                 lo = int(idx[0])
@@ -400,11 +453,12 @@ class Protocol:
         if sent < k:  # the ring or socket stayed full: the loss machinery repairs it
             self.counters["tx_short"] += k - sent
 
-    def _ctrl_packet(self, st_round: int, tensor: int, kind: int, ag: bool, dst: int, n: int,
+    def _ctrl_packet(self, st_round: int, tensor: int, kind: int, flag: int, dst: int, n: int,
                      tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
+        """Queue a control packet about a message whose kind ``flag`` marks (AG, NB or 0)."""
         if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units
             payload = min(0xFFFF, round(self.estimate * 1e4)).to_bytes(2, "big")
-        self.ctrl.append((st_round, tensor, kind, ag, dst, n, tol8, chunk, payload))
+        self.ctrl.append((st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
 
     def flush_ctrl(self) -> None:
         """Send the control packets waiting (a loop turn with no data to send)."""
@@ -414,21 +468,26 @@ class Protocol:
     # ---- control packets -------------------------------------------------
     def control(self, st: Round | None, f: tuple, payload: np.ndarray, now: float, current: bool) -> None:
         """Handle a control packet: header fields ``f`` (a record as a tuple), its payload, at
-        ``now``; ``current``: of round ``st`` (else of an earlier one; ``st`` None between rounds)."""
-        ag = bool(f[F_FLAGS] & AG)
+        ``now``; ``current``: of round ``st`` (else of an earlier one; ``st`` None between rounds).
+
+        A probe for a neighbour message this rank skipped is answered with STOP: the round that
+        wanted it is over.  A control packet whose NEIGHBOUR flag does not match its message's
+        (ranks calling rounds in different orders) is ignored."""
+        flag = f[F_FLAGS] & (AG | NB)
+        ag = bool(flag & AG)
         src, kind, rnd, tensor = f[F_SRC], f[F_KIND], f[F_ROUND], f[F_TENSOR]
         if kind == PROBE:
             ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
             # (st is None between rounds: then current is False and _prev answers)
             inn = ins.get((ag, src)) if ins is not None else None
-            if inn is None:
-                if not current and self._forgotten(st, rnd):  # finished before the last round: done
-                    self._ctrl_packet(rnd, tensor, STOP, ag, src, f[F_NCHUNKS], f[F_TOL])
+            if inn is None or inn.flag != flag:
+                if inn is None and not current and self._forgotten(st, rnd):  # finished before the last round
+                    self._ctrl_packet(rnd, tensor, STOP, flag, src, f[F_NCHUNKS], f[F_TOL])
                 return
             if inn.tol8 is None:
                 inn.tol8 = f[F_TOL]
-            if inn.done:
-                self._ctrl_packet(rnd, tensor, STOP, ag, src, inn.n, inn.tol8)
+            if inn.done or inn.skipped:
+                self._ctrl_packet(rnd, tensor, STOP, flag, src, inn.n, inn.tol8)
                 inn.stop_sent = True
             else:
                 self._bitmap(rnd, tensor, inn)
@@ -436,7 +495,7 @@ class Protocol:
         if kind == STOP and len(payload) >= 2:
             self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
-        if o is None or o.done:
+        if o is None or o.done or o.flag != flag:
             return
         if kind == STOP:
             self._out_done(o, now)
@@ -458,7 +517,7 @@ class Protocol:
         bits = np.packbits(inn.mask, bitorder="little").tobytes()
         step = self.cfg.chunk_bytes
         for off in range(0, len(bits), step):
-            self._ctrl_packet(rnd, tensor, BITMAP, inn.ag, inn.src, inn.n, inn.tol8,
+            self._ctrl_packet(rnd, tensor, BITMAP, inn.flag, inn.src, inn.n, inn.tol8,
                               chunk=off * 8, payload=bits[off: off + step])
 
     def _out_done(self, o: OutMessage, now: float) -> None:
@@ -474,7 +533,7 @@ class Protocol:
         no longer reach its bound and is due (:meth:`InMessage.nack_due`).  A reduce-scatter
         message no longer matters once this rank has reduced."""
         for inn in st.ins.values():
-            if (inn.ag or not st.reduced) and inn.nack_due(now):
+            if (inn.ag or inn.nb or not st.reduced) and inn.nack_due(now):
                 self._bitmap(st.round, st.tensor, inn)
                 st.repair = True
                 st.nacks += 1
@@ -489,7 +548,7 @@ class Protocol:
             if pt is None:
                 pt = self.probe_timeout
             if o.probe_due(now, pt, self.cfg.probe_max):
-                self._ctrl_packet(o.rnd, o.tensor, PROBE, o.ag, o.dst, o.n, o.tol8)
+                self._ctrl_packet(o.rnd, o.tensor, PROBE, o.flag, o.dst, o.n, o.tol8)
                 if o.trailing:
                     self.counters["trail_probes"] += 1
 
@@ -497,12 +556,17 @@ class Protocol:
         """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK).
 
         Raises CollectiveError for a needed peer silent for ``peer_timeout``, or one alive whose
-        data has not fit this round for as long.
+        data has not fit this round for as long.  A neighbour round never raises: once its
+        timeout has passed it skips what is missing (:meth:`skip`).
         """
         self.nacks(st, now)
         self._probes(st.outs.values(), now)
         if self.trail:
             self._trail_timers(now)
+        if st.peers is not None:
+            if len(st.until) and now >= st.until.min():
+                self.skip(st, now)
+            return
         if now - st.t_alive < DEAD_TICK:
             return
         st.t_alive = now
@@ -525,6 +589,21 @@ class Protocol:
                     f"rank {self.rank}: rank {q}'s data in round {st.index} does not fit for "
                     f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
                     f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
+
+    def skip(self, st: Round, now: float) -> None:
+        """A neighbour round's timeouts: leave out every neighbour past its deadline (``st.until``)
+        whose message is below its bound (its chunks are not used) and abandon this rank's message
+        to it, as well as one that has not gone out whole or waits for retransmissions (no probes,
+        no repair past the timeout).  Once every neighbour is in or left out the round may return."""
+        for k, r in enumerate(st.peers):
+            if now < st.until[k]:
+                continue
+            inn, o = st.ins[(False, r)], st.outs[(False, r)]
+            if not inn.done:
+                inn.skipped = True
+            if not o.done and (inn.skipped or o.sent < o.n or o.nretx):
+                o.done = o.abandoned = True
+            st.until[k] = np.inf
 
     # ---- trailing all-gather messages ------------------------------------
     def _trail_timers(self, now: float) -> None:
@@ -572,6 +651,8 @@ class Protocol:
     def finish(self, st: Round) -> RoundRecord:
         """End round ``st``: fill the result's missing rows (stale or local), keep what late probes
         and trailing messages need, record it (:attr:`records`, ``Config.on_record``)."""
+        if st.peers is not None:
+            return self._finish_neighbours(st)
         missing = ~st.have
         if missing.any():
             last = self.stale.get(st.tensor)
@@ -605,15 +686,49 @@ class Protocol:
             self.cfg.on_record(rec)
         return rec
 
+    def _finish_neighbours(self, st: Round) -> RoundRecord:
+        """:meth:`finish` for a neighbour round: the weighted mean over this rank and the neighbours
+        whose message reached its bound (per chunk over the chunks that arrived; the skipped
+        count for nothing), kept state, trailing messages and the record."""
+        taken = np.array([st.ins[(False, r)].done and not st.ins[(False, r)].skipped for r in st.peers], bool)
+        mask = st.rmask & taken[:, None]
+        estimators.neighbour_mean(st.x, 1.0 - float(st.weights.sum()), st.rbuf, mask, st.weights, st.y)
+        self._prev = (st.round, st.ins)
+        self._began = (st.round, {r: i.t_first for (_, r), i in st.ins.items() if i.t_first is not None})
+        self._trail_from(st)
+        s1 = self.t.stats()
+        rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
+                          phase=st.phase, latency=time.monotonic() - st.t0)
+        for r in st.peers:
+            inn = st.ins[(False, r)]
+            rec.delivered[f"nb:{r}"] = inn.count / inn.n
+            if inn.skipped:
+                rec.left_out.append(r)
+            rec.below_bound |= not inn.done and not inn.skipped  # (a deadline ended it)
+        rec.min_delivered = min(rec.delivered.values(), default=1.0)
+        rec.retransmits = sum(o.retransmits for o in st.outs.values())
+        rec.probes = sum(o.probes for o in st.outs.values())
+        rec.nacks = st.nacks
+        rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
+        rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
+        for q, (_, what) in st.misfit.items():
+            log.warning("rank %d: neighbour %d's data in round %d did not fit: %s", self.rank, q, st.index, what)
+        self.records.append(rec)
+        self.index += 1
+        if self.cfg.on_record is not None:
+            self.cfg.on_record(rec)
+        return rec
+
     def _trail_from(self, st: Round) -> None:
         """Keep the round's all-gather messages that went out whole but are not acknowledged yet:
         they trail, on a copy of their rows (the caller owns the result now), until their STOP."""
         for key in [k for k, o in self.trail.items() if o.done]:
             del self.trail[key]
-        pending = [o for o in st.outs.values() if o.ag and not o.done and o.sent == o.n]
+        pending = [o for o in st.outs.values() if (o.ag or o.nb) and not o.done and o.sent == o.n]
         if not pending:
             return
-        rows = pending[0].rows  # (every all-gather message of a round carries the same rows: my shard)
+        rows = pending[0].rows  # (every all-gather message of a round carries the same rows, my shard;
+                                # every neighbour message its round's input)
         keep = self._scratch("trail", st.tensor, rows.shape)
         old = None
         for o in self.trail.values():  # an earlier round's messages still on this buffer keep a copy of their own

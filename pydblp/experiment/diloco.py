@@ -8,7 +8,9 @@ once per run:
 * ``exact``: DiLoCo, pseudo-gradients averaged over Gloo every H steps;
 * ``exact-pydblp``: the same, averaged by pydblp's bounded-loss collective (UDP data plane);
 * ``gossip``: Factored Gossip DiLoCo over :class:`~pydblp.torch.GlooExchange`;
-* ``gossip-kill``: the same, with the last worker killed (SIGKILL) half way.
+* ``gossip-kill``: the same, with the last worker killed (SIGKILL) half way;
+* ``gossip-pydblp``, ``gossip-kill-pydblp``: ``gossip`` and ``gossip-kill`` with the
+  neighbour rounds run by pydblp's bounded-loss collective (``Collective.neighbours``).
 
 Each worker writes its final parameters and a JSON summary to ``out_dir``;
 the report (``report.json`` and a table) gives per run: final quality (the
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-RUNS = ("ddp", "exact", "exact-pydblp", "gossip", "gossip-kill")
+RUNS = ("ddp", "exact", "exact-pydblp", "gossip", "gossip-kill", "gossip-pydblp", "gossip-kill-pydblp")
 
 
 @dataclass
@@ -148,12 +150,12 @@ def worker(argv=None) -> int:
         else:
             import pydblp.torch as ptorch
 
-            if a.run == "exact-pydblp":
+            if a.run.endswith("-pydblp"):
                 from pydblp.collective import Config
 
                 state = ptorch.State.from_process_group("udp", iface=a.iface, port=0,
                                                         config=Config(job=33, phase="static:0.016"))
-                exchange = ptorch.PydblpExchange(state)
+                exchange = ptorch.PydblpExchange(state, timeout=a.timeout)
             else:
                 exchange = ptorch.GlooExchange(addr=a.addr, timeout=a.timeout)
             inner = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -210,7 +212,7 @@ def _run_one(tb, opt: Options, run: str) -> dict:
     logs = [open(out / f"{run}.rank{r}.log", "w") for r in range(opt.workers)]
     procs = [tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=logs[r],
                       env=env, text=True) for r in range(opt.workers)]
-    victim = opt.workers - 1 if run == "gossip-kill" else None
+    victim = opt.workers - 1 if run.startswith("gossip-kill") else None
     killed_at = None
     deadline = time.monotonic() + opt.run_timeout
     expired = []

@@ -10,13 +10,15 @@ implementations:
   point-to-point receive cannot serve here: a Gloo ``wait(timeout)`` that
   expires closes the connection to that peer for good, so a slow peer could
   never be re-admitted.  A mailbox wait that expires costs nothing.
-* :class:`PydblpExchange`: the exact mean through pydblp's bounded-loss
-  collective (:class:`~pydblp.torch.State`).  It has no neighbour average:
-  the collective runs rounds over its whole world, and a neighbour round
-  needs a primitive in its engine (``docs/diloco.md`` gives the
-  specification).
+* :class:`PydblpExchange`: the exact mean and the neighbour average through
+  pydblp's bounded-loss collective (:class:`~pydblp.torch.State`):
+  ``Collective.allreduce`` and ``Collective.neighbours`` (a neighbour round:
+  loss within the round's tolerance absorbed, above it repaired; a neighbour
+  below its bound at its deadline left out of that round, and taken in again
+  as soon as its messages arrive in time).
 
-Failure semantics of a neighbour average: each neighbour has ``timeout``
+Failure semantics of a neighbour average (Gloo; pydblp's in
+:meth:`pydblp.collective.Collective.neighbours`): each neighbour has ``timeout``
 seconds, from the start of the call, to deliver this round's tensor; one that
 does not is left out of this round's average (the weights of those that
 arrived are renormalised) and becomes *suspect*: later rounds take its tensor
@@ -270,17 +272,65 @@ class GlooExchange(Exchange):
 
 
 class PydblpExchange(Exchange):
-    """Exact mean through pydblp's bounded-loss collective; no neighbour average (see the module).
+    """Exact mean and neighbour average through pydblp's bounded-loss collective.
+
+    Both run on the state's transport thread, in the order they are called; the collective
+    numbers every round with one counter, so every rank must make the same calls in the
+    same order (DiLoCo does).  A neighbour average waits for each neighbour up to ``timeout``
+    (longer for one that may still be waiting out a dead peer of its own in the previous
+    round: :meth:`~pydblp.collective.Collective.neighbours`), leaves out one below its bound
+    then, and never raises for it.  One left out becomes *suspect*, as in
+    :class:`GlooExchange`: later rounds take its message only if it is already there (or
+    arrives at once), except every ``readmit_every``-th round, which waits the full timeout
+    for it; so a dead neighbour costs one timeout per ``readmit_every`` rounds.  A suspect
+    whose message arrives is re-admitted.
 
     Args:
         state: a :class:`~pydblp.torch.State` (its transport thread runs the rounds).
         tensor: the collective's tensor id for DiLoCo's rounds (apart from DDP buckets').
+        timeout: seconds a neighbour has per round; below the collective's
+            ``Config.peer_timeout`` (default: half of it).
+        readmit_every: a suspect neighbour is waited for once every this many rounds.
     """
 
-    def __init__(self, state, tensor: int = 0xFFFE):
+    supports_neighbours = True
+
+    def __init__(self, state, tensor: int = 0xFFFE, timeout: float | None = None, readmit_every: int = 4):
+        peer_timeout = state.collective.cfg.peer_timeout
+        if timeout is not None and not 0 < timeout < peer_timeout:
+            raise ValueError(f"timeout {timeout}: use seconds in (0, Config.peer_timeout = {peer_timeout})")
+        if readmit_every < 1:
+            raise ValueError(f"readmit_every {readmit_every}: use 1 or more rounds")
         self.state, self.tensor = state, tensor
+        self.timeout = peer_timeout / 2 if timeout is None else timeout
+        self.readmit_every = readmit_every
         self.rank, self.world = state.collective.rank, state.collective.world
         self.bytes_sent = 0
+        self.suspects: dict[int, int] = {}   # peer -> rounds since it was last waited for
+
+    def neighbours_average(self, tensor, peers, weights, round):
+        if len(peers) != len(weights):
+            raise ValueError(f"{len(peers)} peers but {len(weights)} weights")
+        x = tensor.detach().to("cpu", torch.float32).reshape(-1).numpy()
+        probe = {p: p not in self.suspects or self.suspects[p] + 1 >= self.readmit_every for p in peers}
+        waits = [self.timeout if probe[p] else 0.0 for p in peers]
+
+        def run(col, x=x):
+            y, arrived = col.neighbours(x, list(peers), list(weights), tensor=self.tensor, timeout=waits)
+            return y, arrived, col.records[-1].bytes_sent
+
+        y, arrived, sent = self.state.submit(run).wait()
+        self.bytes_sent += sent
+        for p in peers:
+            if p in arrived:
+                if self.suspects.pop(p, None) is not None:
+                    log.info("rank %d: peer %d is back (round %d)", self.rank, p, round)
+            else:
+                if p not in self.suspects:
+                    log.warning("rank %d: peer %d below its bound for %.1f s in round %d: left out until it "
+                                "returns", self.rank, p, self.timeout, round)
+                self.suspects[p] = 0 if probe[p] else self.suspects[p] + 1
+        return torch.from_numpy(np.ascontiguousarray(y)).to(tensor.dtype).view_as(tensor), list(arrived)
 
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         x = tensor.detach().to("cpu", torch.float32).numpy()

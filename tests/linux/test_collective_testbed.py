@@ -423,3 +423,33 @@ def test_forged_traffic_changes_no_round_with_a_key(clean, hosts, kind):
     assert forged + s0.get("rx_dropped", 0) + s0.get("rx_ring_full", 0) >= sprayed[0] * 0.99, (sprayed, s0)
     assert forged <= sprayed[0]
     assert all(sum(t.stats()[f"auth_{w}"] for w in ("untagged", "bad_tag", "epoch")) == 0 for t in ts[1:])
+
+
+@pytest.mark.parametrize("loss, tol", [(0.02, 0.25), (0.3, 0.05)])
+def test_neighbour_rounds_absorb_loss_within_the_bound_and_repair_above_it(clean, hosts, kind, loss, tol):
+    """Neighbour (gossip) rounds on a ring under random fabric loss: within the bound no chunk is
+    resent; above it receivers NACK and senders repair to the bound.  Every neighbour arrives
+    (its timeout is generous), and each chunk that arrived is the exact weighted average."""
+    from pydblp.torch.exchange import neighbours
+
+    clean.loss(loss)
+    x = [np.full(200_000, r + 1, np.float32) for r in range(WORLD)]
+
+    def fn(r, c):
+        p = neighbours("ring", r, WORLD, 0)
+        return [c.neighbours(x[r], p, [1 / 3, 1 / 3], timeout=10.0) for _ in range(4)]
+
+    res, cols = run_ranks(clean, transports(clean, kind, hosts), fn, phase=f"static:{tol}")
+    recs = [rec for c in cols for rec in c.records]
+    assert all(rec.min_delivered >= 1 - rec.tol and not rec.below_bound and not rec.left_out for rec in recs)
+    assert min(rec.min_delivered for rec in recs) < 1.0  # the fabric did drop some
+    if loss < tol:
+        assert sum(rec.retransmits for rec in recs) == 0
+    else:
+        assert sum(rec.retransmits for rec in recs) > 0 and sum(rec.nacks for rec in recs) > 0
+    for r in range(WORLD):
+        p = neighbours("ring", r, WORLD, 0)
+        exact = (r + 1 + sum(j + 1 for j in p)) / 3
+        for y, arrived in res[r]:
+            assert arrived == p
+            assert np.isclose(y, exact).mean() >= 1 - 2 * tol  # the rest: over the chunks that arrived

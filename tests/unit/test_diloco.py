@@ -187,3 +187,62 @@ def test_experiment_diloco_usage_errors_are_one_line(capsys, argv, says):
     assert cli.main(["experiment", "--algo", "diloco", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+# ---- gossip over pydblp's collective (ranks are threads, UDP on loopback) ----------
+
+@pytest.mark.parametrize("topology,overlap", [("exp", 0), ("exp", 1), ("random", 1)])
+def test_gossip_over_pydblp_mixes_like_over_gloo(topology, overlap):
+    """PydblpExchange's neighbour rounds: on a complete graph (exp at 3 ranks) one blocking round
+    gives every rank one model after each outer step; a random matching (odd rank out: a round
+    with no peers, still numbered) pulls them together.  No neighbour is left out."""
+    import threading
+
+    from pydblp.torch import DiLoCo, PydblpExchange, State
+    from tests.unit.test_collective import Ranks
+
+    rk = Ranks(WORLD)
+    states = [State(c) for c in rk.cols]
+    models = [_model() for _ in range(WORLD)]  # (here: _model seeds torch's global generator)
+    out, errs = {}, {}
+
+    def go(rank):
+        try:
+            ex = PydblpExchange(states[rank], timeout=3.0)
+            model = models[rank]
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            outer = torch.optim.SGD(model.parameters(), lr=1.0)
+            g = torch.Generator().manual_seed(10 + rank)
+            after = []
+            with DiLoCo(ex, model, inner, outer, sync_every=4, mode="gossip", topology=topology,
+                        blocking_rounds=1, overlap_rounds=overlap, seed=5) as d:
+                for step in range(12):
+                    x = torch.randn(8, 6, generator=g)
+                    inner.zero_grad()
+                    torch.nn.functional.mse_loss(model(x)[:, 0], x[:, rank]).backward()
+                    inner.step()
+                    if (step + 1) % 4 == 0:
+                        after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            out[rank] = (after, d.records, ex.bytes_sent)
+        except Exception as e:  # asserted below
+            errs[rank] = e
+
+    th = [threading.Thread(target=go, args=(r,)) for r in range(WORLD)]
+    try:
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(60)
+        assert not any(t.is_alive() for t in th), "a rank hung"
+        assert not errs, errs
+    finally:
+        for s in states:
+            s.close(barrier=False)
+    assert all(not rec.missing for r in out for rec in out[r][1])
+    assert all(out[r][2] > 0 for r in out)
+    spread = [max(float((out[r][0][k] - out[0][0][k]).abs().max()) for r in out) for k in range(3)]
+    if topology == "exp":
+        assert max(spread) < 1e-5, spread
+    else:
+        apart = float((out[1][0][0] - out[0][0][0]).abs().max())
+        assert all(s > 0 for s in spread) and apart < 1.0, spread  # mixed, not one model, not blown apart
