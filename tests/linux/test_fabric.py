@@ -202,17 +202,22 @@ def _timed(fab, frame: bytes, seconds: float) -> list[tuple[int, int, int]]:
 
 
 def test_burst_window_drops_only_inside(fab):
-    start = fab.burst(ratio=1.0, duration=0.03, delay=0.02, port="a")
-    s_ns, e_ns = int(start * 1e9), int(start * 1e9) + 30_000_000
-    rec = _timed(fab, udp_frame(), 0.08)
-    inside = [v for t0, t1, v in rec if t0 >= s_ns and t1 < e_ns]
-    outside = [v for t0, t1, v in rec if t1 < s_ns or t0 >= e_ns]
-    assert inside and outside
-    assert set(inside) == {XDP_DROP}
-    assert set(outside) == {FORWARD}
-    for t0, t1, v in rec:
-        if v == XDP_DROP:
-            assert t1 >= s_ns and t0 < e_ns, "drop outside the window"
+    # a loaded machine may deschedule the sampling loop for the whole 30 ms window: then the
+    # window is armed again (at most 5 times); every attempt must drop only inside it
+    for _ in range(5):
+        start = fab.burst(ratio=1.0, duration=0.03, delay=0.02, port="a")
+        s_ns, e_ns = int(start * 1e9), int(start * 1e9) + 30_000_000
+        rec = _timed(fab, udp_frame(), 0.08)
+        inside = [v for t0, t1, v in rec if t0 >= s_ns and t1 < e_ns]
+        outside = [v for t0, t1, v in rec if t1 < s_ns or t0 >= e_ns]
+        assert set(inside) <= {XDP_DROP}
+        assert set(outside) <= {FORWARD}
+        for t0, t1, v in rec:
+            if v == XDP_DROP:
+                assert t1 >= s_ns and t0 < e_ns, "drop outside the window"
+        if inside and outside:
+            break
+    assert inside and outside, "no sample landed inside and outside the window in 5 attempts"
 
 
 def test_periodic_bursts_with_count_and_ratio(fab):
