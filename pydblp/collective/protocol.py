@@ -205,7 +205,7 @@ class Protocol:
         st.rbuf = self._scratch("nbuf", tensor, (K, T, self.C))  # masked by rmask
         st.rmask = np.zeros((K, T), bool)
         st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row slot * T + chunk
-        prio = self._prio(x, 0, T)
+        prio = self._prio(x, 0, T, tensor)
         for k, r in enumerate(peers):
             st.ins[(False, r)] = InMessage(False, r, st.rmask[k], nb=True)
             st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True)
