@@ -9,7 +9,7 @@ arrays (no staging copy, no per-packet Python).  The ``mmsghdr``/``iovec``
 arrays are numpy structured arrays whose pointers are filled vectorised.
 (A socket with ``UDP_GRO`` receives differently: see below.)
 
-Why one module of ~770 lines: the mmsghdr/iovec arrays, GRO receive, GSO
+Why one module of ~810 lines: the mmsghdr/iovec arrays, GRO receive, GSO
 transmit and the broadcast peer's loopback filter all operate on the same
 socket and the same preallocated arrays; split apart they would share most of
 their state through attributes of one object anyway.
