@@ -442,7 +442,8 @@ class Protocol:
         elif kind == BITMAP:
             if current:
                 st.repair = True
-            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now):
+            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
+                        self.probe_timeout):
                 self._out_done(o, now)
 
     def _forgotten(self, st: Round | None, rnd: int) -> bool:
