@@ -377,7 +377,7 @@ def _cmd_dump(args) -> int:
 EXPERIMENT_EPILOG = """\
 examples:
   dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 10 % loss, bursts
-  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 17 minutes)
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 15 minutes)
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
