@@ -376,8 +376,8 @@ def _cmd_dump(args) -> int:
 
 EXPERIMENT_EPILOG = """\
 examples:
-  dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 2 % loss, bursts
-  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 17 minutes)
+  dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 10 % loss, bursts
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 15 minutes)
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -440,7 +440,7 @@ def _add_experiment(sub):
     p.add_argument("--burst-port", metavar="PORTS",
                    help="workers whose incoming link a burst hits: all, or e.g. 1,3 (default 1)")
     p.add_argument("--loss-model", choices=["random", "ge"], help="background loss: random or Gilbert-Elliott")
-    p.add_argument("--loss", type=float, help="background loss: mean drop rate on every port (default 0.02)")
+    p.add_argument("--loss", type=float, help="background loss: mean drop rate on every port (default 0.1)")
     p.add_argument("--ge-len", type=float, metavar="PACKETS", help="ge: mean bad-state run (default 10 packets)")
     p.add_argument("--ge-bad", type=float, metavar="RATIO", help="ge: drop ratio in the bad state (default 0.8)")
     p.add_argument("--p-low", type=float, help="static tolerance, DBLP's P_low (default 0.016)")

@@ -57,10 +57,11 @@ class OutMessage:
         self.timeouts = 0      # probes sent because the timeout passed
         self.retransmits = 0
 
-    def bitmap(self, first: int, bits: np.ndarray, now: float) -> bool:
+    def bitmap(self, first: int, bits: np.ndarray, now: float, wait: float = 0.0) -> bool:
         """Take in a BITMAP: ``bits`` (bool, bit i = chunk ``first + i`` arrived) at ``now``.
 
-        Marks what arrived, queues for retransmission what is missing and lost (:meth:`lost`),
+        Marks what arrived, queues for retransmission what is missing and lost (:meth:`lost`;
+        ``wait``: how long a chunk may be on its way before a round trip is measured),
         and resets the probe back-off (the receiver answers).  Bits past what has been sent
         are ignored: a chunk not sent yet is never resent.
 
@@ -77,23 +78,24 @@ class OutMessage:
         self.acked[seg] |= bits
         if np.count_nonzero(self.acked) >= self.need:
             return True
-        self.retx[seg] = (self.retx[seg] | self.lost(seg, new, now)) & ~self.acked[seg]
+        self.retx[seg] = (self.retx[seg] | self.lost(seg, new, now, wait)) & ~self.acked[seg]
         self.nretx = int(np.count_nonzero(self.retx))
         self.t_last = now
         self.timeouts = 0  # the receiver answers: the path works, probe at the base timeout again
         return False
 
-    def lost(self, seg: slice, new: np.ndarray, now: float) -> np.ndarray:
+    def lost(self, seg: slice, new: np.ndarray, now: float, wait: float = 0.0) -> np.ndarray:
         """Chunks of ``seg`` a BITMAP shows missing that are lost, not still on their way
         (``new``: the chunks it shows in for the first time).
 
         Packets to one peer travel one path in order, so a missing chunk sent before one
         the receiver has (by send number: first sends in chunk order, then each
         retransmission) is lost.  One sent after it may still wait in this host's queue or
-        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it): it
-        counts as lost only once it went out ``LOSS_RTTS`` round trips ago (the time the latest
-        retransmission shown arrived took to show up), else the next BITMAP decides.
-        Without a measured round trip yet, everything missing counts.
+        on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it; a
+        NACK sent while this rank's own pacer held the rest): it counts as lost only once it
+        went out ``LOSS_RTTS`` round trips ago (the time the latest retransmission shown
+        arrived took to show up) or, before a round trip is measured, ``wait`` seconds ago
+        (the caller's probe timeout), else the next BITMAP decides.
         """
         seq = self.seq[seg]
         resent = seq >= self.n
@@ -103,11 +105,11 @@ class OutMessage:
         if shown.any():
             j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
             self.rtt = now - self.t_rtx[j]
-        if self.rtt is None:
-            return miss
         top = seq[got].max() if got.any() else -1
-        went = np.where(resent, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else now)
-        return miss & ((seq < top) | (went <= now - LOSS_RTTS * self.rtt))
+        # a first send went out by t_sent_all (all sent) or by the message's latest send or answer
+        went = np.where(resent, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else self.t_last)
+        recent = wait if self.rtt is None else LOSS_RTTS * self.rtt
+        return miss & ((seq < top) | (went <= now - recent))
 
     def resend(self, budget: int, now: float) -> np.ndarray:
         """Take up to ``budget`` chunks queued for retransmission off the queue, numbering them

@@ -92,6 +92,7 @@ class Protocol:
                                                   # this rank's own is :attr:`estimate`
         self.estimate = 0.005
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
+        self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
@@ -363,7 +364,10 @@ class Protocol:
         if st.repair and self.t.tx_queued() > TXQ_REPAIR:  # a retransmission asked for next must not wait long
             self.tx_wait = 0.001
             return False
-        share = max(1, self.cfg.burst // len(active))
+        total = self.cfg.burst
+        if self.pkt_s:  # a pacing transport: hand it about TXQ_LIMIT of data a turn, not a whole burst
+            total = min(total, max(len(active), int(TXQ_LIMIT / self.pkt_s)))
+        share = max(1, total // len(active))
         parts = []
         for o in active:
             budget = share
@@ -385,6 +389,10 @@ class Protocol:
                     o.t_last = now
                     o.t_sent_all = bc.t_sent_all
         self._send_batch(st, parts)
+        k = sum(len(idx) for _, idx, _ in parts)
+        grown = self.t.tx_backlog() - backlog
+        if k >= 16 and grown > 0:  # what a packet costs the pacer: learnt, the protocol has no rate
+            self.pkt_s = grown / k
         more = any(o.sent < o.avail or o.nretx for o in active)
         if not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
@@ -502,7 +510,8 @@ class Protocol:
         elif kind == BITMAP:
             if current:
                 st.repair = True
-            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now):
+            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
+                        self.probe_timeout):
                 self._out_done(o, now)
 
     def _forgotten(self, st: Round | None, rnd: int) -> bool:

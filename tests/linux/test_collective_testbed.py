@@ -145,7 +145,8 @@ def test_loss_within_bound_completes_without_retransmission(clean, hosts, kind):
     tol = 0.25
     x = [np.full(200_000, r + 1, np.float32) for r in range(WORLD)]
     res, cols = run_ranks(clean, transports(clean, kind, hosts),
-                          lambda r, c: [c.allreduce(x[r]) for _ in range(5)], phase=f"static:{tol}")
+                          lambda r, c: [c.allreduce(x[r]) for _ in range(5)], phase=f"static:{tol}",
+                          consistent=False)  # (consistent: the all-gather is repaired whole by design)
     recs = [rec for c in cols for rec in c.records]
     assert sum(rec.retransmits for rec in recs) == 0
     assert all(rec.min_delivered >= 1 - rec.tol and not rec.below_bound for rec in recs)
