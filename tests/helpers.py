@@ -52,6 +52,27 @@ def run_threads(fn, ranks, timeout: float) -> tuple[dict, dict]:
     return res, errs
 
 
+class Ranks:
+    """``world`` collectives over UDP on loopback, one per rank, run in threads (:meth:`run`)."""
+
+    def __init__(self, world: int, **cfg):
+        from pydblp.collective import Collective, Config
+        from pydblp.transport.udp import UdpTransport
+
+        self.world = world
+        self.ts = [UdpTransport(port=0) for _ in range(world)]
+        peers = [("127.0.0.1", t.port) for t in self.ts]
+        self.cols = [Collective(self.ts[r], r, world, peers, Config(**cfg)) for r in range(world)]
+
+    def run(self, fn, ranks=None, timeout: float = 60.0):
+        """Call fn(rank, collective) in one thread per rank; results and exceptions by rank."""
+        return run_threads(lambda r: fn(r, self.cols[r]), range(self.world) if ranks is None else ranks, timeout)
+
+    def close(self):
+        for c in self.cols:
+            c.close()
+
+
 def run_in_workers(tb, argv_of, env: dict, timeout: float, what: str) -> list[str]:
     """Run ``argv_of(rank)`` in every worker of testbed ``tb`` at once; their outputs, by rank.
 

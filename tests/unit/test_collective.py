@@ -20,39 +20,7 @@ from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedul
 from pydblp.collective.protocol import Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import run_threads
-
-
-class Ranks:
-    """``world`` collectives on loopback, run in threads."""
-
-    def __init__(self, world: int, **cfg):
-        self.world = world
-        self.ts = [UdpTransport(port=0) for _ in range(world)]
-        peers = [("127.0.0.1", t.port) for t in self.ts]
-        self.cols = [Collective(self.ts[r], r, world, peers, Config(**cfg)) for r in range(world)]
-
-    def run(self, fn, ranks=None, timeout: float = 60.0):
-        """Call fn(rank, collective) in one thread per rank; results and exceptions by rank."""
-        return run_threads(lambda r: fn(r, self.cols[r]), range(self.world) if ranks is None else ranks, timeout)
-
-    def close(self):
-        for c in self.cols:
-            c.close()
-
-
-@pytest.fixture
-def ranks():
-    made = []
-
-    def make(world, **cfg):
-        r = Ranks(world, **cfg)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
+from tests.helpers import Ranks
 
 
 def inputs(world, n, rounds=1, seed=0):

@@ -15,21 +15,6 @@ import pytest
 
 from pydblp.collective import CollectiveError, estimators
 from pydblp.torch.exchange import neighbours
-from tests.unit.test_collective import Ranks
-
-
-@pytest.fixture
-def ranks():
-    made = []
-
-    def make(world, **cfg):
-        r = Ranks(world, **cfg)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
 
 
 def weights_of(topology, r, world, rnd, seed=0):

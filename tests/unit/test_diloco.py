@@ -199,7 +199,7 @@ def test_gossip_over_pydblp_mixes_like_over_gloo(topology, overlap):
     import threading
 
     from pydblp.torch import DiLoCo, PydblpExchange, State
-    from tests.unit.test_collective import Ranks
+    from tests.helpers import Ranks
 
     rk = Ranks(WORLD)
     states = [State(c) for c in rk.cols]
