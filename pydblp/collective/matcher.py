@@ -277,17 +277,7 @@ class Matcher:
         if not ok.all():
             h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, n, now)
             slot = st.slot[src]
-        row = slot * n + chunk
-        st.rflat[row] = self._chunks(pay, prow)
-        st.rmflat[row] = True
-        np.maximum.at(st.hi[0], src, chunk + 1)
-        hi = st.hi[0].tolist()
-        count = st.rmask.sum(axis=1).tolist()
-        for r, got in enumerate(per.tolist()):
-            if not got:
-                continue
-            inn = st.ins[(False, r)]
-            self._arrived(st, inn, h, src, got, count[st.slot[r]], hi[r], now)
+        for inn in self._store(st, h, pay, prow, src, slot, st.slot, chunk, per, n, now):
             if inn.done and not inn.stop_sent:
                 inn.stop_sent = True
                 out.stops.append(inn)
@@ -298,18 +288,25 @@ class Matcher:
         ok = h["nchunks"] == n
         if not ok.all():
             h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, n, now)
-        row = src * n + chunk
+        touched += self._store(st, h, pay, prow, src, src, np.arange(self.world), chunk, per, n, now)
+
+    def _store(self, st: Round, h, pay, prow, src, slot, slot_of, chunk, per, n: int, now: float) -> list:
+        """Write arrived chunks into ``st.rbuf`` (row ``slot * n + chunk``; ``slot_of[r]``: sender
+        r's slot), mark them, and account them to their messages; the messages that advanced."""
+        row = slot * n + chunk
         st.rflat[row] = self._chunks(pay, prow)
         st.rmflat[row] = True
         np.maximum.at(st.hi[0], src, chunk + 1)
         hi = st.hi[0].tolist()
         count = st.rmask.sum(axis=1).tolist()
+        advanced = []
         for r, got in enumerate(per.tolist()):
             if not got:
                 continue
             inn = st.ins[(False, r)]
-            self._arrived(st, inn, h, src, got, count[r], hi[r], now)
-            touched.append(inn)
+            self._arrived(st, inn, h, src, got, count[slot_of[r]], hi[r], now)
+            advanced.append(inn)
+        return advanced
 
     def _chunks(self, pay: np.ndarray, prow) -> np.ndarray:
         """Payloads ``pay[prow]`` (None: the first rows) as float32 chunks: a view, or one gather."""
