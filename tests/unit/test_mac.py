@@ -21,7 +21,9 @@ from pydblp.transport.udp import UdpTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 
-needs_cc = pytest.mark.skipif(not mac.native_available(), reason=f"no batched C MAC: {mac._why}")
+# tools/setup installs the compiler: where the suite must run whole (CI), a missing C path fails
+needs_cc = pytest.mark.skipif(not mac.native_available() and not os.environ.get("DBLP_REQUIRE_PRIVILEGED"),
+                              reason=f"no batched C MAC: {mac._why}")
 PATHS = [pytest.param(True, marks=needs_cc, id="c"), pytest.param(False, id="hashlib")]
 
 
