@@ -384,6 +384,9 @@ examples:
   dblp experiment --rate 200 --consistency broadcast:10
   dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
   dblp experiment --mode ps --allgather broadcast DBLP's setup: a parameter server, its result broadcast
+  dblp experiment --scenario incast --seeds 3     finite switch buffer: priority shedding vs drop-tail
+  dblp experiment --scenario incast --priority magnitude,layer,none   the priority rules, each both ways
+  dblp experiment --transports dblp --starve 1:0.3   rank 1 gets 30 % of a core: its host program sheds
 (docs/experiment.md describes every option and what the table measures)
 """
 
@@ -401,7 +404,7 @@ def _g(x) -> str:
     return "-" if x is None else format(x, "g")
 
 
-def _ports(text: str, workers: int):
+def _ports(text: str, workers: int, option: str = "--burst-port"):
     """'all' -> 'all'; '1' or '0,2' -> (1,) / (0, 2); raises UsageError for anything else."""
     if text == "all":
         return "all"
@@ -410,8 +413,29 @@ def _ports(text: str, workers: int):
     except ValueError:
         ports = ()
     if not ports or not all(0 <= p < workers for p in ports):
-        raise UsageError(f"--burst-port {text}: use all, or worker indices 0..{workers - 1} separated by commas")
+        raise UsageError(f"{option} {text}: use all, or worker indices 0..{workers - 1} separated by commas")
     return ports
+
+
+def _choices(text: str, option: str, allowed: tuple) -> tuple:
+    """'a,b' -> ('a', 'b') when every name is allowed (in the order given, once each); else UsageError."""
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names or any(n not in allowed for n in names):
+        raise UsageError(f"{option} {text}: use one or more of {', '.join(allowed)}, separated by commas")
+    return names
+
+
+def _starve(text: str, workers: int) -> tuple[int, float]:
+    """'RANK' or 'RANK:SHARE' -> (rank, share of one core; default 0.3)."""
+    rank, _, share = text.partition(":")
+    try:
+        r, sh = int(rank), float(share) if share else 0.3
+    except ValueError:
+        r, sh = -1, 0.0
+    if not (0 <= r < workers and 0 < sh <= 1):
+        raise UsageError(f"--starve {text}: use RANK[:SHARE], a rank 0..{workers - 1} and a share of one core "
+                         "in (0, 1], e.g. 1:0.3")
+    return r, sh
 
 
 def _add_experiment(sub):
@@ -422,15 +446,17 @@ def _add_experiment(sub):
                                    "seeded microbursts and background loss; print a comparison table (mean and "
                                    "spread over --seeds); write report.json and PNG plots. Options left out "
                                    "come from --scenario.")
-    p.add_argument("--scenario", choices=["demo", "paper"], default="demo",
-                   help="preset for every option not given (default demo; paper: DBLP's regime)")
+    p.add_argument("--scenario", choices=["demo", "paper", "incast"], default="demo",
+                   help="preset for every option not given (default demo; paper: DBLP's regime; incast: "
+                        "a parameter server behind a finite switch buffer, priority shedding vs drop-tail)")
     p.add_argument("--workers", type=int)
     p.add_argument("--model", choices=["mlp", "digits", "text"],
                    help="mlp (default: digits, 1.1M parameters), digits (CNN, 30k) or text (transformer)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seeds", type=int, help="run N seeds (--seed, --seed+1, ...): mean and spread (default 1)")
-    p.add_argument("--transports", default=",".join(("gloo", "static", "dblp")),
-                   help="comma-separated subset of gloo,static,dblp (in this order of runs)")
+    p.add_argument("--transports",
+                   help="comma-separated subset of gloo,static,dblp (in this order of runs; default all three, "
+                        "incast: gloo,dblp)")
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
     p.add_argument("--rate", type=float, metavar="MBIT", help="each worker link's rate in Mbit/s (default 1000)")
@@ -455,6 +481,18 @@ def _add_experiment(sub):
                    help="pydblp's collective: transpose allreduce (default) or a parameter server (rank 0)")
     p.add_argument("--allgather", choices=["unicast", "broadcast"],
                    help="pydblp's all-gather: a copy per rank (default) or one to the testbed's broadcast address")
+    p.add_argument("--priority", metavar="RULES",
+                   help="pydblp chunk priority, one run each: magnitude (default), layer, none; e.g. magnitude,layer")
+    p.add_argument("--queue", type=float, metavar="MBIT",
+                   help="a finite switch buffer draining at MBIT Mbit/s on --queue-port (incast: 1000)")
+    p.add_argument("--queue-kb", type=float, metavar="KB", help="its buffer in KiB (default 128)")
+    p.add_argument("--queue-port", metavar="PORTS",
+                   help="workers whose incoming link has the queue: all, or e.g. 0 (default: 0 with --mode ps, else all)")
+    p.add_argument("--drop-policy", metavar="POLICIES",
+                   help="the queue's drops, one pydblp run each: priority (early drop of low priority within each "
+                        "message's budget, default) and/or tail (drop-tail), e.g. priority,tail")
+    p.add_argument("--starve", metavar="RANK[:SHARE]",
+                   help="cap that rank's CPU at SHARE of one core (default 0.3): a receiver that cannot keep up")
     p.add_argument("--target", type=float,
                    help="accuracy or perplexity to reach (default: what Gloo reaches at 80 %% of its steps)")
     p.add_argument("--seed", type=int)
@@ -469,11 +507,13 @@ def _experiment_options(args):
     """The runner's Options from the arguments; UsageError (one line) for the first bad one."""
     from pydblp.experiment import runner
 
-    transports = tuple(t for t in args.transports.split(",") if t)
-    bad = [t for t in transports if t not in runner.TRANSPORTS]
-    if bad or not transports:
-        raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
     base = runner.options(args.scenario)
+    transports = base.transports
+    if args.transports is not None:
+        transports = tuple(t for t in args.transports.split(",") if t)
+        bad = [t for t in transports if t not in runner.TRANSPORTS]
+        if bad or not transports:
+            raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
                                        "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "estimator",
                                        "consistency", "mode", "allgather", "target", "seed")}
@@ -515,8 +555,25 @@ def _experiment_options(args):
     if ports != "all" and any(p >= eff["workers"] for p in ports):
         raise UsageError(f"--burst-port: the {args.scenario} scenario bursts port(s) {ports}, beyond "
                          f"--workers {eff['workers']}; give --burst-port")
+    prio = _choices(args.priority, "--priority", runner.PRIORITIES) if args.priority is not None else None
+    policy = (_choices(args.drop_policy, "--drop-policy", runner.DROP_POLICIES) if args.drop_policy is not None
+              else None)
+    queue = args.queue if args.queue is not None else base.queue_mbit
+    queue_kb = args.queue_kb if args.queue_kb is not None else base.queue_kb
+    if queue is not None and not 1 <= queue <= 100000:
+        raise UsageError(f"--queue {queue:g}: use a drain rate of 1..100000 Mbit/s")
+    if not 1.5 <= queue_kb <= 4 * 1024 * 1024:
+        raise UsageError(f"--queue-kb {queue_kb:g}: use 1.5 (one frame) .. 4194304 KiB")
+    if queue is None and (args.queue_kb is not None or args.queue_port is not None
+                          or (policy is not None and policy != ("priority",))):
+        what = "--queue-kb" if args.queue_kb is not None else "--queue-port" if args.queue_port is not None \
+            else "--drop-policy"
+        raise UsageError(f"{what} needs a queue: add --queue MBIT (e.g. --queue 1000) or use --scenario incast")
+    qports = _ports(args.queue_port, eff["workers"], "--queue-port") if args.queue_port is not None else None
+    starve = _starve(args.starve, eff["workers"]) if args.starve is not None else None
     return runner.options(args.scenario, transports=transports, rate_mbit=args.rate, burst_ratio=ratio,
-                          burst_ports=ports, out_dir=args.out, **v)
+                          burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy,
+                          queue_mbit=queue, queue_kb=queue_kb, queue_ports=qports, starve=starve, **v)
 
 
 def _cmd_experiment(args) -> int:

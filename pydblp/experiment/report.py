@@ -25,6 +25,29 @@ def speedups(summary: dict) -> dict:
     return out
 
 
+def policy_ratios(summary: dict) -> dict:
+    """Each pydblp run shedding by priority against the same run with a drop-tail queue
+    (``dblp/magnitude/priority`` against ``dblp/magnitude/tail``): time to target and wall
+    time as tail/priority (above 1: priority-aware shedding is faster), final metric and
+    delivered fraction as priority minus tail."""
+    out = {}
+    for name, d in summary.items():
+        if not name.endswith("/priority"):
+            continue
+        b = summary.get(name[: -len("priority")] + "tail")
+        if not b:
+            continue
+        r = {}
+        for key in ("time_to_target_s", "wall_s"):
+            if b.get(key) and d.get(key):
+                r[key] = b[key] / d[key]
+        for key in ("final_metric", "delivered"):
+            if b.get(key) is not None and d.get(key) is not None:
+                r[key.replace("_metric", "") + "_gain"] = d[key] - b[key]
+        out[f"{name}_vs_tail"] = r
+    return out
+
+
 def _target_text(rep: dict) -> str:
     t = rep.get("target")
     if isinstance(t, list):
@@ -65,7 +88,13 @@ def table(rep: dict) -> str:
         ("TCP retransmits (rank 0)", "tcp_retransmits", "d"),
         ("replica divergence max |dp|", "divergence_max", ".2e"),
         ("replica divergence max rel", "divergence_rel_max", ".2e"),
+        ("queue tail drops (packets)", "queue_tail_drops", "d"),
+        ("queue early drops, by priority (packets)", "queue_early_drops", "d"),
+        ("early drops refused: budget spent", "queue_bound_refusals", "d"),
+        ("host-program sheds (packets)", "host_shed", "d"),
     ]
+    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "host_shed"}
+    lines = [ln for ln in lines if ln[1] not in optional or any(v.get(ln[1]) is not None for v in s.values())]
     for tr in s:
         b = s[tr].get("retransmit_bytes")
         s[tr]["retransmit_mb"] = None if b is None else b / 1e6
@@ -82,7 +111,17 @@ def table(rep: dict) -> str:
             parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds)" for ph, d in by.items())
             same = {True: "identical on every rank", False: "DIFFER between ranks"}.get(v.get("phase_identical"), "")
             text.append(f"{tr}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
+    for tr, v in s.items():
+        for key, what in (("queue_early_by_prio", "queue early drops"), ("host_shed_by_prio", "host sheds")):
+            by = v.get(key)
+            if by and any(by):
+                text.append(f"{tr}: {what} by priority 0..7: " + " ".join(f"{x:.0f}" for x in by))
     for name, r in rep["speedup"].items():
+        if name.endswith("_vs_tail"):
+            parts = ", ".join(f"{k.replace('_s', '')} {v:.2f}x" if not k.endswith("_gain") else f"{k} {v:+.4f}"
+                              for k, v in r.items())
+            text.append(f"{name.replace('_vs_tail', '')} vs drop-tail: {parts}")
+            continue
         parts = ", ".join(f"{k.replace('_ms', '').replace('_s', '')} {v:.2f}x" for k, v in r.items())
         text.append(f"speedup {name.replace('_', ' ')}: {parts}")
     return "\n".join(text)

@@ -29,6 +29,8 @@ from pydblp import wire
 
 TRANSPORTS = ("gloo", "static", "dblp")
 LOSS_MODELS = ("random", "ge")
+PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
+DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
 TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fraction of its steps
 
 
@@ -60,6 +62,13 @@ class Options:
     consistency: str = "allgather"  # "allgather" (identical results: Config.consistent), "none" (the
                                     # all-gather tolerates loss) or "broadcast:N" (that, plus a
                                     # ParameterBroadcaster every N steps)
+    priority: tuple = ("magnitude",)  # pydblp runs: one per Config.priority given ...
+    drop_policy: tuple = ("priority",)  # ... times one per queue drop policy given
+    queue_mbit: float | None = None  # a virtual queue (finite buffer) on queue_ports draining at this
+                                    # rate; None: none (drops come only from the loss models)
+    queue_kb: float = 128.0         # its buffer, KiB: beyond it every frame is dropped (tail)
+    queue_ports: tuple | str | None = None  # None: where the traffic converges (rank 0 in ps mode, else all)
+    starve: tuple | None = None     # (rank, share): cap that rank's CPU at share of one core
     target: float | None = None     # accuracy (digits, mlp) or perplexity (text); None: from the Gloo run
     out_dir: str = "dblp-experiment"
     batch: int = 32
@@ -80,9 +89,16 @@ class Options:
 # with a broadcast all-gather made dblp slower (each receiver's 10 % of the broadcast repaired
 # by unicast).  Gilbert-Elliott background loss (--loss-model ge) at a 3 % mean made Gloo's
 # steps ~40x longer here (TCP timeouts), too slow for a 20-minute run of 3 seeds.
+#
+# "incast": no injected loss at all.  A parameter server (rank 0) receives every worker's
+# gradient at once through a switch port with a finite buffer (128 KiB, draining at the link's
+# rate), so drops come from the queue; the pydblp runs repeat with the port shedding by priority
+# within each message's budget and as a plain drop-tail queue.  docs/experiment.md has figures.
 SCENARIOS = {
     "demo": {},
     "paper": {"steps": 300, "bursts": 30, "eval_every": 20},
+    "incast": {"mode": "ps", "loss": 0.0, "bursts": 0, "queue_mbit": 2000.0, "queue_kb": 128.0,
+               "transports": ("gloo", "dblp"), "drop_policy": DROP_POLICIES},
 }
 
 
@@ -103,6 +119,37 @@ def ge_params(loss: float, length: float, bad: float) -> tuple[float, float]:
     return loss * r / (bad - loss), r
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One training run of a seed: a transport, and for pydblp its priority rule and the queue's policy."""
+    name: str
+    transport: str
+    priority: str = "magnitude"
+    drop_policy: str = "priority"
+
+
+def arms(opt: Options) -> list[Arm]:
+    """The runs of one seed, in order.  A pydblp transport runs once per (priority, drop policy)
+    pair; its name is the transport's alone when there is one pair, else ``dblp/layer/tail``."""
+    many = len(opt.priority) * len(opt.drop_policy) > 1
+    out = []
+    for tr in opt.transports:
+        if tr == "gloo":  # TCP is not DBLP: never early-dropped, the policy does not apply
+            out.append(Arm("gloo", "gloo", "none", opt.drop_policy[0]))
+            continue
+        for pr in opt.priority:
+            for pol in opt.drop_policy:
+                out.append(Arm(f"{tr}/{pr}/{pol}" if many else tr, tr, pr, pol))
+    return out
+
+
+def queue_ports(opt: Options):
+    """The ports the virtual queue sits on: rank 0's in ps mode (the incast), else every port."""
+    if opt.queue_ports is not None:
+        return opt.queue_ports
+    return (0,) if opt.mode == "ps" else "all"
+
+
 @dataclass
 class Run:
     transport: str
@@ -112,6 +159,9 @@ class Run:
     calibrate: float | None = None               # s of compute (forward + backward, no sync) a step
     final: dict = field(default_factory=dict)
     bursts: list = field(default_factory=list)   # (start monotonic s, duration s, step)
+    arm: dict = field(default_factory=dict)      # the Arm's fields
+    fabric: dict = field(default_factory=dict)   # this run's drops on the queue ports, by cause
+    host: list = field(default_factory=list)     # every rank's host-program counters (AF_XDP)
 
 
 def burst_plan(opt: Options, seed: int) -> list[tuple[int, float]]:
@@ -140,13 +190,14 @@ def _progress(name: str, done: int, total: int, extra: str, final: bool = False)
     sys.stderr.flush()
 
 
-def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst_s: list) -> Run:
-    """Train once with ``transport``; arm the planned bursts as rank 0 reaches their steps.
+def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) -> Run:
+    """Train once as ``arm`` says; arm the planned bursts as rank 0 reaches their steps.
 
     ``burst_s[0]`` is the burst duration; if None it is set from this run's
     clean rounds before the first burst (and kept for the next transports).
     """
-    port = 29500 + random.Random(seed * 7 + len(transport)).randrange(1000)
+    transport = arm.transport
+    port = 29500 + random.Random(f"{seed}/{arm.name}").randrange(1000)
     master = f"{tb.addr(0)}:{port}"
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world",
                       str(opt.workers), "--master", master, "--transport", transport, "--net", opt.net,
@@ -155,23 +206,29 @@ def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst
                       "--eta", str(opt.eta), "--estimator", opt.estimator, "--consistency", opt.consistency,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
+                      "--priority", arm.priority,
                       "--eval-at", str(target_step(opt)),
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-    name = f"{transport}.seed{seed}"
+    name = f"{arm.name.replace('/', '-')}.seed{seed}"
     errs = [open(Path(opt.out_dir) / f"{name}.rank{r}.log", "w") for r in range(opt.workers)]
     procs = [tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                       stderr=errs[r], env=env, text=True) for r in range(opt.workers)]
-    run = Run(transport)
+    run = Run(arm.name, arm=asdict(arm))
     pending = dict(plan)
+    starved = None
     ports = None if opt.burst_ports == "all" else list(opt.burst_ports)
     deadline = time.monotonic() + opt.timeout
     try:
+        if opt.starve:
+            from pydblp.testbed.cpucap import CpuCap
+
+            starved = CpuCap(procs[opt.starve[0]].pid, opt.starve[1])
         out = procs[0].stdout
         while True:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{transport}: no result within {opt.timeout:.0f} s")
+                raise RuntimeError(f"{arm.name}: no result within {opt.timeout:.0f} s")
             ready, _, _ = select.select([out], [], [], 1.0)
             dead = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if dead:  # one rank failed: the others would wait for it until their timeouts
@@ -195,7 +252,7 @@ def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst
                 extra = f"loss {rec['loss']:.3f}"
                 if run.evals:
                     extra += f"  {run.evals[-1]['metric']} {run.evals[-1]['eval']:.3f}"
-                _progress(transport, nxt, opt.steps, extra)
+                _progress(arm.name, nxt, opt.steps, extra)
             elif "eval" in rec:
                 run.evals.append(rec)
             elif "div" in rec:
@@ -204,6 +261,7 @@ def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst
                 run.calibrate = rec["calibrate"]
             elif rec.get("final"):
                 run.final = rec
+                run.host = rec.pop("host", [])
         if not any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
                 p.wait(timeout=max(5.0, deadline - time.monotonic()))
@@ -212,6 +270,8 @@ def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if starved is not None:
+            starved.close()
         for f in errs:
             f.close()
     bad = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and p.returncode > 0] or \
@@ -219,8 +279,8 @@ def run_transport(tb, opt: Options, transport: str, seed: int, plan: list, burst
     if bad or not run.final:
         log = Path(opt.out_dir) / f"{name}.rank{bad[0] if bad else 0}.log"
         tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-        raise RuntimeError(f"{transport}: rank(s) {bad or [0]} failed: " + " | ".join(tail))
-    _progress(transport, opt.steps, opt.steps, "done", final=True)
+        raise RuntimeError(f"{arm.name}: rank(s) {bad or [0]} failed: " + " | ".join(tail))
+    _progress(arm.name, opt.steps, opt.steps, "done", final=True)
     return run
 
 
@@ -275,7 +335,61 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "divergence_final": run.divs[-1]["div"] if run.divs else None,
         "relaxed_share": (sum(not c for _, _, c in hist) / len(hist)) if hist else None,
         "phase_identical": ph.get("identical") if ph else None,
+        **drop_summary(run),
     }
+
+
+def drop_summary(run: Run) -> dict:
+    """The run's drops in the switch queue (tail, early by priority, early refused: budget spent)
+    and its receivers' host-program sheds by priority, summed over ranks; None where not measured."""
+    fab = run.fabric
+    nprio = wire.MAX_PRIO + 1
+    host = [h for h in run.host if h]
+    return {
+        "queue_tail_drops": fab.get("tail") if fab else None,
+        "queue_early_drops": sum(fab.get(f"early{p}", 0) for p in range(nprio)) if fab else None,
+        "queue_early_by_prio": [fab.get(f"early{p}", 0) for p in range(nprio)] if fab else None,
+        "queue_bound_refusals": fab.get("bound") if fab else None,
+        "host_shed": sum(sum(h["shed"]) for h in host) if host else None,
+        "host_shed_by_prio": [sum(h["shed"][p] for h in host) for p in range(nprio)] if host else None,
+        "host_shed_by_rank": [sum(h["shed"]) if h else None for h in run.host] if host else None,
+    }
+
+
+QUEUE_CAUSES = ("pass", "tail", "bound") + tuple(f"early{p}" for p in range(wire.MAX_PRIO + 1))
+
+
+def shed_thresholds(buffer: int) -> tuple:
+    """Early-drop thresholds of the ``priority`` policy: prio p sheds once the backlog passes
+    buffer * (16 - p) / 16 (prio 7 from 9/16 full, prio 1 from 15/16; prio 0 never).  High in the
+    buffer, so shedding mostly takes the place of the tail drops a full buffer would make, and the
+    delivered fraction stays near drop-tail's; the fabric's own default (from 1/8 full) sheds
+    earlier and more."""
+    from pydblp.testbed.fabric import NPRIO
+
+    return (0,) + tuple(buffer * (2 * NPRIO - p) // (2 * NPRIO) for p in range(1, NPRIO))
+
+
+def set_queue(tb, opt: Options, arm: Arm) -> None:
+    """The queue ports' virtual queue for ``arm``: :func:`shed_thresholds`, or all 0 (drop-tail)."""
+    from pydblp.testbed.fabric import NPRIO
+
+    if opt.queue_mbit:
+        ports = queue_ports(opt)
+        size = int(opt.queue_kb * 1024)
+        tb.queue(f"{opt.queue_mbit:g}mbit", buffer=size,
+                 thresholds=shed_thresholds(size) if arm.drop_policy == "priority" else (0,) * NPRIO,
+                 port=None if ports == "all" else list(ports))
+
+
+def queue_drops(tb, opt: Options) -> dict:
+    """Packets by cause on the queue ports since the last reset: pass, tail, bound, early0..7."""
+    if not opt.queue_mbit:
+        return {}
+    ports = queue_ports(opt)
+    names = list(tb.ports) if ports == "all" else [f"w{p}" for p in ports]
+    st = tb.stats(reset=True)
+    return {c: sum(st.get(n, {}).get(c, {}).get("packets", 0) for n in names) for c in QUEUE_CAUSES}
 
 
 def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
@@ -285,6 +399,10 @@ def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
         rows = [s[tr] for s in per_seed if tr in s]
         m, sd = dict(rows[0]), {}
         for key, v0 in rows[0].items():
+            if isinstance(v0, list) and all(isinstance(r.get(key), list) and len(r[key]) == len(v0)
+                                            and all(isinstance(x, (int, float)) for x in r[key]) for r in rows):
+                m[key] = [float(x) for x in np.mean([r[key] for r in rows], axis=0)]  # (per priority, per rank)
+                continue
             if isinstance(v0, bool) or not isinstance(v0, (int, float)) and v0 is not None:
                 if isinstance(v0, bool):
                     m[key] = all(r.get(key) for r in rows)
@@ -316,14 +434,18 @@ def run(opt: Options) -> dict:
             plan = burst_plan(opt, seed)
             burst_s = [opt.burst_ms / 1e3 if opt.burst_ms else None]
             runs: dict[str, Run] = {}
-            for tr in opt.transports:  # the first (Gloo by default) sizes the bursts
-                runs[tr] = run_transport(tb, opt, tr, seed, plan, burst_s)
+            for arm in arms(opt):  # the first (Gloo by default) sizes the bursts
+                set_queue(tb, opt, arm)
+                queue_drops(tb, opt)  # (resets the counters: each run's own)
+                runs[arm.name] = run_transport(tb, opt, arm, seed, plan, burst_s)
+                runs[arm.name].fabric = queue_drops(tb, opt)
             target = opt.target
             if target is None:
                 target = gloo_target(runs["gloo"], opt) if "gloo" in runs else None
             summary = {tr: summarize(r, opt, target) for tr, r in runs.items()}
             seeds.append({"seed": seed, "target": target, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
-                          "burst_plan": plan, "summary": summary, "speedup": report.speedups(summary),
+                          "burst_plan": plan, "summary": summary,
+                          "speedup": {**report.speedups(summary), **report.policy_ratios(summary)},
                           "runs": {tr: asdict(r) for tr, r in runs.items()}})
         fabric_stats = tb.stats()
     mean, spread = aggregate([s["summary"] for s in seeds])

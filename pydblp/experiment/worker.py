@@ -54,6 +54,8 @@ def parse(argv=None):
     p.add_argument("--consistency", default="allgather",
                    help="none, or broadcast:N (pydblp.torch.ParameterBroadcaster every N steps)")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
+    p.add_argument("--priority", choices=["magnitude", "layer", "none"], default="magnitude",
+                   help="pydblp Config.priority (layer: from the model's structure)")
     p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
     p.add_argument("--allgather", choices=["unicast", "broadcast"], default="unicast", help="pydblp Config.allgather")
     p.add_argument("--group", help="JSON [address, port, mac] every rank receives (--allgather broadcast)")
@@ -147,12 +149,14 @@ def main(argv=None) -> int:
 
             phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
             cfg = Config(job=11, phase=phase, consistent=consistent, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
-                         allgather=a.allgather, on_record=lambda r: rounds.append(
+                         allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
             state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
                                                     group=group)
+            if a.priority == "layer":
+                state.register_model(model)
             ddp.register_comm_hook(state, ptorch.hook)
             if every:
                 broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
@@ -216,6 +220,9 @@ def main(argv=None) -> int:
             # an all-gather's repairs after its round returned (a server's, mostly) are in no record
             final["trail_retransmits"] = state.collective.counters["trail_retransmits"]
             final["phase"] = phase_report(state.collective.controller)
+            host = [None] * a.world  # every rank's host-program counters (sheds by priority)
+            dist.all_gather_object(host, state.host_counters())
+            final["host"] = host
         if a.rank == 0:
             emit(final)
         return 0

@@ -146,6 +146,12 @@ class State:
         owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
         self.depth = {id(p): (d, len(owners)) for d, m in enumerate(owners) for p in m.parameters(recurse=False)}
 
+    def host_counters(self) -> dict | None:
+        """The host XDP program's counters on this rank's interface (:meth:`pydblp.host.HostMaps.counters`:
+        verdicts, drops by reason, sheds by priority), or None: the ``udp`` kind has no host program."""
+        host = next((o.host for o in self._owned if getattr(o, "host", None) is not None), None)
+        return None if host is None else host.counters()
+
     def submit(self, fn, *args) -> torch.futures.Future:
         """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
         fut: torch.futures.Future = torch.futures.Future()

@@ -43,7 +43,15 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--eta", "0"], "--eta 0"), (["--seeds", "0"], "--seeds 0"),
     (["--consistency", "allgathr"], "--consistency allgathr"),
     (["--consistency", "broadcast:0"], "--consistency broadcast:0"),
-    (["--consistency", "broadcast"], "--consistency broadcast")])
+    (["--consistency", "broadcast"], "--consistency broadcast"),
+    # priority and congestion
+    (["--priority", "size"], "--priority size"), (["--priority", ""], "--priority"),
+    (["--drop-policy", "tail"], "--drop-policy needs a queue"),
+    (["--scenario", "incast", "--drop-policy", "red"], "--drop-policy red"),
+    (["--queue", "0"], "--queue 0"), (["--queue", "1000", "--queue-kb", "1"], "--queue-kb 1"),
+    (["--queue-kb", "64"], "--queue-kb needs a queue"), (["--queue-port", "0"], "--queue-port needs a queue"),
+    (["--scenario", "incast", "--queue-port", "4"], "--queue-port 4"),
+    (["--starve", "4"], "--starve 4"), (["--starve", "1:0"], "--starve 1:0"), (["--starve", "x"], "--starve x")])
 def test_experiment_arguments_refused_in_one_line_before_anything_runs(argv, flag, capsys, monkeypatch):
     """Each bad argument gets its own one-line error naming it (``--bursts -3`` used to start a
     300-step run); nothing is built or trained."""
@@ -137,3 +145,76 @@ def test_aggregate_and_table_show_mean_and_spread_over_seeds():
     text = report.table(rep)
     assert "7.0 +-1.0" in text and "0.91 (mean of 2)" in text and "speedup dblp vs static: wall 1.50x" in text
     assert "phase decisions identical on every rank" in text
+
+
+def _options(monkeypatch, *argv):
+    """What ``dblp experiment ARGV`` would run (the runner stands in, records, stops)."""
+    import signal
+
+    from pydblp import cli
+    from pydblp.experiment import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run", lambda opt: (seen.append(opt), (_ for _ in ()).throw(RuntimeError("x"))))
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        cli.main(["experiment", *argv])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return seen[0]
+
+
+def test_incast_scenario_runs_each_pydblp_rule_with_both_queue_policies(monkeypatch):
+    from pydblp.experiment import runner
+
+    opt = _options(monkeypatch, "--scenario", "incast", "--priority", "magnitude,layer")
+    assert opt.mode == "ps" and opt.loss == 0 and opt.bursts == 0 and opt.queue_mbit
+    assert runner.queue_ports(opt) == (0,)  # the parameter server's port: where the traffic converges
+    names = [a.name for a in runner.arms(opt)]
+    assert names == ["gloo", "dblp/magnitude/priority", "dblp/magnitude/tail", "dblp/layer/priority",
+                     "dblp/layer/tail"]
+    assert {(a.priority, a.drop_policy) for a in runner.arms(opt)[1:]} == {
+        (p, d) for p in ("magnitude", "layer") for d in ("priority", "tail")}
+    # one rule, one policy: the run keeps the transport's own name (the demo's table is unchanged)
+    demo = _options(monkeypatch)
+    assert [a.name for a in runner.arms(demo)] == ["gloo", "static", "dblp"] and demo.queue_mbit is None
+    given = _options(monkeypatch, "--queue", "500", "--queue-port", "1,2", "--starve", "2", "--transports", "dblp")
+    assert (given.queue_mbit, given.queue_ports, given.starve) == (500.0, (1, 2), (2, 0.3))
+
+
+def test_shed_thresholds_rank_priorities_high_in_the_buffer():
+    from pydblp.experiment import runner
+
+    t = runner.shed_thresholds(128 * 1024)
+    assert t[0] == 0 and list(t[1:]) == sorted(t[1:], reverse=True)  # prio 7 sheds first, prio 0 never
+    assert t[7] > 128 * 1024 // 2 and t[1] < 128 * 1024
+
+
+def test_policy_ratios_and_drop_rows_in_the_table():
+    from pydblp.experiment import runner
+
+    run = runner.Run("dblp/magnitude/priority", fabric={"tail": 5, "bound": 2, "early3": 4, "early7": 10},
+                     host=[{"shed": [0, 1, 0, 0, 0, 0, 0, 6]}, None, {"shed": [0] * 7 + [3]}])
+    drops = runner.drop_summary(run)
+    assert drops["queue_tail_drops"] == 5 and drops["queue_early_drops"] == 14
+    assert drops["queue_early_by_prio"] == [0, 0, 0, 4, 0, 0, 0, 10] and drops["queue_bound_refusals"] == 2
+    assert drops["host_shed"] == 10 and drops["host_shed_by_prio"] == [0, 1, 0, 0, 0, 0, 0, 9]
+    assert drops["host_shed_by_rank"] == [7, None, 3]
+    assert runner.drop_summary(runner.Run("gloo"))["queue_tail_drops"] is None
+    pri = {**_summary("dblp/magnitude/priority", 8.0, 4.0, 0.0), **drops, "delivered": 0.90}
+    tail = {**_summary("dblp/magnitude/tail", 10.0, 6.0, 0.0), "final_metric": 0.85, "delivered": 0.92,
+            "queue_tail_drops": 30, "queue_early_drops": 0}
+    ratios = report.policy_ratios({"dblp/magnitude/priority": pri, "dblp/magnitude/tail": tail})
+    r = ratios["dblp/magnitude/priority_vs_tail"]
+    assert r["time_to_target_s"] == 1.5 and r["wall_s"] == 1.25
+    assert r["final_gain"] == pytest.approx(0.05) and r["delivered_gain"] == pytest.approx(-0.02)
+    per_seed = [{"dblp/magnitude/priority": pri, "dblp/magnitude/tail": tail}] * 2
+    mean, spread = runner.aggregate(per_seed)
+    assert mean["dblp/magnitude/priority"]["queue_early_by_prio"] == [0, 0, 0, 4, 0, 0, 0, 10]
+    text = report.table({"summary": mean, "spread": spread, "target": 0.9, "speedup": ratios})
+    assert "queue tail drops (packets)" in text and "host-program sheds (packets)" in text
+    assert "dblp/magnitude/priority: queue early drops by priority 0..7: 0 0 0 4 0 0 0 10" in text
+    assert "dblp/magnitude/priority vs drop-tail: time_to_target 1.50x" in text
+    # no queue, no host program: the drop rows are left out
+    plain = report.table({"summary": {"gloo": _summary("gloo", 5.0, 4.0, 0.0)}, "speedup": {}})
+    assert "queue tail drops" not in plain and "host-program sheds" not in plain
