@@ -73,6 +73,8 @@ class Options:
     out_dir: str = "dblp-experiment"
     batch: int = 32
     eval_every: int = 25
+    grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
+                                    # mean (a Gloo allreduce, left out of the timings) every N steps
     timeout: float = 600.0          # per transport
     scenario: str = "demo"
 
@@ -156,6 +158,7 @@ class Run:
     steps: list = field(default_factory=list)    # rank 0 step records
     evals: list = field(default_factory=list)
     divs: list = field(default_factory=list)     # replica divergence at evaluation points
+    gerrs: list = field(default_factory=list)    # {"gerr", "step"}: relative error of the averaged gradient
     calibrate: float | None = None               # s of compute (forward + backward, no sync) a step
     final: dict = field(default_factory=dict)
     bursts: list = field(default_factory=list)   # (start monotonic s, duration s, step)
@@ -206,7 +209,7 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
                       "--eta", str(opt.eta), "--estimator", opt.estimator, "--consistency", opt.consistency,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
-                      "--priority", arm.priority,
+                      "--priority", arm.priority, "--grad-error-every", str(opt.grad_error_every),
                       "--eval-at", str(target_step(opt)),
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
@@ -257,6 +260,8 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
                 run.evals.append(rec)
             elif "div" in rec:
                 run.divs.append(rec)
+            elif "gerr" in rec:
+                run.gerrs.append(rec)
             elif "calibrate" in rec:
                 run.calibrate = rec["calibrate"]
             elif rec.get("final"):
@@ -333,6 +338,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "divergence_max": max((d["div"] for d in run.divs), default=None),
         "divergence_rel_max": max((d["div_rel"] for d in run.divs), default=None),
         "divergence_final": run.divs[-1]["div"] if run.divs else None,
+        "grad_error": float(np.mean([g["gerr"] for g in run.gerrs])) if run.gerrs else None,
         "relaxed_share": (sum(not c for _, _, c in hist) / len(hist)) if hist else None,
         "phase_identical": ph.get("identical") if ph else None,
         **drop_summary(run),
