@@ -185,6 +185,7 @@ def main(argv=None) -> int:
 
         def exact_mean(batch) -> torch.Tensor:
             """The step's exact mean gradient: this rank's own (DDP's no_sync), allreduced over Gloo."""
+            opt.zero_grad()  # (the last step's gradients are still there: no_sync would add to them)
             with ddp.no_sync():
                 loss_of(batch).backward()
             flat = torch.cat([p.grad.reshape(-1) for p in params])
