@@ -25,6 +25,10 @@ from pydblp.transport.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
+# the tensor id of the one-chunk round that sums a step's partial gradient norms (end_step);
+# pydblp.torch.ParameterBroadcaster uses 0xFFFF, DDP buckets small ids
+AGREE_TENSOR = 0xFFFE
+
 
 class Collective:
     """Bounded-loss allreduce for one rank.
@@ -139,9 +143,31 @@ class Collective:
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
-        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True))
-        self.controller.observe(self.index - 1, out)
+        own = []
+
+        def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
+            if st.my_shard is not None:
+                a, b = st.bounds[st.my_shard]
+                own.append(st.y[a:b].reshape(-1).copy())
+
+        shared = self.cfg.consistent or getattr(self.controller, "steps", None) is None
+        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=None if shared else mine)
+        self.controller.observe(self.index - 1, out if shared else (own[0] if own else np.zeros(0, np.float32)))
         return out * np.float32(self.world) if op == "sum" else out
+
+    def end_step(self) -> None:
+        """Close a training step for a controller that counts steps (``pydblp.torch``'s hook calls
+        it after each step's last round).  Without ``Config.consistent`` every rank observed only
+        the shard it owns; on a measured step their squared norms are summed over ranks first, in a
+        one-chunk round (a message of one chunk is never short of its bound: repaired whole), so
+        every rank's controller decides on the same G.  Raises :class:`CollectiveError` as a round does.
+        """
+        part = self.controller.measuring()
+        if self.cfg.consistent or part is None:  # (identical results: every rank measured the same G)
+            self.controller.end_step()
+            return
+        total = self._round(np.array([part], np.float32), start=lambda p, flat: p.start(flat, AGREE_TENSOR, True))
+        self.controller.end_step(float(total[0]) * self.world)
 
     def broadcast_shards(self, x: np.ndarray, tensor: int = 0) -> np.ndarray:
         """Every rank gets shard k of ``x`` from its owner k (an all-gather of absolute values).

@@ -14,6 +14,14 @@ before the first round and :meth:`PhaseController.end_step` after each step's
 last round; ``Dblp`` then measures G over the whole step's averaged gradient
 (all its rounds' results) every ``freq`` steps, as the paper does, and changes
 tolerance only between steps.
+
+One phase for the job: every rank must decide on the same G.  With
+consistent results (``Config.consistent``) each rank's result is the same
+vector, so each measures the same G.  Without, ranks hold different all-gather
+fills; the collective then hands the controller only the shard this rank owns
+(its exact reduce-scatter estimate) and, at the end of a measured step, the
+squared norms summed over ranks (:meth:`Collective.end_step`): G from data
+every rank holds identically.
 """
 
 from __future__ import annotations
@@ -45,8 +53,13 @@ class PhaseController:
     def count_steps(self) -> None:
         """Observe by training step from now on: :meth:`end_step` closes each step."""
 
-    def end_step(self) -> None:
-        """A training step's rounds are all observed (after :meth:`count_steps`)."""
+    def end_step(self, total: float | None = None) -> None:
+        """A training step's rounds are all observed (after :meth:`count_steps`).  ``total``: the
+        step's squared norm summed over every rank's partial observations (replaces this rank's own)."""
+
+    def measuring(self) -> float | None:
+        """The squared norm observed so far in a step that will be measured, else None."""
+        return None
 
 
 class Static(PhaseController):
@@ -101,12 +114,15 @@ class Dblp(PhaseController):
         if self.steps is None:
             self.steps, self._sq = 0, 0.0
 
-    def end_step(self) -> None:
+    def measuring(self) -> float | None:
+        return self._sq if self.steps is not None and self.steps % self.freq == 0 else None
+
+    def end_step(self, total: float | None = None) -> None:
         if self.steps is None:
             raise RuntimeError("end_step() before count_steps()")
         step, self.steps = self.steps, self.steps + 1
         if step % self.freq == 0:
-            self._decide(step, math.sqrt(self._sq))
+            self._decide(step, math.sqrt(max(0.0, self._sq if total is None else total)))
         self._sq = 0.0
 
     def _decide(self, index: int, g: float) -> None:

@@ -86,6 +86,7 @@ def table(rep: dict) -> str:
         ("pydblp retransmits (chunks)", "retransmits", "d"),
         ("pydblp retransmitted MB", "retransmit_mb", ".2f"),
         ("TCP retransmits (rank 0)", "tcp_retransmits", "d"),
+        ("gradient error |g - exact| / |exact|, mean", "grad_error", ".4f"),
         ("replica divergence max |dp|", "divergence_max", ".2e"),
         ("replica divergence max rel", "divergence_rel_max", ".2e"),
         ("queue tail drops (packets)", "queue_tail_drops", "d"),

@@ -61,6 +61,8 @@ def parse(argv=None):
     p.add_argument("--group", help="JSON [address, port, mac] every rank receives (--allgather broadcast)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-at", type=int, action="append", default=[], help="also evaluate after this step")
+    p.add_argument("--grad-error-every", type=int, default=0,
+                   help="every N steps (pydblp runs) compare the averaged gradient with the exact mean (0: never)")
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--rate", type=float, default=0.0,
                    help="the link's bits/s: the xsk transport paces at it (AF_XDP bypasses the TBF)")
@@ -164,12 +166,32 @@ def main(argv=None) -> int:
                else torch.optim.Adam(ddp.parameters(), lr=lr))
         gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank)
 
-        def batch_loss():
+        def draw():
             if digits:
                 idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
-                return torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
-            x, y = models.text_batch(tr, a.batch, model.context, gen)
+                return xtr[idx], ytr[idx]
+            return models.text_batch(tr, a.batch, model.context, gen)
+
+        def loss_of(batch):
+            x, y = batch
+            if digits:
+                return torch.nn.functional.cross_entropy(ddp(x), y)
             return torch.nn.functional.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+
+        def batch_loss():
+            return loss_of(draw())
+
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def exact_mean(batch) -> torch.Tensor:
+            """The step's exact mean gradient: this rank's own (DDP's no_sync), allreduced over Gloo."""
+            opt.zero_grad()  # (the last step's gradients are still there: no_sync would add to them)
+            with ddp.no_sync():
+                loss_of(batch).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            opt.zero_grad()
+            dist.all_reduce(flat)
+            return flat / a.world
 
         # the step's compute alone: forward + backward without synchronisation (nothing is applied)
         calib = []
@@ -186,12 +208,20 @@ def main(argv=None) -> int:
         t_start = time.monotonic()
         paused = 0.0  # evaluation and divergence checks: not training time
         for step in range(a.steps):
+            batch, exact = draw(), None
+            if state is not None and a.grad_error_every and step % a.grad_error_every == 0:
+                te0 = time.monotonic()
+                exact = exact_mean(batch)
+                paused += time.monotonic() - te0
             ts = time.monotonic()
-            loss = batch_loss()
+            loss = loss_of(batch)
             opt.zero_grad()
             t0 = time.monotonic()  # CLOCK_MONOTONIC: the fabric's burst clock too
             loss.backward()
             t1 = time.monotonic()
+            if exact is not None and a.rank == 0:  # what loss and shedding did to the averaged gradient
+                got = torch.cat([p.grad.reshape(-1) for p in params])
+                emit({"gerr": float((got - exact).norm() / exact.norm().clamp_min(1e-30)), "step": step})
             opt.step()
             t2 = time.monotonic()
             if broadcaster is not None:

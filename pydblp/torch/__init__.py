@@ -244,7 +244,7 @@ def _stepped_allreduce(col: Collective, grad: np.ndarray, tensor: int, last: boo
     col.controller.count_steps()
     out = col.allreduce(grad, tensor=tensor)
     if last:
-        col.controller.end_step()
+        col.end_step()
     return out
 
 

@@ -218,3 +218,15 @@ def test_policy_ratios_and_drop_rows_in_the_table():
     # no queue, no host program: the drop rows are left out
     plain = report.table({"summary": {"gloo": _summary("gloo", 5.0, 4.0, 0.0)}, "speedup": {}})
     assert "queue tail drops" not in plain and "host-program sheds" not in plain
+
+
+def test_summary_carries_the_gradient_error_mean():
+    from pydblp.experiment import runner
+
+    steps = [{"step": i, "sync": 0.01, "t0": float(i), "dt": 0.02, "opt": 0.001} for i in range(10)]
+    run = runner.Run("dblp", steps=steps, evals=[{"eval": 0.9, "metric": "accuracy", "t": 1.0, "step": 9}],
+                     gerrs=[{"gerr": 0.1, "step": 0}, {"gerr": 0.3, "step": 5}], final={"wall": 1.0})
+    s = runner.summarize(run, runner.Options(), target=0.85)
+    assert s["grad_error"] == pytest.approx(0.2) and s["time_to_target_s"] == 1.0
+    assert runner.summarize(runner.Run("gloo", steps=steps), runner.Options(), None)["grad_error"] is None
+    assert "gradient error" in report.table({"summary": {"dblp": s}, "speedup": {}})
