@@ -74,8 +74,7 @@ def tb(bpf_xdp):
         yield t
 
 
-@pytest.mark.parametrize("kind, allgather", [("udp", "unicast"), pytest.param("xsk", "unicast", marks=pytest.mark.vm),
-                                             ("xsk-ktx", "unicast"),
+@pytest.mark.parametrize("kind, allgather", [("udp", "unicast"), ("xsk", "unicast"), ("xsk-ktx", "unicast"),
                                              ("udp", "broadcast"), ("xsk-ktx", "broadcast")])
 def test_state_from_process_group_in_the_testbed(tb, kind, allgather):
     port = 29600 + ["udp", "xsk", "xsk-ktx"].index(kind) + 3 * (allgather == "broadcast")
