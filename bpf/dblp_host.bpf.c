@@ -227,7 +227,13 @@ int dblp_host(struct xdp_md *ctx)
 	u8 prio = h->prio & DBLP_MAX_PRIO;
 	u8 valid = h->prio <= DBLP_MAX_PRIO;
 	if (cfg->classify == DBLP_CLASSIFY_DSCP) {
-		prio = cfg->dscp_prio[dscp & (DBLP_NDSCP - 1)] & DBLP_MAX_PRIO;
+		/* dscp <= 63, so clang drops the mask; Linux 6.1's verifier loses the bounds at the
+		 * IPv6 path's `|` of two registers and refuses the index unmasked ("math between
+		 * map_value pointer and register with unbounded min value"): hide the value from
+		 * clang so the mask stays */
+		u32 di = dscp;
+		asm volatile("" : "+r"(di));
+		prio = cfg->dscp_prio[di & (DBLP_NDSCP - 1)] & DBLP_MAX_PRIO;
 		valid = 1;
 	}
 	if (valid && prio > 0 && h->kind == DBLP_KIND_DATA &&

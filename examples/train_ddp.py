@@ -78,6 +78,9 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-gloo", action="store_true",
+                   help="also average every gradient bucket with Gloo's allreduce and exit 1 if pydblp's mean "
+                        "differs by more than 1e-5 (a check for a loss-free network)")
     return p.parse_args(argv)
 
 
@@ -93,6 +96,27 @@ def param_spread(module: torch.nn.Module) -> float:
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     return float((hi - lo).max())
+
+
+def gloo_checked(hook, diffs: list[float]):
+    """A comm hook that runs ``hook`` and records, per bucket, max |its mean - Gloo's mean| in ``diffs``.
+
+    Gloo's allreduce of the same bucket runs first, on this thread (every rank's DDP calls the hook
+    for the same buckets in the same order); the comparison runs when ``hook``'s future completes.
+    """
+    def checked(state, bucket):
+        ref = bucket.buffer().detach().clone()
+        dist.all_reduce(ref)
+        ref /= dist.get_world_size()
+
+        def compare(fut):
+            got = fut.value()
+            diffs.append(float((got - ref).abs().max()))
+            return got
+
+        return hook(state, bucket).then(compare)
+
+    return checked
 
 
 def round_stats(recs) -> str:
@@ -126,7 +150,8 @@ def main(argv=None) -> int:
 
         model = models.DigitsCNN()
         ddp = DDP(model)
-        ddp.register_comm_hook(state, ptorch.hook)
+        diffs: list[float] = []
+        ddp.register_comm_hook(state, gloo_checked(ptorch.hook, diffs) if a.check_gloo else ptorch.hook)
         bc = ptorch.ParameterBroadcaster(state, model, a.broadcast_every) if a.broadcast_every else None
         opt = torch.optim.SGD(ddp.parameters(), lr=a.lr, momentum=0.9)
 
@@ -166,6 +191,12 @@ def main(argv=None) -> int:
         log(f"done: {step} steps in {time.monotonic() - t_start:.1f} s; "
             f"latest rounds (Config.records_max): {round_stats(col.records)}; counters {col.counters}")
         dist.barrier()  # nobody stops answering late probes before every rank has finished
+        if a.check_gloo:
+            worst = max(diffs, default=float("nan"))
+            print(f"rank {rank}: {len(diffs)} buckets checked against Gloo, max |difference| {worst:.3g}",
+                  flush=True)
+            if not diffs or not worst <= 1e-5:
+                return 1
         return 0
     except (CollectiveError, RuntimeError) as e:  # DDP may re-raise the hook's error as RuntimeError
         print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

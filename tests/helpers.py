@@ -7,7 +7,7 @@ for one thread per rank of this process; and the two-namespace
 veth pair the transport tests send through (:func:`make_pair`,
 :func:`host_pair`), with :func:`packets` whose every field is a function of
 the chunk id, checked on receipt by :class:`Checker` (:func:`transfer`,
-:func:`both_ways`).
+:func:`both_ways`); :func:`skip_without` for a kernel feature a probe found missing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import platform
+import re
 import subprocess
 import threading
 import time
@@ -27,6 +29,38 @@ from pydblp.transport import Batch
 
 NS_PREFIX = f"dblpt{os.getpid() % 100000}"
 _seq = itertools.count()
+
+# Kernel features some tests need: name -> (first Linux release with it, what it is).
+KERNEL_FEATURES = {
+    "udp_gso": ((4, 18), "UDP_SEGMENT (UDP GSO)"),
+    "xdp_frags": ((5, 18), "multi-buffer XDP (BPF_F_XDP_HAS_FRAGS)"),
+    "xsk_sg": ((6, 6), "multi-buffer AF_XDP (XDP_USE_SG)"),
+}
+# The reason's prefix of a skip that DBLP_REQUIRE_PRIVILEGED=1 accepts (tests/conftest.py).
+KERNEL_FEATURE_SKIP = "kernel feature missing:"
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``release`` (default: the running kernel's, ``uname -r``)."""
+    m = re.match(r"(\d+)\.(\d+)", release or platform.release())
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def skip_without(feature: str):
+    """Skip the test: the caller's probe found kernel ``feature`` (a :data:`KERNEL_FEATURES` name) missing.
+
+    On a kernel older than the feature's first release, the reason starts with
+    :data:`KERNEL_FEATURE_SKIP`, a skip that ``DBLP_REQUIRE_PRIVILEGED=1`` accepts (the
+    VM kernel matrix runs 6.1, without ``xsk_sg``).  On a release that should have it,
+    the skip says so and ``DBLP_REQUIRE_PRIVILEGED=1`` turns it into a failure: a
+    kernel built without it, or a broken probe, must not pass as "too old".
+    """
+    need, what = KERNEL_FEATURES[feature]
+    release = platform.release()
+    if kernel_version(release) < need:
+        pytest.skip(f"{KERNEL_FEATURE_SKIP} {feature}: {what}, Linux {need[0]}.{need[1]}+; this is {release}")
+    pytest.skip(f"{what} refused by Linux {release}, which has it from {need[0]}.{need[1]}: "
+                "a kernel configured without it, or a broken probe")
 
 
 def run_threads(fn, ranks, timeout: float) -> tuple[dict, dict]:

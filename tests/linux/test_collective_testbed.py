@@ -18,7 +18,7 @@ from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import unique_name
+from tests.helpers import skip_without, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -222,7 +222,7 @@ def test_jumbo_mtu_exact_and_repaired_over_af_xdp(bpf_xdp):
     from pydblp import bpf
 
     if not bpf.xdp_frags_supported():
-        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+)")
+        skip_without("xdp_frags")
     with Testbed(workers=WORLD, name=unique_name("tj"), mtu=9000) as jt:
         assert jt.mode == "native"
         hs = []
@@ -234,7 +234,7 @@ def test_jumbo_mtu_exact_and_repaired_over_af_xdp(bpf_xdp):
             if not all(t.sg for t in ts):
                 for t in ts:
                     t.close()
-                pytest.skip("kernel without multi-buffer AF_XDP (XDP_USE_SG, 6.6+)")
+                skip_without("xsk_sg")
             rng = np.random.default_rng(9)
             xs = [rng.standard_normal(1_000_003).astype(np.float32) for _ in range(WORLD)]
 

@@ -49,6 +49,7 @@ def _packets(n: int, src: int, dst: int, peer: int) -> Batch:
     return Batch.fill(h, pay, np.full(n, 512), peer)
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("kind, tx", [("xsk", "xsk"), ("xsk-ktx", "kernel")])
 def test_opens_attaches_registers_carries_and_releases(pair, kind, tx):
     dps = []

@@ -37,6 +37,7 @@ def veth_pair(netns):
     return a, b, "dvb"
 
 
+@pytest.mark.vm
 def test_dump_live_in_netns(veth_pair):
     a, b, ifname = veth_pair
     count = 4

@@ -17,6 +17,7 @@ import pytest
 
 from pydblp import bpf, dscp, wire
 from pydblp.testbed import fabric as fb
+from tests.helpers import skip_without
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
@@ -414,7 +415,7 @@ def test_jumbo_frames_are_counted_and_queued_whole(fab):
     """A multi-buffer (frags) load sees a 9000-byte frame whole: bytes counted and queued are 9000, not
     the first buffer's ~3.5 KB (``dblp_frame_len``)."""
     if not bpf.xdp_frags_supported():
-        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+)")
+        skip_without("xdp_frags")
     frame = udp_frame(b"j" * (9000 - 42))
     assert len(frame) == 9000
     verdict, out = bpf.test_run(fab.prog_fd, frame)

@@ -58,6 +58,7 @@ def no_pydblp_anywhere() -> list:
     return left
 
 
+@pytest.mark.vm
 def test_cli_load_traffic_counters_unload_all(pair, capsys):
     """Ends with `dblp unload --all`, which (by design) clears every pydblp attachment on the host."""
     a, b = pair

@@ -17,7 +17,7 @@ from scapy.layers.l2 import ARP, Dot1Q, Ether
 from scapy.packet import Raw
 
 from pydblp import bpf, dscp, host, net, wire
-from tests.helpers import unique_name
+from tests.helpers import skip_without, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -83,6 +83,7 @@ def _delta(a: dict, b: dict) -> dict:
     return out
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("l3,vlan", [("ip4", False), ("ip6", False), ("ip4", True), ("ip6", True)])
 def test_valid_xsk_job_without_socket_passes_and_counts_nosock(prog, l3, vlan):
     verdict, d = run(prog, dblp_frame(data(), l3, vlan))
@@ -142,6 +143,7 @@ def _malformed():
     }
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("case", list(_malformed()), ids=str)
 def test_malformed_dropped_with_reason(prog, case):
     payload = _malformed()[case]
@@ -190,12 +192,13 @@ def test_truncated_frame_claiming_more_is_short(prog):
     assert (verdict, d) == (XDP_DROP, {"drop": {"short": 1}})
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("l3", ["ip4", "ip6"])
 def test_jumbo_frames_validated_whole(prog, l3):
     """Loaded multi-buffer, the program judges a 9000-byte frame by its whole length: a valid one
     passes (no socket bound here), one cut short by 100 bytes is SHORT, one with 100 extra is LENGTH."""
     if not prog.frags:
-        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+)")
+        skip_without("xdp_frags")
     pay = data(payload=bytes(range(256)) * 34)
     frame = dblp_frame(pay, l3)
     assert len(frame) > 8700
@@ -212,6 +215,7 @@ def _msg(prog, tensor, n, prio, tol, retx=False):
             for i in range(n)]
 
 
+@pytest.mark.vm
 def test_shedding_stops_at_the_message_budget(prog):
     prog.set_pressure(1000)
     try:
@@ -226,6 +230,7 @@ def test_shedding_stops_at_the_message_budget(prog):
         prog.set_pressure(0)
 
 
+@pytest.mark.vm
 def test_prio0_retx_and_low_pressure_are_never_shed(prog):
     prog.set_pressure(1000)
     try:

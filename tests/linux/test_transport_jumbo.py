@@ -20,7 +20,7 @@ from pydblp import bpf, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import ADDR, JOB, JOB_UDP, Checker, both_ways, host_pair, packets, transfer
+from tests.helpers import ADDR, JOB, JOB_UDP, Checker, both_ways, host_pair, packets, skip_without, transfer
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -32,7 +32,7 @@ N = 6000
 @pytest.fixture(scope="module")
 def jpair(root, bpf_xdp):
     if not bpf.xdp_frags_supported():
-        pytest.skip("kernel without multi-buffer XDP (BPF_F_XDP_HAS_FRAGS, 5.18+): no native XDP above MTU 3506")
+        skip_without("xdp_frags")  # no native XDP above MTU 3506 without it
     with host_pair(mtu=MTU) as p:
         assert all(h.frags for h in p["host"])
         yield p
@@ -50,10 +50,11 @@ def xsk(p, side: int, **kw) -> XskTransport:
     t = XskTransport(p["dev"][side], netns=p["ns"][side], host=p["host"][side], **kw)
     if kw.get("sg") is not False and not t.sg:
         t.close()
-        pytest.skip("kernel without multi-buffer AF_XDP (XDP_USE_SG, 6.6+)")
+        skip_without("xsk_sg")
     return t
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("family", [4, 6])
 def test_jumbo_bit_exact_both_directions(jpair, family):
     ha, hb = jpair["host"]

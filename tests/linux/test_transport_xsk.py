@@ -24,6 +24,7 @@ from tests.helpers import ADDR, JOB, JOB_UDP, MAC, MAXLEN, N, Checker, both_ways
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("family", [4, 6])
 def test_xsk_bit_exact_both_directions(pair, family):
     ha, hb = pair["host"]
@@ -187,6 +188,7 @@ def test_open_close_20x_leaks_nothing(pair):
     assert c1["nosock"] == c0["nosock"] + 1 and c1["redirect"] == c0["redirect"]
 
 
+@pytest.mark.vm
 @pytest.mark.parametrize("family", [4, 6])
 def test_kernel_transmit_to_af_xdp_receive(pair, family):
     """tx="kernel": the AF_XDP socket receives, a UDP socket on the same device transmits;

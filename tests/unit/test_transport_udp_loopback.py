@@ -12,6 +12,7 @@ from pydblp import wire
 from pydblp.transport import Batch
 from pydblp.transport.base import TransportError
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import skip_without
 
 
 def make_batch(n, start=0, maxlen=1400, peer=0, seed=0):
@@ -242,7 +243,7 @@ def test_udp_gso_runs_bit_exact(gso, few, monkeypatch):
     monkeypatch.setattr(udp, "SMALL", few)
     with UdpTransport(port=0, gso=gso) as a, UdpTransport(port=0) as b, UdpTransport(port=0) as c:
         if gso is None and not a.gso:
-            pytest.skip("kernel without UDP_SEGMENT (UDP GSO, Linux 4.18+)")
+            skip_without("udp_gso")
         pb, pc = a.add_peer("127.0.0.1", b.port), a.add_peer("127.0.0.1", c.port)
         n = 1200
         sent = make_batch(n, 0, maxlen=1400)
@@ -412,7 +413,7 @@ def test_udp_gso_refused_falls_back_to_datagrams():
     socket, counts it, and the rest of the batch goes datagram by datagram: nothing is lost."""
     with UdpTransport(port=0) as a, UdpTransport(port=0) as b:
         if not a.gso:
-            pytest.skip("kernel without UDP_SEGMENT (UDP GSO, Linux 4.18+)")
+            skip_without("udp_gso")
         a._sock.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK: udp_send_skb refuses GSO (EINVAL)
         pb = a.add_peer("127.0.0.1", b.port)
         n = 300
