@@ -112,6 +112,9 @@ def table(rep: dict) -> str:
             parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds)" for ph, d in by.items())
             same = {True: "identical on every rank", False: "DIFFER between ranks"}.get(v.get("phase_identical"), "")
             text.append(f"{tr}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
+        ge = v.get("grad_error_by_phase") or {}
+        if ge:
+            text.append(f"{tr}: gradient error by phase: " + ", ".join(f"{ph} {e:.4f}" for ph, e in ge.items()))
     for tr, v in s.items():
         for key, what in (("queue_early_by_prio", "queue early drops"), ("host_shed_by_prio", "host sheds")):
             by = v.get(key)

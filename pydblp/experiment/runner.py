@@ -343,10 +343,26 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "divergence_rel_max": max((d["div_rel"] for d in run.divs), default=None),
         "divergence_final": run.divs[-1]["div"] if run.divs else None,
         "grad_error": float(np.mean([g["gerr"] for g in run.gerrs])) if run.gerrs else None,
+        "grad_error_by_phase": grad_error_by_phase(run),
         "relaxed_share": (sum(not c for _, _, c in hist) / len(hist)) if hist else None,
         "phase_identical": ph.get("identical") if ph else None,
         **drop_summary(run),
     }
+
+
+def grad_error_by_phase(run: Run) -> dict:
+    """Mean gradient error per phase: a measured step's phase is that of its first round (a
+    step's rounds share one tolerance: the controller decides between steps)."""
+    rounds = run.final.get("rounds") or []
+    if not run.gerrs or not rounds or not run.steps:
+        return {}
+    per_step = len(rounds) / len(run.steps)
+    by: dict[str, list] = {}
+    for g in run.gerrs:
+        i = int(g["step"] * per_step)
+        if i < len(rounds):
+            by.setdefault(rounds[i]["phase"], []).append(g["gerr"])
+    return {ph: float(np.mean(v)) for ph, v in by.items()}
 
 
 def drop_summary(run: Run) -> dict:
@@ -412,6 +428,11 @@ def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
             if isinstance(v0, list) and all(isinstance(r.get(key), list) and len(r[key]) == len(v0)
                                             and all(isinstance(x, (int, float)) for x in r[key]) for r in rows):
                 m[key] = [float(x) for x in np.mean([r[key] for r in rows], axis=0)]  # (per priority, per rank)
+                continue
+            if key == "grad_error_by_phase":  # per phase, over the seeds that measured it
+                phases = {ph for r in rows for ph in (r.get(key) or {})}
+                m[key] = {ph: float(np.mean([r[key][ph] for r in rows if ph in (r.get(key) or {})]))
+                          for ph in sorted(phases)}
                 continue
             if isinstance(v0, bool) or not isinstance(v0, (int, float)) and v0 is not None:
                 if isinstance(v0, bool):

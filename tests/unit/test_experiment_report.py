@@ -226,7 +226,11 @@ def test_summary_carries_the_gradient_error_mean():
     steps = [{"step": i, "sync": 0.01, "t0": float(i), "dt": 0.02, "opt": 0.001} for i in range(10)]
     run = runner.Run("dblp", steps=steps, evals=[{"eval": 0.9, "metric": "accuracy", "t": 1.0, "step": 9}],
                      gerrs=[{"gerr": 0.1, "step": 0}, {"gerr": 0.3, "step": 5}], final={"wall": 1.0})
+    run.final["rounds"] = [{"phase": "critical" if i < 10 else "relaxed", "delivered": 1.0, "retx": 0,
+                            "below": 0, "tol": 0.0} for i in range(20)]  # two rounds a step
     s = runner.summarize(run, runner.Options(), target=0.85)
     assert s["grad_error"] == pytest.approx(0.2) and s["time_to_target_s"] == 1.0
+    assert s["grad_error_by_phase"] == pytest.approx({"critical": 0.1, "relaxed": 0.3})
     assert runner.summarize(runner.Run("gloo", steps=steps), runner.Options(), None)["grad_error"] is None
-    assert "gradient error" in report.table({"summary": {"dblp": s}, "speedup": {}})
+    text = report.table({"summary": {"dblp": s}, "speedup": {}})
+    assert "gradient error" in text and "dblp: gradient error by phase: critical 0.1000, relaxed 0.3000" in text
