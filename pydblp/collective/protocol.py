@@ -90,7 +90,7 @@ class Protocol:
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
                                                   # this rank's own is :attr:`estimate`
-        self.estimate = 0.005
+        self.estimate = min(c.probe_max, max(c.probe_min, 0.005))  # within the configured bounds
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
