@@ -474,6 +474,9 @@ def _add_experiment(sub):
     p.add_argument("--freq", type=int, help="DBLP measures the gradient norm every FREQ steps (default 10)")
     p.add_argument("--eta", type=float, help="DBLP: critical while |dG|/G >= ETA (default 0.5)")
     p.add_argument("--estimator", choices=["unbiased", "zero"])
+    p.add_argument("--order", choices=["shuffle", "rows"],
+                   help="pydblp runs: the chunks' order in a message: shuffle (default: a permutation per round, so "
+                        "a bound's cut and a burst hit other rows each round) or rows (the tensor's order)")
     p.add_argument("--consistency", help="replica consistency: allgather (default: identical results on every rank), "
                                          "none (the all-gather tolerates loss; replicas drift) or broadcast:N "
                                          "(none, plus a parameter broadcast every N steps)")
@@ -516,7 +519,7 @@ def _experiment_options(args):
             raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
                                        "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "estimator",
-                                       "consistency", "mode", "allgather", "target", "seed")}
+                                       "order", "consistency", "mode", "allgather", "target", "seed")}
     eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
     ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio
     k_top = 1 - eff["p_low"]

@@ -40,6 +40,7 @@ RECORDS_MAX = 4096  # round records a Collective keeps by default (Config.record
 
 CHUNK_MAX = 8000  # Config.check's bound
 ALLGATHERS = ("unicast", "broadcast")
+ORDERS = ("shuffle", "rows")
 
 
 def link_chunk_bytes(mtu: int) -> int:
@@ -96,6 +97,10 @@ class Config:
     fill: str = "stale"              # all-gather misses (consistent=False only): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
+    order: str = "shuffle"           # the rows' order in an allreduce's messages: "shuffle" (a permutation
+                                     # of the tensor's chunks drawn per round, the same on every rank, so a
+                                     # loss bound's cut and a burst fall on different chunks each round) or
+                                     # "rows" (the tensor's order: a cut drops the same tail every round)
     priority: str = "magnitude"      # "magnitude", "position", "layer" (the model's structure, absolute:
                                      # Collective.set_layers / pydblp.torch.State.register_model) or "none"
     dscp: object = "off"             # DSCP per priority on the wire (pydblp.dscp): "off" (0, default),
@@ -129,7 +134,8 @@ class Config:
                                      ("estimator", self.estimator, estimators.ESTIMATORS),
                                      ("fill", self.fill, estimators.FILLS),
                                      ("allgather", self.allgather, ALLGATHERS),
-                                     ("priority", self.priority, estimators.PRIORITIES)):
+                                     ("priority", self.priority, estimators.PRIORITIES),
+                                     ("order", self.order, ORDERS)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r}: use {', '.join(allowed)}")
         if self.chunk_bytes is None:

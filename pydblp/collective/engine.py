@@ -148,7 +148,7 @@ class Collective:
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
             if st.my_shard is not None:
                 a, b = st.bounds[st.my_shard]
-                own.append(st.y[a:b].reshape(-1).copy())
+                own.append((st.y[a:b] if st.perm is None else st.y[st.perm[a:b]]).reshape(-1))
 
         shared = self.cfg.consistent or getattr(self.controller, "steps", None) is None
         out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=None if shared else mine)

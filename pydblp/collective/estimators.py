@@ -101,7 +101,7 @@ def _classes(n: int) -> np.ndarray:
     return c
 
 
-def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: int | None = None,
+def chunk_priority(rows: np.ndarray, how: str, first_row: int | np.ndarray = 0, total_rows: int | None = None,
                    layers: np.ndarray | None = None) -> np.ndarray:
     """Priority class 1 (most important) .. 7 per chunk; 0 is kept for control and pins.
 
@@ -111,23 +111,25 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int = 0, total_rows: i
     output).  ``layer``: ``layers[first_row + i]``, the whole tensor's class
     per chunk from the model's structure (:func:`layer_classes`); without
     ``layers`` (a tensor nobody described), as ``position``.  ``none``: all 1.
-    Every class but ``layer``'s is relative to the message.
+    Every class but ``layer``'s is relative to the message.  ``first_row`` may instead be an
+    array: each row's number in the tensor (a message in shuffled order).
     """
     n = len(rows)
+    ids = first_row + np.arange(n) if np.isscalar(first_row) else np.asarray(first_row)
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
     if how == "layer":
         if layers is None:
             how = "position"
         else:
-            return np.ascontiguousarray(layers[first_row: first_row + n], np.uint8)
+            return np.ascontiguousarray(layers[ids], np.uint8)
     if how == "magnitude":
         norms = np.einsum("ij,ij->i", rows, rows)  # squared: same order, no temporary
         out = np.empty(n, np.uint8)
         out[np.argsort(-norms, kind="stable")] = _classes(n)  # the chunk ranked r gets rank r's class
         return out
     if how == "position":
-        return _bands((first_row + np.arange(n)) / (total_rows or n))
+        return _bands(ids / (total_rows or n))
     raise ValueError(f"unknown priority {how!r}: {', '.join(PRIORITIES)}")
 
 

@@ -273,6 +273,8 @@ class Round:
     nacks: int = 0                   # unsolicited BITMAPs sent
     repair: bool = False             # a NACK went out or a BITMAP came in this round
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
+    perm: np.ndarray | None = None   # order "shuffle": x and y row i is the tensor's row perm[i] (None: the
+                                     # tensor's own order); finish puts y back in the tensor's order
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
     # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
     # slot[r] is rank r's slot (-1: not a neighbour this round); until: per slot, when that

@@ -127,9 +127,13 @@ class Protocol:
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
         T = max(1, -(-flat.size // self.C))
+        perm = self._order(rnd, tensor, T) if reduce else None
         x = self._scratch("x", tensor, (T, self.C))
-        x.reshape(-1)[: flat.size] = flat
-        x.reshape(-1)[flat.size:] = 0  # the last chunk's padding
+        into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
+        into.reshape(-1)[: flat.size] = flat
+        into.reshape(-1)[flat.size:] = 0  # the last chunk's padding
+        if perm is not None:
+            np.take(into, perm, axis=0, out=x)
         nsh = self.world if self.cfg.mode == "tar" else 1
         me = self.rank
         t0 = time.monotonic()
@@ -140,7 +144,7 @@ class Protocol:
                    my_shard=me if me < nsh else None, reduced=me >= nsh, t0=t0,
                    heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
                    ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
-                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0)
+                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0, perm=perm)
         if st.my_shard is not None and not reduce:  # broadcast: my shard is my own values
             a, b = st.bounds[st.my_shard]
             st.y[a:b] = st.x[a:b]
@@ -163,7 +167,7 @@ class Protocol:
             if not reduce:
                 continue
             rows = st.x[a:b]
-            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(rows, a, T, tensor), st.tol8, st.round, tensor)
+            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, st.round, tensor)
         for key, inn in list(st.ins.items()):
             if inn.n == 0:
                 del st.ins[key]
@@ -206,7 +210,7 @@ class Protocol:
         st.rbuf = self._scratch("nbuf", tensor, (K, T, self.C))  # masked by rmask
         st.rmask = np.zeros((K, T), bool)
         st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row slot * T + chunk
-        prio = self._prio(x, 0, T, tensor)
+        prio = self._prio(st, x, 0)
         for k, r in enumerate(peers):
             st.ins[(False, r)] = InMessage(False, r, st.rmask[k], nb=True)
             st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True)
@@ -222,8 +226,21 @@ class Protocol:
             buf = self._bufs[key] = np.empty(shape, np.float32)
         return buf
 
-    def _prio(self, rows: np.ndarray, first: int, total: int, tensor: int) -> np.ndarray:
-        return estimators.chunk_priority(rows, self.cfg.priority, first, total, self.layers.get(tensor))
+    def _prio(self, st: Round, rows: np.ndarray, first: int) -> np.ndarray:
+        """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers."""
+        ids = np.arange(first, first + len(rows)) if st.perm is None else st.perm[first: first + len(rows)]
+        return estimators.chunk_priority(rows, self.cfg.priority, ids, len(st.x), self.layers.get(st.tensor))
+
+    def _order(self, rnd: int, tensor: int, T: int) -> np.ndarray | None:
+        """Order "shuffle": the round's permutation of the tensor's ``T`` rows, the same on every
+        rank (drawn from the round and tensor numbers, which all ranks share); else None.
+
+        Messages go out, are cut at their bound and lose bursts in send order: in the tensor's
+        own order every relaxed round would drop the same tail rows, whose mean then never
+        includes the other ranks (and whose stale fill is never refreshed)."""
+        if self.cfg.order != "shuffle" or T < 2:
+            return None
+        return np.random.Generator(np.random.PCG64((rnd, tensor))).permutation(T)
 
     # ---- the loop --------------------------------------------------------
     def run(self, st: Round) -> None:
@@ -309,7 +326,7 @@ class Protocol:
         a, b = st.bounds[st.my_shard]
         st.have[a:b] = True
         st.reduced = True
-        prio = self._prio(st.y[a:b], a, len(st.y), st.tensor)
+        prio = self._prio(st, st.y[a:b], a)
         tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets the shard whole
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
         # (the last owner to reduce has none left: all of it goes at once)
@@ -664,18 +681,22 @@ class Protocol:
             return self._finish_neighbours(st)
         missing = ~st.have
         if missing.any():
-            last = self.stale.get(st.tensor)
+            last = self.stale.get(st.tensor)  # (in the tensor's own order)
             if st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
-                st.y[missing] = last[missing]
+                st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
             else:
                 st.y[missing] = st.x[missing]
+        self._prev = (st.round, st.ins)
+        self._trail_from(st)  # (copies the rows its messages still need: y may be replaced now)
+        if st.perm is not None:  # back in the tensor's order; the round's messages keep theirs
+            back = np.empty_like(st.y)
+            back[st.perm] = st.y
+            st.y = back
         if st.reduce and self.cfg.fill == "stale":  # only the stale fill reads it
             last = self.stale.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
             if last is None or last.shape != st.y.shape:
                 last = self.stale[st.tensor] = np.empty_like(st.y)
             np.copyto(last, st.y)
-        self._prev = (st.round, st.ins)
-        self._trail_from(st)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
                           phase=st.phase, latency=time.monotonic() - st.t0)

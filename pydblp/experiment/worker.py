@@ -54,6 +54,7 @@ def parse(argv=None):
     p.add_argument("--consistency", default="allgather",
                    help="none, or broadcast:N (pydblp.torch.ParameterBroadcaster every N steps)")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
+    p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--priority", choices=["magnitude", "layer", "none"], default="magnitude",
                    help="pydblp Config.priority (layer: from the model's structure)")
     p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             from pydblp.collective import Config, Dblp, Static
 
             phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
-            cfg = Config(job=11, phase=phase, consistent=consistent, estimator=a.estimator, peer_timeout=a.peer_timeout, mode=a.mode,
+            cfg = Config(job=11, phase=phase, consistent=consistent, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))

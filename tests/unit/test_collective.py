@@ -128,7 +128,7 @@ def test_a_peer_whose_data_does_not_fit_fails_the_round_within_timeout(ranks, ca
 
 @pytest.mark.parametrize("fill", ["stale", "local"])
 def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
-    rk = ranks(3, deadline=0.4, peer_timeout=30, fill=fill, estimator="unbiased")
+    rk = ranks(3, deadline=0.4, peer_timeout=30, fill=fill, estimator="unbiased", order="rows")  # (shards by row)
     xs = inputs(3, 30_000, rounds=2, seed=3)
     first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
@@ -1007,3 +1007,32 @@ def test_chunk_bytes_none_is_for_the_torch_rendezvous_only():
             Collective(t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], Config(chunk_bytes=None))
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("order", ["rows", "shuffle"])
+def test_a_bound_cut_falls_on_other_rows_each_round_when_shuffled(ranks, order):
+    """Bound 30 %, and the last 20 % of every reduce-scatter message's first pass is lost (within
+    the bound: never repaired).  In the tensor's order those are the same rows every round: their
+    mean never includes the other rank.  Shuffled, the lost positions hold other rows each round,
+    so over 8 rounds every row gets an exact mean in some round."""
+    rk = ranks(2, phase="static:0.3", order=order)
+    _drop_sent(rk.ts[0], lambda h: ((h["kind"] == wire.Kind.DATA) & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == 0)
+                                    & (h["chunk"].astype(np.int64) * 5 >= h["nchunks"].astype(np.int64) * 4)))
+    xs = inputs(2, 60_000, rounds=8, seed=5)
+    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(8)])
+    assert not errs
+    C = rk.cols[0].C
+    T = -(-60_000 // C)
+    exact = np.zeros(T, int)  # rounds in which a row's mean (at rank 1, which owns shard 1) is exact
+    for i in range(8):
+        want = np.zeros(T * C, np.float32)
+        got = np.zeros(T * C, np.float32)
+        want[:60_000], got[:60_000] = (xs[i][0] + xs[i][1]) / 2, res[1][i]
+        exact += np.isclose(got, want, atol=1e-6).reshape(T, C).all(axis=1)
+    shard = slice(T // 2, T)  # rank 0's contributions to it are what is lost
+    lost_rows = (exact[shard] == 0).sum()
+    if order == "rows":
+        assert lost_rows >= (T - T // 2) // 5 - 1  # the tail of the shard, every round
+    else:
+        assert lost_rows == 0 and exact[shard].min() >= 1
+        assert exact[shard].mean() < 8  # (and some rows did lose a round's contribution)

@@ -57,22 +57,28 @@ def test_depths_from_module_structure_same_on_every_build():
     assert [d for d, _ in depths[0]] == [0, 0, 1, 1, 2, 2, 3, 3] and {n for _, n in depths[0]} == {4}
 
 
-def test_a_round_stamps_the_layer_classes_on_the_wire():
-    """Two ranks, priority "layer": the DATA each sends carries the class given for its chunk."""
+@pytest.mark.parametrize("order", ["rows", "shuffle"])
+def test_a_round_stamps_the_layer_classes_on_the_wire(order):
+    """Two ranks, priority "layer": the DATA each sends carries the class of the tensor row it
+    carries, in the tensor's order or shuffled (the row told by the payload: rows differ)."""
     world, C = 2, 16
     ts = [UdpTransport(port=0) for _ in range(world)]
     spy = []
     send = ts[0].send
 
     def record(batch, timeout=1.0):
-        h = batch.headers[: len(batch)]
+        n = len(batch)
+        h = batch.headers[:n]
         d = h["kind"] == wire.Kind.DATA
-        spy.extend(zip(h["chunk"][d].tolist(), h["prio"][d].tolist(), (h["flags"][d] & wire.Flag.ALLGATHER).tolist()))
+        first = batch.payload[:n][d][:, :4].copy().view(np.float32)[:, 0]  # a row's first value
+        spy.extend(zip(h["chunk"][d].tolist(), h["prio"][d].tolist(), (h["flags"][d] & wire.Flag.ALLGATHER).tolist(),
+                       first.tolist()))
         return send(batch, timeout)
 
     ts[0].send = record
     peers = [("127.0.0.1", t.port) for t in ts]
-    cols = [Collective(ts[r], r, world, peers, Config(priority="layer", chunk_bytes=C * 4)) for r in range(world)]
+    cfg = Config(priority="layer", chunk_bytes=C * 4, order=order)
+    cols = [Collective(ts[r], r, world, peers, cfg) for r in range(world)]
     classes = np.array([7, 6, 5, 4, 3, 2, 1, 1, 2, 3], np.uint8)
     x = np.random.default_rng(1).standard_normal(len(classes) * C).astype(np.float32)
     try:
@@ -91,11 +97,13 @@ def test_a_round_stamps_the_layer_classes_on_the_wire():
     finally:
         for c in cols:
             c.close()
-    # rank 0 sends rank 1 its shard (reduce-scatter) and rank 1 the result of its own (all-gather):
-    # chunk i of a message is chunk first + i of the tensor
-    half = len(classes) // 2
-    rs = {c: p for c, p, ag in spy if not ag}
-    ag = {c: p for c, p, ag in spy if ag}
+    # rank 0 sends rank 1 rows of rank 1's shard (reduce-scatter: x) and rank 1 those of its own
+    # (all-gather: the mean, 1.5x); each packet's row is found by its first value
+    rows = x.reshape(-1, C)[:, 0]
+    rs = [(c, p, int(np.flatnonzero(rows == v)[0])) for c, p, ag, v in spy if not ag]
+    ag = [(c, p, int(np.flatnonzero(np.isclose(rows * 1.5, v))[0])) for c, p, ag, v in spy if ag]
     assert rs and ag
-    assert all(p == classes[half + c] for c, p in rs.items()), rs
-    assert all(p == classes[c] for c, p in ag.items()), ag
+    assert all(p == classes[row] for _, p, row in rs + ag), (rs, ag)
+    half = len(classes) // 2
+    moved = [c for c, _, row in rs if row != half + c] + [c for c, _, row in ag if row != c]
+    assert bool(moved) == (order == "shuffle")  # chunk i of a message is the tensor's row first + i only in "rows"
