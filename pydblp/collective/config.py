@@ -94,7 +94,14 @@ class Config:
                                      # shares with all (False: the all-gather tolerates the round's
                                      # loss too and misses are filled per ``fill``: faster under loss,
                                      # but replicas drift apart)
-    fill: str = "stale"              # all-gather misses (consistent=False only): "stale" or "local"
+    allgather_bound: bool = True     # consistent: in a round with a loss bound each owner's all-gather
+                                     # carries only the first ``need`` rows of its (shuffled) shard, repaired
+                                     # whole, and every rank, the owner too, fills the rest from the previous
+                                     # result (identical everywhere): the all-gather saves the bound's bytes
+                                     # and replicas stay identical (needs order "shuffle" and fill "stale";
+                                     # a tensor's first round goes whole)
+    fill: str = "stale"              # all-gather misses (consistent=False, and rows past the all-gather's
+                                     # bound): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
     order: str = "shuffle"           # the rows' order in an allreduce's messages: "shuffle" (a permutation
@@ -153,6 +160,8 @@ class Config:
             raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
         if self.burst < 1:
             raise ValueError(f"burst {self.burst}: use 1 or more packets")
+        if not isinstance(self.allgather_bound, bool):
+            raise ValueError(f"allgather_bound {self.allgather_bound!r}: use True or False")
         if not isinstance(self.consistent, bool):
             raise ValueError(f"consistent {self.consistent!r}: use True (identical results) or False")
         if self.records_max < 0:

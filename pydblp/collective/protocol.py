@@ -162,8 +162,9 @@ class Protocol:
         for k, (a, b) in enumerate(st.bounds):
             if k == st.my_shard:
                 continue
-            st.ins[(True, k)] = InMessage(True, k, st.have[a:b])
-            st.ag_first[k], st.ag_n[k] = a, b - a
+            e = a + self._ag_rows(st, b - a)
+            st.ins[(True, k)] = InMessage(True, k, st.have[a:e])
+            st.ag_first[k], st.ag_n[k] = a, e - a
             if not reduce:
                 continue
             rows = st.x[a:b]
@@ -230,6 +231,18 @@ class Protocol:
         """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers."""
         ids = np.arange(first, first + len(rows)) if st.perm is None else st.perm[first: first + len(rows)]
         return estimators.chunk_priority(rows, self.cfg.priority, ids, len(st.x), self.layers.get(st.tensor))
+
+    def _ag_rows(self, st: Round, n: int) -> int:
+        """How many of a shard's ``n`` rows its all-gather carries (``Config.allgather_bound``): the
+        round's ``need`` when replicas are consistent, the round has a bound, its rows are shuffled
+        and every rank holds the previous result of the tensor to fill the rest from (all ranks
+        decide alike: same config, agreed bound, same round history); else all ``n``."""
+        cfg = self.cfg
+        if not (cfg.consistent and cfg.allgather_bound and st.reduce and st.tol8 and st.perm is not None
+                and cfg.fill == "stale"):
+            return n
+        last = self.stale.get(st.tensor)
+        return n if last is None or last.shape != st.x.shape else n - n * st.tol8 // 255
 
     def _order(self, rnd: int, tensor: int, T: int) -> np.ndarray | None:
         """Order "shuffle": the round's permutation of the tensor's ``T`` rows, the same on every
@@ -324,10 +337,11 @@ class Protocol:
 
     def _start_allgather(self, st: Round) -> None:
         a, b = st.bounds[st.my_shard]
+        b = a + self._ag_rows(st, b - a)  # (the rest: filled from the previous result on every rank)
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st, st.y[a:b], a)
-        tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets the shard whole
+        tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets what is sent whole
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
         # (the last owner to reduce has none left: all of it goes at once)
         split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)

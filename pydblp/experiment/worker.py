@@ -82,18 +82,20 @@ def emit(obj) -> None:
     sys.stdout.flush()
 
 
-CONSISTENCY_USE = "allgather, none or broadcast:N (N >= 1 steps)"
+CONSISTENCY_USE = "allgather, allgather:whole, none or broadcast:N (N >= 1 steps)"
 
 
-def consistency(spec: str) -> tuple[bool, int]:
-    """``Config.consistent`` and the ParameterBroadcaster interval (0: none) of a ``--consistency``:
-    ``allgather`` (identical results, the default) -> (True, 0); ``none`` -> (False, 0);
-    ``broadcast:N`` -> (False, N).  ValueError otherwise."""
-    if spec in ("allgather", "none"):
-        return spec == "allgather", 0
+def consistency(spec: str) -> tuple[bool, bool, int]:
+    """``Config.consistent``, ``Config.allgather_bound`` and the ParameterBroadcaster interval
+    (0: none) of a ``--consistency``: ``allgather`` (identical results, the all-gather stops at the
+    bound; the default) -> (True, True, 0); ``allgather:whole`` (identical results, the all-gather
+    sent whole) -> (True, False, 0); ``none`` -> (False, True, 0); ``broadcast:N`` -> (False, True,
+    N).  ValueError otherwise."""
+    if spec in ("allgather", "allgather:whole", "none"):
+        return spec != "none", spec != "allgather:whole", 0
     name, _, n = spec.partition(":")
     if name == "broadcast" and n.isdigit() and int(n) >= 1:
-        return False, int(n)
+        return False, True, int(n)
     raise ValueError(f"consistency {spec!r}: use {CONSISTENCY_USE}")
 
 
@@ -126,7 +128,7 @@ def phase_report(controller) -> dict:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    consistent, every = consistency(a.consistency)
+    consistent, ag_bound, every = consistency(a.consistency)
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
             from pydblp.collective import Config, Dblp, Static
 
             phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
-            cfg = Config(job=11, phase=phase, consistent=consistent, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
+            cfg = Config(job=11, phase=phase, consistent=consistent, allgather_bound=ag_bound, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))

@@ -1036,3 +1036,33 @@ def test_a_bound_cut_falls_on_other_rows_each_round_when_shuffled(ranks, order):
     else:
         assert lost_rows == 0 and exact[shard].min() >= 1
         assert exact[shard].mean() < 8  # (and some rows did lose a round's contribution)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ranks, bound):
+    """Bound 30 %, consistent replicas, no loss.  With ``allgather_bound`` each owner's all-gather
+    carries the first ``need`` rows of its shuffled shard and every rank, the owner too, fills the
+    rest from the previous result: identical results on every rank, each row either this round's
+    exact mean or last round's result, and exactly the bound's share of rows stale (the first
+    round, with nothing to fill from, goes whole).  Without it every row is exact."""
+    world, n = 3, 30_000  # (small: each reduce-scatter message goes out in one turn, before any STOP)
+    rk = ranks(world, phase="static:0.3", allgather_bound=bound)
+    xs = inputs(world, n, rounds=3, seed=7)
+    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
+    assert not errs
+    C = rk.cols[0].C
+    T = -(-n // C)
+    tol8 = int(0.3 * 255)
+    cut = sum((b - a) * tol8 // 255 for a, b in ((k * T // world, (k + 1) * T // world) for k in range(world)))
+    pad = lambda v: np.concatenate([v, np.zeros(T * C - n, np.float32)]).reshape(T, C)
+    for i in range(3):
+        for r in range(1, world):
+            np.testing.assert_array_equal(res[r][i], res[0][i])  # identical replicas
+        got, exact = pad(res[0][i]), pad(sum(xs[i]) / world)
+        fresh = np.isclose(got, exact, atol=1e-6).all(axis=1)
+        if i == 0 or not bound:
+            assert fresh.all()
+            continue
+        stale = ~fresh
+        assert stale.sum() == cut, (stale.sum(), cut)
+        np.testing.assert_array_equal(got[stale], pad(res[0][i - 1])[stale])
