@@ -94,12 +94,13 @@ class Config:
                                      # shares with all (False: the all-gather tolerates the round's
                                      # loss too and misses are filled per ``fill``: faster under loss,
                                      # but replicas drift apart)
-    allgather_bound: bool = True     # consistent: in a round with a loss bound each owner's all-gather
+    allgather_bound: bool = False    # consistent: in a round with a loss bound each owner's all-gather
                                      # carries only the first ``need`` rows of its (shuffled) shard, repaired
                                      # whole, and every rank, the owner too, fills the rest from the previous
                                      # result (identical everywhere): the all-gather saves the bound's bytes
-                                     # and replicas stay identical (needs order "shuffle" and fill "stale";
-                                     # a tensor's first round goes whole)
+                                     # and replicas stay identical, but the filled rows are last round's
+                                     # mean (needs order "shuffle" and fill "stale"; a tensor's first round
+                                     # goes whole).  Off by default: docs/protocol.md has the trade
     fill: str = "stale"              # all-gather misses (consistent=False, and rows past the all-gather's
                                      # bound): "stale" or "local"
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the

@@ -82,20 +82,20 @@ def emit(obj) -> None:
     sys.stdout.flush()
 
 
-CONSISTENCY_USE = "allgather, allgather:whole, none or broadcast:N (N >= 1 steps)"
+CONSISTENCY_USE = "allgather, allgather:bound, none or broadcast:N (N >= 1 steps)"
 
 
 def consistency(spec: str) -> tuple[bool, bool, int]:
     """``Config.consistent``, ``Config.allgather_bound`` and the ParameterBroadcaster interval
-    (0: none) of a ``--consistency``: ``allgather`` (identical results, the all-gather stops at the
-    bound; the default) -> (True, True, 0); ``allgather:whole`` (identical results, the all-gather
-    sent whole) -> (True, False, 0); ``none`` -> (False, True, 0); ``broadcast:N`` -> (False, True,
-    N).  ValueError otherwise."""
-    if spec in ("allgather", "allgather:whole", "none"):
-        return spec != "none", spec != "allgather:whole", 0
+    (0: none) of a ``--consistency``: ``allgather`` (identical results, the all-gather repaired
+    whole; the default) -> (True, False, 0); ``allgather:bound`` (identical results, the all-gather
+    stops at the round's bound) -> (True, True, 0); ``none`` -> (False, False, 0); ``broadcast:N``
+    -> (False, False, N).  ValueError otherwise."""
+    if spec in ("allgather", "allgather:bound", "none"):
+        return spec != "none", spec == "allgather:bound", 0
     name, _, n = spec.partition(":")
     if name == "broadcast" and n.isdigit() and int(n) >= 1:
-        return False, True, int(n)
+        return False, False, int(n)
     raise ValueError(f"consistency {spec!r}: use {CONSISTENCY_USE}")
 
 
