@@ -93,9 +93,10 @@ class Options:
 # by unicast).  Gilbert-Elliott background loss (--loss-model ge) at a 3 % mean made Gloo's
 # steps ~40x longer here (TCP timeouts), too slow for a 20-minute run of 3 seeds.
 # With identical replicas (pydblp.torch's default) the all-gather is repaired whole and a
-# relaxed round is at best ~0.86x static's.  "--consistency broadcast:10" (the all-gather
-# tolerates loss, parameters broadcast every 10 steps) made paper rounds 0.63x static's but
-# cost steps: time to target 1.14x static's over 3 seeds, so the presets keep identical replicas.
+# relaxed round is at best ~0.86x static's (paper, 3 seeds: time to target 0.89x static's).
+# "--consistency broadcast:10" (the all-gather tolerates loss, parameters broadcast every 10
+# steps) reached 0.80x at -0.47 accuracy points and replicas up to 5.7 % apart, so the presets
+# keep identical replicas (bench/results/2026-12-03-chunk-order.md).
 #
 # "incast": no injected loss at all.  A parameter server (rank 0) receives every worker's
 # gradient at once through a switch port with a finite buffer (128 KiB, draining at 2 Gbit/s
