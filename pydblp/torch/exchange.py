@@ -238,8 +238,6 @@ class GlooExchange(Exchange):
             if item is None:
                 return
             key, payload = item
-            if self._closed:
-                continue  # closing: what is still queued is dropped, no peer is dialled
             if down_since is not None and time.monotonic() - down_since < self.timeout:
                 continue  # reconnect at most once a timeout: a dead peer is not redialled every round
             try:
@@ -253,11 +251,14 @@ class GlooExchange(Exchange):
                 client, down_since = None, time.monotonic()
 
     def close(self) -> None:
-        """Stop the sender threads and close the mailbox; messages not sent yet are dropped.
+        """Stop the sender threads once they have delivered what is queued, and close the mailbox.
 
-        A thread dialling a dead peer can take two connect attempts of ``timeout`` each
-        (torch's TCPStore retries once); close waits for that rather than leave a thread
-        inside torch at interpreter exit (which aborts the process).
+        The last round's messages may still be queued when a rank closes (its own round ended
+        as soon as its neighbours' arrived), and its neighbours wait for them: they go out
+        first.  A peer found down is not redialled (its messages are dropped); a thread dialling
+        a dead peer can take two connect attempts of ``timeout`` each (torch's TCPStore retries
+        once), and close waits for that rather than leave a thread inside torch at interpreter
+        exit (which aborts the process).
         """
         if self._closed:
             return
