@@ -115,9 +115,9 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int | np.ndarray = 0, 
     array: each row's number in the tensor (a message in shuffled order).
     """
     n = len(rows)
-    ids = first_row + np.arange(n) if np.isscalar(first_row) else np.asarray(first_row)
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
+    ids = first_row + np.arange(n) if np.isscalar(first_row) else first_row  # (layer, position only)
     if how == "layer":
         if layers is None:
             how = "position"

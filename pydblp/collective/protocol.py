@@ -229,8 +229,8 @@ class Protocol:
 
     def _prio(self, st: Round, rows: np.ndarray, first: int) -> np.ndarray:
         """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers."""
-        ids = np.arange(first, first + len(rows)) if st.perm is None else st.perm[first: first + len(rows)]
-        return estimators.chunk_priority(rows, self.cfg.priority, ids, len(st.x), self.layers.get(st.tensor))
+        at = first if st.perm is None else st.perm[first: first + len(rows)]
+        return estimators.chunk_priority(rows, self.cfg.priority, at, len(st.x), self.layers.get(st.tensor))
 
     def _ag_rows(self, st: Round, n: int) -> int:
         """How many of a shard's ``n`` rows its all-gather carries (``Config.allgather_bound``): the

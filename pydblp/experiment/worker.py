@@ -51,8 +51,7 @@ def parse(argv=None):
     p.add_argument("--k", type=float, default=0.40, help="dblp's P_high - P_low")
     p.add_argument("--freq", type=int, default=10, help="dblp measures G every FREQ steps")
     p.add_argument("--eta", type=float, default=0.5, help="dblp's critical threshold on |dG|/G")
-    p.add_argument("--consistency", default="allgather",
-                   help="none, or broadcast:N (pydblp.torch.ParameterBroadcaster every N steps)")
+    p.add_argument("--consistency", default="allgather", help=f"{CONSISTENCY_USE} (see consistency())")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--priority", choices=["magnitude", "layer", "none"], default="magnitude",
