@@ -144,7 +144,8 @@ def main(argv=None) -> int:
         state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
                                                 addr=a.addr, config=cfg, rate=a.rate, key_file=a.key_file)
         col = state.collective
-        log(f"world {world}, {a.transport} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
+        mode = f" ({'zero-copy' if col.t.zerocopy else 'copy'} mode)" if a.transport == "xsk" else ""
+        log(f"world {world}, {a.transport}{mode} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
             f"phase {a.phase}, estimator {a.estimator}, {col.cfg.chunk_bytes}-byte chunks, "
             f"broadcast every {a.broadcast_every or 'never'}")
 
