@@ -122,6 +122,19 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode, allgather):
     assert all(w <= x < w * 1.05 for w, x in zip(want, sent)), (sent, want)
 
 
+@pytest.mark.vm
+def test_a_round_over_af_xdp_is_exact(clean, hosts):
+    """The VM subset's testbed round (`make vm-test`): four ranks, AF_XDP both ways, one
+    tensor of 100k floats, exact at zero loss, every rank's data through its XSK socket."""
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(100_003).astype(np.float32) for _ in range(WORLD)]
+    out, _ = run_ranks(clean, transports(clean, "xsk", hosts, paced=True),
+                       lambda r, c: (c.allreduce(xs[r]), c.t.stats()))
+    for r in range(WORLD):
+        np.testing.assert_allclose(out[r][0], np.mean(xs, axis=0), atol=1e-5)
+    assert all(st["rx_packets"] > 0 and st["tx_packets"] > 0 for _, st in out.values())
+
+
 @pytest.mark.parametrize("allgather", ["unicast", "broadcast"])
 def test_broadcast_shards_gives_every_rank_each_owners_shard(clean, hosts, allgather):
     """Bounded-drift parameter broadcast: rank r gets shard k of owner k's values, exactly,
