@@ -150,9 +150,21 @@ class Collective:
                 a, b = st.bounds[st.my_shard]
                 own.append((st.y[a:b] if st.perm is None else st.y[st.perm[a:b]]).reshape(-1))
 
+        def fresh(st):  # consistent: the rows this round delivered (every rank holds the same ones)
+            if not st.have.all():
+                rows = np.flatnonzero(st.have)
+                rows = rows if st.perm is None else st.perm[rows]
+                scale = np.float32(np.sqrt(len(st.have) / max(len(rows), 1)))
+                own.append(st.y[rows].reshape(-1) * scale)
+
         shared = self.cfg.consistent or getattr(self.controller, "steps", None) is None
-        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=None if shared else mine)
-        self.controller.observe(self.index - 1, out if shared else (own[0] if own else np.zeros(0, np.float32)))
+        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True),
+                          done=fresh if self.cfg.consistent else None if shared else mine)
+        # The controller's G is the averaged gradient's norm.  A consistent round that left rows to
+        # the stale fill (Config.allgather_bound) shows it the delivered rows, a uniform sample of the
+        # shuffled tensor scaled up to the whole: last round's rows are not this gradient, and their
+        # noise would read as a change of regime.
+        self.controller.observe(self.index - 1, own[0] if own else out if shared else np.zeros(0, np.float32))
         return out * np.float32(self.world) if op == "sum" else out
 
     def end_step(self) -> None:

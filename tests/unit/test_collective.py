@@ -1046,7 +1046,18 @@ def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ra
     exact mean or last round's result, and exactly the bound's share of rows stale (the first
     round, with nothing to fill from, goes whole).  Without it every row is exact."""
     world, n = 3, 30_000  # (small: each reduce-scatter message goes out in one turn, before any STOP)
-    rk = ranks(world, phase="static:0.3", allgather_bound=bound)
+    rk = ranks(world, allgather_bound=bound)
+
+    class Seen(Static):  # bound 30 %; records the vectors the collective hands the controller
+        def __init__(self):
+            super().__init__(0.3)
+            self.seen = []
+
+        def observe(self, index, result):
+            self.seen.append(result.copy())
+
+    for c in rk.cols:
+        c.controller = c.protocol.controller = Seen()
     xs = inputs(world, n, rounds=3, seed=7)
     res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
     assert not errs
@@ -1066,3 +1077,9 @@ def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ra
         stale = ~fresh
         assert stale.sum() == cut, (stale.sum(), cut)
         np.testing.assert_array_equal(got[stale], pad(res[0][i - 1])[stale])
+        # the controller's G: this round's rows only, scaled to the whole; the same on every rank
+        seen = [c.controller.seen[i] for c in rk.cols]
+        for v in seen[1:]:
+            np.testing.assert_array_equal(v, seen[0])
+        g, want = np.linalg.norm(seen[0]), np.linalg.norm(got[fresh]) * np.sqrt(T / fresh.sum())
+        assert g == pytest.approx(want, rel=1e-5) and g != pytest.approx(np.linalg.norm(got), rel=1e-3)
