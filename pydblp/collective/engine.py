@@ -143,28 +143,33 @@ class Collective:
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
-        own = []
+        part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
             if st.my_shard is not None:
                 a, b = st.bounds[st.my_shard]
-                own.append((st.y[a:b] if st.perm is None else st.y[st.perm[a:b]]).reshape(-1))
+                part.append((st.y[a:b] if st.perm is None else st.y[st.perm[a:b]]).reshape(-1))
 
         def fresh(st):  # consistent: the rows this round delivered (every rank holds the same ones)
             if not st.have.all():
                 rows = np.flatnonzero(st.have)
                 rows = rows if st.perm is None else st.perm[rows]
                 scale = np.float32(np.sqrt(len(st.have) / max(len(rows), 1)))
-                own.append(st.y[rows].reshape(-1) * scale)
+                part.append(st.y[rows].reshape(-1) * scale)
 
+        # What the controller measures G on: the result where every rank holds the same one; but
+        # when a consistent round left rows to the stale fill (Config.allgather_bound), only the
+        # rows it delivered, a uniform sample of the shuffled tensor scaled up to the whole (last
+        # round's rows are not this gradient: their noise would read as a change of regime); and
+        # when ranks' fills differ, the shard this rank owns (end_step sums the ranks' norms).
         shared = self.cfg.consistent or getattr(self.controller, "steps", None) is None
-        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True),
-                          done=fresh if self.cfg.consistent else None if shared else mine)
-        # The controller's G is the averaged gradient's norm.  A consistent round that left rows to
-        # the stale fill (Config.allgather_bound) shows it the delivered rows, a uniform sample of the
-        # shuffled tensor scaled up to the whole: last round's rows are not this gradient, and their
-        # noise would read as a change of regime.
-        self.controller.observe(self.index - 1, own[0] if own else out if shared else np.zeros(0, np.float32))
+        done = fresh if self.cfg.consistent else None if shared else mine
+        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
+        if part:
+            seen = part[0]
+        else:
+            seen = out if shared else np.zeros(0, np.float32)
+        self.controller.observe(self.index - 1, seen)
         return out * np.float32(self.world) if op == "sum" else out
 
     def end_step(self) -> None:

@@ -95,8 +95,8 @@ class Options:
 # With identical replicas (pydblp.torch's default) the all-gather is repaired whole and a
 # relaxed round is at best ~0.86x static's (paper, 3 seeds: time to target 0.89x static's).
 # "--consistency broadcast:10" (the all-gather tolerates loss, parameters broadcast every 10
-# steps) reached 0.80x at -0.47 accuracy points and replicas up to 5.7 % apart, so the presets
-# keep identical replicas (bench/results/2026-12-03-chunk-order.md).
+# steps) reached 0.83x over six seeds with replicas up to 7.4 % apart, so the presets keep
+# identical replicas (0.88x over the same seeds; bench/results/2026-12-03-chunk-order.md).
 #
 # "incast": no injected loss at all.  A parameter server (rank 0) receives every worker's
 # gradient at once through a switch port with a finite buffer (128 KiB, draining at 2 Gbit/s
