@@ -478,7 +478,9 @@ def _add_experiment(sub):
                    help="pydblp runs: the chunks' order in a message: shuffle (default: a permutation per round, so "
                         "a bound's cut and a burst hit other rows each round) or rows (the tensor's order)")
     p.add_argument("--consistency", help="replica consistency: allgather (default: identical results on every rank), "
-                                         "allgather:bound (the same, the all-gather stops at the round's bound), "
+                                         "allgather:bound (the same, the all-gather stops at the round's bound; "
+                                         "the rest is filled from the last result), allgather:carry (the same; "
+                                         "the rest is applied a round later), "
                                          "none (the all-gather tolerates loss; replicas drift) or broadcast:N "
                                          "(none, plus a parameter broadcast every N steps)")
     p.add_argument("--mode", choices=["tar", "ps"],

@@ -96,13 +96,15 @@ class Config:
                                      # but replicas drift apart)
     allgather_bound: bool = False    # consistent: in a round with a loss bound each owner's all-gather
                                      # carries only the first ``need`` rows of its (shuffled) shard, repaired
-                                     # whole, and every rank, the owner too, fills the rest from the previous
-                                     # result (identical everywhere): the all-gather saves the bound's bytes
-                                     # and replicas stay identical, but the filled rows are last round's
-                                     # mean (needs order "shuffle" and fill "stale"; a tensor's first round
-                                     # goes whole).  Off by default: docs/protocol.md has the trade
+                                     # whole, and every rank, the owner too, fills the rest alike (``fill``):
+                                     # the all-gather saves the bound's bytes and replicas stay identical.
+                                     # Needs order "shuffle"; with fill "stale" the filled rows are last
+                                     # round's mean (a tensor's first round goes whole), with "carry" they
+                                     # are applied a round or more late.  Off by default: docs/protocol.md
     fill: str = "stale"              # all-gather misses (consistent=False, and rows past the all-gather's
-                                     # bound): "stale" or "local"
+                                     # bound): "stale" or "local"; or, past the all-gather's bound only,
+                                     # "carry": zero on every rank, and the shard's owner adds the cut rows
+                                     # to its next round's estimate (error feedback: applied late, not lost)
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
     order: str = "shuffle"           # the rows' order in an allreduce's messages: "shuffle" (a permutation
@@ -165,6 +167,9 @@ class Config:
             raise ValueError(f"allgather_bound {self.allgather_bound!r}: use True or False")
         if not isinstance(self.consistent, bool):
             raise ValueError(f"consistent {self.consistent!r}: use True (identical results) or False")
+        if self.fill == "carry" and not (self.consistent and self.allgather_bound):
+            raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
+                             "and allgather_bound=True, or use fill 'stale' or 'local'")
         if self.records_max < 0:
             raise ValueError(f"records_max {self.records_max}: use 0 or more records")
         if self.on_record is not None and not callable(self.on_record):

@@ -20,6 +20,8 @@ All-gather misses (a chunk of the result that did not arrive):
 * ``stale``: the previous round's value of that chunk (falls back to local
   in the first round).
 * ``local``: this rank's own contribution.
+* ``carry``: (only past a consistent all-gather's bound, ``Config.allgather_bound``) zero on
+  every rank; the shard's owner adds the rows to its next round's estimate (error feedback).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 ESTIMATORS = ("zero", "unbiased")
-FILLS = ("stale", "local")
+FILLS = ("stale", "local", "carry")
 PRIORITIES = ("magnitude", "position", "layer", "none")
 
 

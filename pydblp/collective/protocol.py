@@ -94,6 +94,8 @@ class Protocol:
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
         self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
+        self.carried: dict[int, np.ndarray] = {}  # tensor id -> the rows of my shard cut from its all-gather and
+                                                  # not yet sent (fill "carry"; tensor order, from the shard's start)
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
         self._began: tuple[int, dict] = (0, {})   # (neighbour round, {rank: when its message began arriving})
@@ -127,20 +129,21 @@ class Protocol:
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
         T = max(1, -(-flat.size // self.C))
-        perm = self._order(rnd, tensor, T) if reduce else None
+        nsh = self.world if self.cfg.mode == "tar" else 1
+        bounds = [(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)]
+        perm = self._order(rnd, tensor, T, bounds) if reduce else None
         x = self._scratch("x", tensor, (T, self.C))
         into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
         into.reshape(-1)[: flat.size] = flat
         into.reshape(-1)[flat.size:] = 0  # the last chunk's padding
         if perm is not None:
             np.take(into, perm, axis=0, out=x)
-        nsh = self.world if self.cfg.mode == "tar" else 1
         me = self.rank
         t0 = time.monotonic()
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,
                    tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x,
                    y=np.empty_like(x),  # every row is written: own shard, all-gather, or finish's fill
-                   have=np.zeros(T, bool), bounds=[(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)],
+                   have=np.zeros(T, bool), bounds=bounds,
                    my_shard=me if me < nsh else None, reduced=me >= nsh, t0=t0,
                    heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
                    ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
@@ -235,25 +238,46 @@ class Protocol:
     def _ag_rows(self, st: Round, n: int) -> int:
         """How many of a shard's ``n`` rows its all-gather carries (``Config.allgather_bound``): the
         round's ``need`` when replicas are consistent, the round has a bound, its rows are shuffled
-        and every rank holds the previous result of the tensor to fill the rest from (all ranks
-        decide alike: same config, agreed bound, same round history); else all ``n``."""
+        and the rest can be filled alike on every rank (fill "carry"; or "stale" once every rank
+        holds the tensor's previous result): all ranks decide alike (same config, agreed bound, same
+        round history); else all ``n``."""
         cfg = self.cfg
-        if not (cfg.consistent and cfg.allgather_bound and st.reduce and st.tol8 and st.perm is not None
-                and cfg.fill == "stale"):
+        if not (cfg.consistent and cfg.allgather_bound and st.reduce and st.tol8 and st.perm is not None):
             return n
-        last = self.stale.get(st.tensor)
+        if cfg.fill == "carry":
+            return n - n * st.tol8 // 255
+        last = self.stale.get(st.tensor) if cfg.fill == "stale" else None
         return n if last is None or last.shape != st.x.shape else n - n * st.tol8 // 255
 
-    def _order(self, rnd: int, tensor: int, T: int) -> np.ndarray | None:
-        """Order "shuffle": the round's permutation of the tensor's ``T`` rows, the same on every
-        rank (drawn from the round and tensor numbers, which all ranks share); else None.
+    def _carry(self, st: Round, a: int, b: int, need: int) -> None:
+        """Fill "carry" (error feedback), owner of rows ``a..b``: add what earlier rounds cut from
+        this shard's all-gather to its estimate, keep the rows past ``need`` (cut now) for the next
+        round, and zero them in this rank's result as every other rank's fill does.  A shard's
+        rows are the same tensor rows every round (the shuffle stays within shards), so nothing
+        cut is lost: it is applied one or more rounds late."""
+        rows = st.perm[a:b] - a  # the shard's rows in the tensor's order, relative to a
+        acc = self.carried.get(st.tensor)
+        if acc is None or acc.shape != (b - a, self.C):
+            acc = self.carried[st.tensor] = np.zeros((b - a, self.C), np.float32)
+        y = st.y[a:b]
+        y += acc[rows]
+        acc[rows[:need]] = 0
+        acc[rows[need:]] = y[need:]
+        y[need:] = 0
+
+    def _order(self, rnd: int, tensor: int, T: int, bounds: list) -> np.ndarray | None:
+        """Order "shuffle": the round's permutation of the tensor's ``T`` rows within each shard
+        (``bounds``), the same on every rank (drawn from the round and tensor numbers, which all
+        ranks share); else None.
 
         Messages go out, are cut at their bound and lose bursts in send order: in the tensor's
         own order every relaxed round would drop the same tail rows, whose mean then never
-        includes the other ranks (and whose stale fill is never refreshed)."""
+        includes the other ranks (and whose stale fill is never refreshed).  Shards keep their
+        tensor rows, so an owner holds the same rows every round (fill "carry" relies on it)."""
         if self.cfg.order != "shuffle" or T < 2:
             return None
-        return np.random.Generator(np.random.PCG64((rnd, tensor))).permutation(T)
+        rng = np.random.Generator(np.random.PCG64((rnd, tensor)))
+        return np.concatenate([a + rng.permutation(b - a) for a, b in bounds])
 
     # ---- the loop --------------------------------------------------------
     def run(self, st: Round) -> None:
@@ -336,8 +360,10 @@ class Protocol:
         self._start_allgather(st)
 
     def _start_allgather(self, st: Round) -> None:
-        a, b = st.bounds[st.my_shard]
-        b = a + self._ag_rows(st, b - a)  # (the rest: filled from the previous result on every rank)
+        a, end = st.bounds[st.my_shard]
+        b = a + self._ag_rows(st, end - a)  # (the rest: filled alike on every rank)
+        if self.cfg.fill == "carry" and st.reduce:
+            self._carry(st, a, end, b - a)
         st.have[a:b] = True
         st.reduced = True
         prio = self._prio(st, st.y[a:b], a)
@@ -696,7 +722,9 @@ class Protocol:
         missing = ~st.have
         if missing.any():
             last = self.stale.get(st.tensor)  # (in the tensor's own order)
-            if st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
+            if st.reduce and self.cfg.fill == "carry":
+                st.y[missing] = 0  # (the owners carry what they cut to the next round)
+            elif st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
                 st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
             else:
                 st.y[missing] = st.x[missing]

@@ -81,20 +81,25 @@ def emit(obj) -> None:
     sys.stdout.flush()
 
 
-CONSISTENCY_USE = "allgather, allgather:bound, none or broadcast:N (N >= 1 steps)"
+CONSISTENCY_USE = "allgather, allgather:bound, allgather:carry, none or broadcast:N (N >= 1 steps)"
 
 
-def consistency(spec: str) -> tuple[bool, bool, int]:
-    """``Config.consistent``, ``Config.allgather_bound`` and the ParameterBroadcaster interval
-    (0: none) of a ``--consistency``: ``allgather`` (identical results, the all-gather repaired
-    whole; the default) -> (True, False, 0); ``allgather:bound`` (identical results, the all-gather
-    stops at the round's bound) -> (True, True, 0); ``none`` -> (False, False, 0); ``broadcast:N``
-    -> (False, False, N).  ValueError otherwise."""
-    if spec in ("allgather", "allgather:bound", "none"):
-        return spec != "none", spec == "allgather:bound", 0
+def consistency(spec: str) -> tuple[dict, int]:
+    """The Config knobs and the ParameterBroadcaster interval (0: none) of a ``--consistency``:
+    ``allgather`` (identical results, the all-gather repaired whole; the default) ->
+    ``({"consistent": True}, 0)``; ``allgather:bound`` (identical results, the all-gather stops
+    at the round's bound, the rest filled from the last result) and ``allgather:carry`` (the same,
+    the rest applied a round later: ``fill="carry"``); ``none`` (the all-gather tolerates loss);
+    ``broadcast:N`` (none, plus a parameter broadcast every N steps).  ValueError otherwise."""
+    if spec == "allgather":
+        return {"consistent": True}, 0
+    if spec in ("allgather:bound", "allgather:carry"):
+        return {"consistent": True, "allgather_bound": True, "fill": "carry" if spec.endswith("carry") else "stale"}, 0
+    if spec == "none":
+        return {"consistent": False}, 0
     name, _, n = spec.partition(":")
     if name == "broadcast" and n.isdigit() and int(n) >= 1:
-        return False, False, int(n)
+        return {"consistent": False}, int(n)
     raise ValueError(f"consistency {spec!r}: use {CONSISTENCY_USE}")
 
 
@@ -127,7 +132,7 @@ def phase_report(controller) -> dict:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    consistent, ag_bound, every = consistency(a.consistency)
+    knobs, every = consistency(a.consistency)
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
             from pydblp.collective import Config, Dblp, Static
 
             phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
-            cfg = Config(job=11, phase=phase, consistent=consistent, allgather_bound=ag_bound, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
+            cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))

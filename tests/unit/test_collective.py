@@ -1038,6 +1038,70 @@ def test_a_bound_cut_falls_on_other_rows_each_round_when_shuffled(ranks, order):
         assert exact[shard].mean() < 8  # (and some rows did lose a round's contribution)
 
 
+@pytest.mark.parametrize("mode", ["tar", "ps"])
+def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode):
+    """Fill "carry" (error feedback), bound 30 %, no loss.  Every rank holds the same result; a
+    row the all-gather cut is zero in it, and its owner adds it to the row's next estimate: each
+    round's result plus what owners still carry equals the exact means summed so far, so nothing
+    cut is lost.  The first round is cut too (nothing to fill from is needed), and a whole round
+    (bound 0) hands out everything carried."""
+    world, n, rounds = 3, 30_000, 4
+    rk = ranks(world, mode=mode, allgather_bound=True, fill="carry")
+    tols = [0.3, 0.3, 0.3, 0.0]
+
+    class Steps(Static):  # a bound per round: relaxed, then a whole round
+        def tol(self, index):
+            return tols[index]
+
+    for c in rk.cols:
+        c.controller = c.protocol.controller = Steps(0.3)
+    xs = inputs(world, n, rounds=rounds, seed=11)
+    held = [[None] * rounds for _ in range(world)]  # what each rank carries after each round
+
+    def run(r, c):
+        out = []
+        for i in range(rounds):
+            out.append(c.allreduce(xs[i][r]))
+            acc = c.protocol.carried.get(0)
+            held[r][i] = None if acc is None else acc.copy()
+        return out
+
+    res, errs = rk.run(run)
+    assert not errs
+    C = rk.cols[0].C
+    T = -(-n // C)
+    nsh = world if mode == "tar" else 1
+    tol8 = int(0.3 * 255)
+    cut = sum((b - a) * tol8 // 255 for a, b in ((k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)))
+    pad = lambda v: np.concatenate([v, np.zeros(T * C - n, np.float32)]).reshape(T, C)
+    applied = np.zeros((T, C))
+    exact = np.zeros((T, C))
+    for i in range(rounds):
+        for r in range(1, world):
+            np.testing.assert_array_equal(res[r][i], res[0][i])  # identical replicas
+        got = pad(res[0][i])
+        zero = (got == 0).all(axis=1)
+        assert zero.sum() == (cut if tols[i] else 0), (i, zero.sum(), cut)
+        applied += got
+        exact += pad(np.mean(np.float64(xs[i]), axis=0))
+        owed = np.zeros((T, C))
+        for k in range(nsh):  # what the owners carry, in the tensor's order
+            a, b = k * T // nsh, (k + 1) * T // nsh
+            if held[k][i] is not None:
+                owed[a:b] += held[k][i]
+        np.testing.assert_allclose((applied + owed).reshape(-1)[:n], exact.reshape(-1)[:n], atol=1e-4)
+        assert (owed != 0).any() == bool(tols[i])  # a whole round hands out everything carried
+        assert ((owed != 0).any(axis=1) == zero).all()  # carried: exactly the rows zeroed now
+
+
+def test_the_carry_fill_needs_a_consistent_bounded_allgather():
+    with pytest.raises(ValueError, match="fill 'carry'"):
+        Config(fill="carry").check()
+    with pytest.raises(ValueError, match="fill 'carry'"):
+        Config(fill="carry", allgather_bound=True, consistent=False).check()
+    Config(fill="carry", allgather_bound=True).check()
+
+
 @pytest.mark.parametrize("bound", [True, False])
 def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ranks, bound):
     """Bound 30 %, consistent replicas, no loss.  With ``allgather_bound`` each owner's all-gather
@@ -1058,7 +1122,7 @@ def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ra
 
     for c in rk.cols:
         c.controller = c.protocol.controller = Seen()
-    xs = inputs(world, n, rounds=3, seed=7)
+    xs = [[v * (1 + i) for v in r] for i, r in enumerate(inputs(world, n, rounds=3, seed=7))]  # (stale rows: smaller)
     res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
     assert not errs
     C = rk.cols[0].C
