@@ -14,6 +14,7 @@ describes them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import select
@@ -31,6 +32,8 @@ TRANSPORTS = ("gloo", "static", "dblp")
 LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
+log = logging.getLogger(__name__)
+CLOSE_S = 30.0  # s the ranks have to exit once the result is in
 TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fraction of its steps
 
 
@@ -235,20 +238,8 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
 
             starved = CpuCap(procs[opt.starve[0]].pid, opt.starve[1])
         out = procs[0].stdout
-        while True:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{arm.name}: no result within {opt.timeout:.0f} s")
-            ready, _, _ = select.select([out], [], [], 1.0)
-            dead = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if dead:  # one rank failed: the others would wait for it until their timeouts
-                break
-            if not ready:
-                if procs[0].poll() is not None:
-                    break
-                continue
-            line = out.readline()
-            if not line:
-                break
+
+        def handle(line: str) -> None:
             rec = json.loads(line)
             if "step" in rec and "sync" in rec:
                 run.steps.append(rec)
@@ -273,10 +264,40 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
             elif rec.get("final"):
                 run.final = rec
                 run.host = rec.pop("host", [])
-        if not any(p.poll() not in (None, 0) for p in procs):
+
+        while True:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{arm.name}: no result within {opt.timeout:.0f} s")
+            ready, _, _ = select.select([out], [], [], 1.0)
+            dead = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if dead:  # one rank failed: the others would wait for it until their timeouts
+                if procs[0].poll() is not None:  # (what rank 0 wrote before it ended still counts)
+                    for line in out.read().splitlines():
+                        handle(line)
+                break
+            if not ready:
+                if procs[0].poll() is not None:
+                    break
+                continue
+            line = out.readline()
+            if not line:  # rank 0 closed its output: it is exiting (its status may not be in yet)
+                try:
+                    procs[0].wait(timeout=CLOSE_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                break
+            handle(line)
+        if run.final:  # every rank is past its last collective: they only close their sockets
+            for p in procs:
+                try:
+                    p.wait(timeout=CLOSE_S)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s: a rank still runs %.0f s after the result; stopping it", arm.name, CLOSE_S)
+        elif not any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
                 p.wait(timeout=max(5.0, deadline - time.monotonic()))
     finally:
+        ended = [p.poll() for p in procs]  # (before the ones still running are stopped)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -285,12 +306,15 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
             starved.close()
         for f in errs:
             f.close()
-    bad = [r for r, p in enumerate(procs) if p.returncode not in (0, None) and p.returncode > 0] or \
-        [r for r, p in enumerate(procs) if p.returncode]
-    if bad or not run.final:
-        log = Path(opt.out_dir) / f"{name}.rank{bad[0] if bad else 0}.log"
-        tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-        raise RuntimeError(f"{arm.name}: rank(s) {bad or [0]} failed: " + " | ".join(tail))
+    if not run.final:
+        bad = [r for r, code in enumerate(ended) if code] or [0]  # (the ones that ended by themselves)
+        path = Path(opt.out_dir) / f"{name}.rank{bad[0]}.log"
+        tail = path.read_text().strip().splitlines()[-3:] if path.exists() else []
+        raise RuntimeError(f"{arm.name}: rank(s) {bad} failed: " + " | ".join(tail))
+    for r, p in enumerate(procs):  # the result came after every rank's last collective: a crash while
+        if p.returncode:            # closing (seen once: Gloo's teardown, SIGABRT) costs no figure
+            log.warning("%s: rank %d exited with status %d after the run's result came in; result kept, "
+                        "its log: %s", arm.name, r, p.returncode, Path(opt.out_dir) / f"{name}.rank{r}.log")
     _progress(arm.name, opt.steps, opt.steps, "done", final=True)
     return run
 

@@ -1,0 +1,58 @@
+"""How the experiment runner judges its ranks' exits (real subprocesses, no testbed): a rank that
+crashes while closing, after the run's result came in, costs no figure; one that crashes before
+fails the run with its log's tail."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from pydblp.experiment.runner import Arm, Options, run_transport
+
+STEP = '{"step": 0, "t": 0.1, "t0": 0.0, "loss": 1.0, "sync": 0.01}'
+FINAL = '{"final": true, "host": []}'
+
+
+class Ranks:
+    """Stands in for the testbed's ``popen``: rank r runs ``scripts[r]`` (Python) instead of a worker."""
+
+    rate_bps = 10**9
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+
+    def addr(self, r):
+        return "198.18.0.1"
+
+    def group(self, port):
+        return []
+
+    def popen(self, r, argv, **kw):
+        return subprocess.Popen([sys.executable, "-c", self.scripts[r]], **kw)
+
+
+def run(tmp_path, scripts):
+    opt = Options(workers=len(scripts), steps=1, out_dir=str(tmp_path), timeout=60)
+    return run_transport(Ranks(scripts), opt, Arm("gloo", "gloo"), 0, [], [0.01])
+
+
+def test_a_crash_while_closing_after_the_result_keeps_it(tmp_path, caplog):
+    rank0 = f"import os, sys; print({STEP!r}); print({FINAL!r}); sys.stdout.flush(); os.abort()"
+    with caplog.at_level(logging.WARNING, "pydblp.experiment.runner"):
+        got = run(tmp_path, [rank0, "pass"])
+    assert got.final == {"final": True} and len(got.steps) == 1
+    assert "rank 0 exited with status -6 after the run's result came in" in caplog.text
+
+
+def test_a_crash_before_the_result_fails_the_run_with_its_log(tmp_path):
+    rank0 = f"import os, sys; print({STEP!r}); sys.stdout.flush(); sys.stderr.write('boom\\n'); os.abort()"
+    with pytest.raises(RuntimeError, match=r"gloo: rank\(s\) \[0\] failed: boom"):
+        run(tmp_path, [rank0, "import time; time.sleep(30)"])
+
+
+def test_another_rank_failing_first_fails_the_run(tmp_path):
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] failed: bad input"):
+        run(tmp_path, ["import time; time.sleep(30)", "import sys; sys.stderr.write(\"bad input\\n\"); sys.exit(3)"])
