@@ -146,9 +146,11 @@ class Collective:
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
-            if st.my_shard is not None:
+            if st.own is not None:
+                part.append(st.own.reshape(-1))
+            elif st.my_shard is not None:
                 a, b = st.bounds[st.my_shard]
-                part.append((st.y[a:b] if st.perm is None else st.y[st.perm[a:b]]).reshape(-1))
+                part.append(st.y[a:b].reshape(-1))  # (any order: only its norm is used)
 
         def fresh(st):  # consistent: the rows this round delivered (every rank holds the same ones)
             if not st.have.all():
@@ -161,9 +163,11 @@ class Collective:
         # when a consistent round left rows to the stale fill (Config.allgather_bound), only the
         # rows it delivered, a uniform sample of the shuffled tensor scaled up to the whole (last
         # round's rows are not this gradient: their noise would read as a change of regime); and
-        # when ranks' fills differ, the shard this rank owns (end_step sums the ranks' norms).
-        shared = self.cfg.consistent or getattr(self.controller, "steps", None) is None
-        done = fresh if self.cfg.consistent else None if shared else mine
+        # when ranks' fills differ, or with fill "carry" (the result mixes in rows cut from earlier
+        # rounds), the shard this rank owns, before anything carried was added (end_step sums the
+        # ranks' norms).
+        shared = self._shared_g() or getattr(self.controller, "steps", None) is None
+        done = fresh if self._shared_g() else None if shared else mine
         out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
         if part:
             seen = part[0]
@@ -171,6 +175,10 @@ class Collective:
             seen = out if shared else np.zeros(0, np.float32)
         self.controller.observe(self.index - 1, seen)
         return out * np.float32(self.world) if op == "sum" else out
+
+    def _shared_g(self) -> bool:
+        """Every rank measures G on the same vector (the result, or the rows a round delivered)."""
+        return self.cfg.consistent and self.cfg.fill != "carry"
 
     def end_step(self) -> None:
         """Close a training step for a controller that counts steps (``pydblp.torch``'s hook calls
@@ -180,7 +188,7 @@ class Collective:
         every rank's controller decides on the same G.  Raises :class:`CollectiveError` as a round does.
         """
         part = self.controller.measuring()
-        if self.cfg.consistent or part is None:  # (identical results: every rank measured the same G)
+        if self._shared_g() or part is None:  # (identical results: every rank measured the same G)
             self.controller.end_step()
             return
         total = self._round(np.array([part], np.float32), start=lambda p, flat: p.start(flat, AGREE_TENSOR, True))

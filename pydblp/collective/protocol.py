@@ -260,6 +260,7 @@ class Protocol:
         if acc is None or acc.shape != (b - a, self.C):
             acc = self.carried[st.tensor] = np.zeros((b - a, self.C), np.float32)
         y = st.y[a:b]
+        st.own = y.copy()
         y += acc[rows]
         acc[rows[:need]] = 0
         acc[rows[need:]] = y[need:]
@@ -362,7 +363,7 @@ class Protocol:
     def _start_allgather(self, st: Round) -> None:
         a, end = st.bounds[st.my_shard]
         b = a + self._ag_rows(st, end - a)  # (the rest: filled alike on every rank)
-        if self.cfg.fill == "carry" and st.reduce:
+        if self.cfg.fill == "carry" and st.reduce and st.perm is not None:  # (one-row tensors are never cut)
             self._carry(st, a, end, b - a)
         st.have[a:b] = True
         st.reduced = True

@@ -1094,6 +1094,40 @@ def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode
         assert ((owed != 0).any(axis=1) == zero).all()  # carried: exactly the rows zeroed now
 
 
+def test_with_the_carry_fill_every_rank_measures_g_on_the_step_s_own_mean(ranks):
+    """Fill "carry": a round's result mixes in rows cut earlier and zeroes the rows cut now, so G
+    is the sum over owners of their shard's estimate before anything carried was added, agreed in
+    end_step's one-chunk round: every rank's controller gets the exact mean's norm (no loss),
+    not the result's."""
+    world, n, steps = 3, 30_000, 3
+    rk = ranks(world, allgather_bound=True, fill="carry")
+
+    class Relaxed(Dblp):  # bound 30 % every round; measures every step
+        def tol(self, index):
+            return 0.3
+
+    for c in rk.cols:
+        c.controller = c.protocol.controller = Relaxed(freq=1)
+        c.controller.count_steps()
+    xs = inputs(world, n, rounds=steps, seed=5)
+
+    def run(r, c):
+        out = []
+        for i in range(steps):
+            out.append(c.allreduce(xs[i][r]))
+            c.end_step()
+        return out
+
+    res, errs = rk.run(run)
+    assert not errs
+    for i in range(steps):
+        want = np.linalg.norm(np.mean(np.float64(xs[i]), axis=0))
+        for c in rk.cols:
+            step, g, _ = c.controller.history[i]
+            assert step == i and g == pytest.approx(want, rel=1e-4)
+        assert np.linalg.norm(res[0][i]) != pytest.approx(want, rel=1e-2)  # (the result's is not it)
+
+
 def test_the_carry_fill_needs_a_consistent_bounded_allgather():
     with pytest.raises(ValueError, match="fill 'carry'"):
         Config(fill="carry").check()
