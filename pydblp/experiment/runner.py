@@ -100,6 +100,8 @@ class Options:
 # "--consistency broadcast:10" (the all-gather tolerates loss, parameters broadcast every 10
 # steps) reached 0.83x over six seeds with replicas up to 7.4 % apart, so the presets keep
 # identical replicas (0.88x over the same seeds; bench/results/2026-12-03-chunk-order.md).
+# Cutting the all-gather at the bound too, with the cut rows applied a round later
+# ("--consistency allgather:carry"), gave 1.03x static over the same six seeds.
 #
 # "incast": no injected loss at all.  A parameter server (rank 0) receives every worker's
 # gradient at once through a switch port with a finite buffer (128 KiB, draining at 2 Gbit/s
