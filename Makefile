@@ -3,7 +3,7 @@
 # make paper: the main job's paper scenario, 3 seeds (docs/experiment.md).
 # make smoke: build sdist + wheel and check they install and load in clean venvs (root).
 # make vm-test: the privileged core in Vagrant VMs on kernels 6.1 and 6.12, and a two-VM job (root;
-#   about N minutes under software emulation: vagrant/README.md).
+#   41 minutes here under software emulation, boxes built afresh: vagrant/README.md).
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 

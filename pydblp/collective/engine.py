@@ -166,13 +166,15 @@ class Collective:
         # when ranks' fills differ, or with fill "carry" (the result mixes in rows cut from earlier
         # rounds), the shard this rank owns, before anything carried was added (end_step sums the
         # ranks' norms).
-        shared = self._shared_g() or getattr(self.controller, "steps", None) is None
-        done = fresh if self._shared_g() else None if shared else mine
-        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
-        if part:
-            seen = part[0]
+        # (A controller that does not count steps has no end_step to agree in: it sees the result.)
+        if self._shared_g():
+            done, shared = fresh, True
+        elif getattr(self.controller, "steps", None) is None:
+            done, shared = None, True
         else:
-            seen = out if shared else np.zeros(0, np.float32)
+            done, shared = mine, False
+        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
+        seen = part[0] if part else out if shared else np.zeros(0, np.float32)
         self.controller.observe(self.index - 1, seen)
         return out * np.float32(self.world) if op == "sum" else out
 

@@ -244,10 +244,9 @@ class Protocol:
         cfg = self.cfg
         if not (cfg.consistent and cfg.allgather_bound and st.reduce and st.tol8 and st.perm is not None):
             return n
-        if cfg.fill == "carry":
-            return n - n * st.tol8 // 255
-        last = self.stale.get(st.tensor) if cfg.fill == "stale" else None
-        return n if last is None or last.shape != st.x.shape else n - n * st.tol8 // 255
+        last = self.stale.get(st.tensor)
+        fills = cfg.fill == "carry" or (cfg.fill == "stale" and last is not None and last.shape == st.x.shape)
+        return n - n * st.tol8 // 255 if fills else n
 
     def _carry(self, st: Round, a: int, b: int, need: int) -> None:
         """Fill "carry" (error feedback), owner of rows ``a..b``: add what earlier rounds cut from

@@ -204,6 +204,15 @@ def _progress(name: str, done: int, total: int, extra: str, final: bool = False)
     sys.stderr.flush()
 
 
+def _exits(p: subprocess.Popen, seconds: float) -> bool:
+    """Whether ``p`` ends within ``seconds``."""
+    try:
+        p.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) -> Run:
     """Train once as ``arm`` says; arm the planned bursts as rank 0 reaches their steps.
 
@@ -283,17 +292,12 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
                 continue
             line = out.readline()
             if not line:  # rank 0 closed its output: it is exiting (its status may not be in yet)
-                try:
-                    procs[0].wait(timeout=CLOSE_S)
-                except subprocess.TimeoutExpired:
-                    pass
+                _exits(procs[0], CLOSE_S)
                 break
             handle(line)
         if run.final:  # every rank is past its last collective: they only close their sockets
             for p in procs:
-                try:
-                    p.wait(timeout=CLOSE_S)
-                except subprocess.TimeoutExpired:
+                if not _exits(p, CLOSE_S):
                     log.warning("%s: a rank still runs %.0f s after the result; stopping it", arm.name, CLOSE_S)
         elif not any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
