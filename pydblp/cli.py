@@ -481,6 +481,9 @@ def _add_experiment(sub):
                                          "allgather:bound (the same, the all-gather stops at the round's bound; "
                                          "the rest is filled from the last result), allgather:carry (the same; "
                                          "the rest is applied a round later), "
+                                         "sharded (a sharded optimizer: owners step their shard, the all-gather "
+                                         "carries parameters and tolerates loss; a row not delivered keeps its "
+                                         "value), sharded:whole (the same, the all-gather repaired whole), "
                                          "none (the all-gather tolerates loss; replicas drift) or broadcast:N "
                                          "(none, plus a parameter broadcast every N steps)")
     p.add_argument("--mode", choices=["tar", "ps"],

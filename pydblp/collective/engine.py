@@ -78,6 +78,7 @@ class Collective:
         self.records: collections.deque[RoundRecord] = p.records  # the latest rounds' (Config.records_max)
         self.counters: dict[str, int] = p.counters
         self._closing = False
+        self._sharded = False                # sharded_update ran: results are parameters, G is the owners'
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._running = False                # a round runs or is about to take the lock
         self._serving = False                # the idle responder polls the transport
@@ -178,9 +179,64 @@ class Collective:
         self.controller.observe(self.index - 1, seen)
         return out * np.float32(self.world) if op == "sum" else out
 
+    def sharded_update(self, grad: np.ndarray, params: np.ndarray, update, tensor: int = 0) -> np.ndarray:
+        """One training step's round of a sharded optimizer (ZeRO-1 style): reduce-scatter the
+        gradients, let each shard's owner turn its shard's mean into new parameter values, and
+        all-gather those values.  Returns this rank's new ``params`` (float32, ``params``' shape).
+
+        The all-gather carries parameters, not gradients: without ``Config.consistent`` it
+        tolerates loss within the round's bound like the reduce-scatter, and a row that does not
+        arrive keeps this rank's value from ``params`` (the parameter server's semantics in DBLP
+        and MLT: a lost parameter keeps its previous value).  A replica then lags its shard owner
+        by the rows it missed, and the next round that delivers a row makes it the owner's again:
+        ranks differ by at most the updates of the rows each missed in a row, never a random walk.
+        With ``Config.consistent`` the all-gather is repaired whole and every rank ends with the
+        owners' values.
+
+        The step is one round and closes the controller's step (``count_steps``/``end_step``):
+        DBLP's G is the norm of the step's mean gradient, the owners' estimates before their
+        update, summed over ranks in ``end_step``'s one-chunk round on a measured step.
+
+        Args:
+            grad: this rank's gradient, flat (float32).
+            params: this rank's parameters, the same size; the values all ranks started from
+                must be identical (e.g. a broadcast from rank 0).
+            update: ``update(rows, mean, values) -> new``, called once per round on the owner
+                (on the collective's thread): ``rows`` are the shard's chunk rows (row i holds
+                elements ``i * C .. i * C + C - 1`` of the flat tensor, ``C`` = :attr:`C`; the
+                last row is padded with zeros), ``mean`` and ``values`` (len(rows), C) their
+                estimated mean gradient and their values in ``params`` (an owner's own rows are
+                always current: it never loses them); it returns their new values, the same
+                shape.  It keeps whatever optimizer state it needs for those rows (an owner gets
+                the same rows every round: the shuffle stays within shards).
+            tensor: the tensor id.
+
+        Raises ValueError for sizes that differ or ``Config.allgather_bound`` (a parameter's
+        all-gather cut would leave it stale on every rank, its owner too); :class:`CollectiveError`
+        as :meth:`allreduce`.
+        """
+        if self.cfg.allgather_bound:
+            raise ValueError("sharded_update all-gathers parameters: use Config(allgather_bound=False)")
+        g = np.ascontiguousarray(grad, np.float32).reshape(-1)
+        p = np.ascontiguousarray(params, np.float32).reshape(-1)
+        if g.size != p.size:
+            raise ValueError(f"grad has {g.size} values, params {p.size}: give one of each per parameter")
+        self._sharded = True
+        self.controller.count_steps()
+        part = []
+
+        def mine(st):
+            if st.own is not None:
+                part.append(st.own.reshape(-1))
+
+        out = self._round(g, start=lambda pr, flat: pr.start(flat, tensor, True, base=p, update=update), done=mine)
+        self.controller.observe(self.index - 1, part[0] if part else np.zeros(0, np.float32))
+        self.end_step()
+        return out.reshape(np.shape(params))
+
     def _shared_g(self) -> bool:
         """Every rank measures G on the same vector (the result, or the rows a round delivered)."""
-        return self.cfg.consistent and self.cfg.fill != "carry"
+        return self.cfg.consistent and self.cfg.fill != "carry" and not self._sharded
 
     def end_step(self) -> None:
         """Close a training step for a controller that counts steps (``pydblp.torch``'s hook calls

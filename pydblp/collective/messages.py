@@ -275,8 +275,10 @@ class Round:
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     perm: np.ndarray | None = None   # order "shuffle": x and y row i is the tensor's row perm[i] (None: the
                                      # tensor's own order); finish puts y back in the tensor's order
-    own: np.ndarray | None = None    # fill "carry", owner: its shard's estimate before the carried rows were
-                                     # added (this step's gradient alone: what the controller measures)
+    own: np.ndarray | None = None    # owner, fill "carry" or a sharded update: its shard's estimate of this
+                                     # step's mean gradient alone (what the controller measures)
+    base: np.ndarray | None = None   # a sharded update: (T, C) this rank's values, kept by rows not delivered
+    update: object = None            # a sharded update: owner's (rows, mean, values) -> its shard's new values
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
     # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
     # slot[r] is rank r's slot (-1: not a neighbour this round); until: per slot, when that

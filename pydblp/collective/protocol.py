@@ -122,10 +122,14 @@ class Protocol:
         return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
     # ---- round set-up ----------------------------------------------------
-    def start(self, flat: np.ndarray, tensor: int, reduce: bool = True) -> Round:
+    def start(self, flat: np.ndarray, tensor: int, reduce: bool = True, base: np.ndarray | None = None,
+              update=None) -> Round:
         """Begin a round on ``flat`` (float32, this rank's input) for tensor id ``tensor``: an
-        allreduce, or with ``reduce`` False a broadcast of shards.  Takes in the packets of it
-        that were stashed; sends nothing yet."""
+        allreduce, or with ``reduce`` False a broadcast of shards.  A sharded update
+        (``Collective.sharded_update``) also gives ``base`` (float32, ``flat``'s size: this rank's
+        values, what an all-gather row that does not arrive keeps) and ``update(rows, mean, values)``
+        (an owner's new values for its shard's chunk rows, in the tensor's order, from their
+        estimated mean and current values).  Takes in the packets of it that were stashed; sends nothing yet."""
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
         T = max(1, -(-flat.size // self.C))
@@ -138,6 +142,11 @@ class Protocol:
         into.reshape(-1)[flat.size:] = 0  # the last chunk's padding
         if perm is not None:
             np.take(into, perm, axis=0, out=x)
+        if base is not None:  # (in the round's row order, as x)
+            held = self._scratch("basein", tensor, (T, self.C))
+            held.reshape(-1)[: flat.size] = base
+            held.reshape(-1)[flat.size:] = 0
+            base = held if perm is None else np.take(held, perm, axis=0, out=self._scratch("base", tensor, (T, self.C)))
         me = self.rank
         t0 = time.monotonic()
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,
@@ -147,7 +156,8 @@ class Protocol:
                    my_shard=me if me < nsh else None, reduced=me >= nsh, t0=t0,
                    heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
                    ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
-                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0, perm=perm)
+                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0, perm=perm,
+                   base=base, update=update)
         if st.my_shard is not None and not reduce:  # broadcast: my shard is my own values
             a, b = st.bounds[st.my_shard]
             st.y[a:b] = st.x[a:b]
@@ -354,9 +364,14 @@ class Protocol:
                 and self.t.tx_backlog() <= 0)
 
     def reduce(self, st: Round) -> None:
-        """Owner: estimate the shard's mean and start the all-gather."""
+        """Owner: estimate the shard's mean (a sharded update: and turn it into the shard's new
+        values) and start the all-gather."""
         a, b = st.bounds[st.my_shard]
         st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
+        if st.update is not None:
+            st.own = st.y[a:b].copy()
+            rows = np.arange(a, b) if st.perm is None else st.perm[a:b]
+            st.y[a:b] = st.update(rows, st.own, st.base[a:b])
         self._start_allgather(st)
 
     def _start_allgather(self, st: Round) -> None:
@@ -722,7 +737,9 @@ class Protocol:
         missing = ~st.have
         if missing.any():
             last = self.stale.get(st.tensor)  # (in the tensor's own order)
-            if st.reduce and self.cfg.fill == "carry":
+            if st.base is not None:
+                st.y[missing] = st.base[missing]  # a sharded update: a row not delivered keeps its value
+            elif st.reduce and self.cfg.fill == "carry":
                 st.y[missing] = 0  # (the owners carry what they cut to the next round)
             elif st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
                 st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
@@ -734,7 +751,7 @@ class Protocol:
             back = np.empty_like(st.y)
             back[st.perm] = st.y
             st.y = back
-        if st.reduce and self.cfg.fill == "stale":  # only the stale fill reads it
+        if st.reduce and self.cfg.fill == "stale" and st.base is None:  # only the stale fill reads it
             last = self.stale.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
             if last is None or last.shape != st.y.shape:
                 last = self.stale[st.tensor] = np.empty_like(st.y)

@@ -81,25 +81,33 @@ def emit(obj) -> None:
     sys.stdout.flush()
 
 
-CONSISTENCY_USE = "allgather, allgather:bound, allgather:carry, none or broadcast:N (N >= 1 steps)"
+CONSISTENCY_USE = ("allgather, allgather:bound, allgather:carry, sharded, sharded:whole, none or broadcast:N "
+                   "(N >= 1 steps)")
 
 
-def consistency(spec: str) -> tuple[dict, int]:
-    """The Config knobs and the ParameterBroadcaster interval (0: none) of a ``--consistency``:
-    ``allgather`` (identical results, the all-gather repaired whole; the default) ->
-    ``({"consistent": True}, 0)``; ``allgather:bound`` (identical results, the all-gather stops
-    at the round's bound, the rest filled from the last result) and ``allgather:carry`` (the same,
-    the rest applied a round later: ``fill="carry"``); ``none`` (the all-gather tolerates loss);
-    ``broadcast:N`` (none, plus a parameter broadcast every N steps).  ValueError otherwise."""
+def consistency(spec: str) -> tuple[dict, int, bool]:
+    """The Config knobs, the ParameterBroadcaster interval (0: none) and whether the optimizer is
+    sharded, of a ``--consistency``: ``allgather`` (identical results, the all-gather repaired
+    whole; the default) -> ``({"consistent": True}, 0, False)``; ``allgather:bound`` (identical
+    results, the all-gather stops at the round's bound, the rest filled from the last result) and
+    ``allgather:carry`` (the same, the rest applied a round later: ``fill="carry"``); ``sharded``
+    (a sharded optimizer, ``pydblp.torch.ShardedSGD``/``ShardedAdam``: the all-gather carries
+    parameters and tolerates loss, a row not delivered keeps its value) and ``sharded:whole``
+    (the same, the all-gather repaired whole: identical replicas); ``none`` (the all-gather
+    tolerates loss); ``broadcast:N`` (none, plus a parameter broadcast every N steps).
+    ValueError otherwise."""
     if spec == "allgather":
-        return {"consistent": True}, 0
+        return {"consistent": True}, 0, False
     if spec in ("allgather:bound", "allgather:carry"):
-        return {"consistent": True, "allgather_bound": True, "fill": "carry" if spec.endswith("carry") else "stale"}, 0
+        return ({"consistent": True, "allgather_bound": True, "fill": "carry" if spec.endswith("carry") else "stale"},
+                0, False)
+    if spec in ("sharded", "sharded:whole"):
+        return {"consistent": spec == "sharded:whole"}, 0, True
     if spec == "none":
-        return {"consistent": False}, 0
+        return {"consistent": False}, 0, False
     name, _, n = spec.partition(":")
     if name == "broadcast" and n.isdigit() and int(n) >= 1:
-        return {"consistent": False}, int(n)
+        return {"consistent": False}, int(n), False
     raise ValueError(f"consistency {spec!r}: use {CONSISTENCY_USE}")
 
 
@@ -132,7 +140,8 @@ def phase_report(controller) -> dict:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    knobs, every = consistency(a.consistency)
+    knobs, every, sharded = consistency(a.consistency)
+    sharded = sharded and a.transport != "gloo"
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -166,11 +175,16 @@ def main(argv=None) -> int:
                                                     group=group)
             if a.priority == "layer":
                 state.register_model(model)
-            ddp.register_comm_hook(state, ptorch.hook)
+            if not sharded:
+                ddp.register_comm_hook(state, ptorch.hook)
             if every:
                 broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
-        opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if digits
-               else torch.optim.Adam(ddp.parameters(), lr=lr))
+        if sharded:  # the same rules, each rank stepping the shard it owns (no DDP synchronisation)
+            opt = (ptorch.ShardedSGD(state, model, lr=lr, momentum=0.9) if digits
+                   else ptorch.ShardedAdam(state, model, lr=lr))
+        else:
+            opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if digits
+                   else torch.optim.Adam(ddp.parameters(), lr=lr))
         gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank)
 
         def draw():
@@ -179,11 +193,13 @@ def main(argv=None) -> int:
                 return xtr[idx], ytr[idx]
             return models.text_batch(tr, a.batch, model.context, gen)
 
+        net = model if sharded else ddp  # (a sharded optimizer synchronises; DDP's reducer must not)
+
         def loss_of(batch):
             x, y = batch
             if digits:
-                return torch.nn.functional.cross_entropy(ddp(x), y)
-            return torch.nn.functional.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+                return torch.nn.functional.cross_entropy(net(x), y)
+            return torch.nn.functional.cross_entropy(net(x).reshape(-1, vocab), y.reshape(-1))
 
         def batch_loss():
             return loss_of(draw())
@@ -216,7 +232,8 @@ def main(argv=None) -> int:
         paused = 0.0  # evaluation and divergence checks: not training time
         for step in range(a.steps):
             batch, exact = draw(), None
-            if state is not None and a.grad_error_every and step % a.grad_error_every == 0:
+            # (a sharded optimizer's averaged gradient exists only in pieces, at the shards' owners)
+            if state is not None and a.grad_error_every and not sharded and step % a.grad_error_every == 0:
                 te0 = time.monotonic()
                 exact = exact_mean(batch)
                 paused += time.monotonic() - te0
@@ -225,11 +242,14 @@ def main(argv=None) -> int:
             opt.zero_grad()
             t0 = time.monotonic()  # CLOCK_MONOTONIC: the fabric's burst clock too
             loss.backward()
+            if sharded:  # the round: reduce-scatter, each owner's step, all-gather of the parameters
+                opt.step()
             t1 = time.monotonic()
             if exact is not None and a.rank == 0:  # what loss and shedding did to the averaged gradient
                 got = torch.cat([p.grad.reshape(-1) for p in params])
                 emit({"gerr": float((got - exact).norm() / exact.norm().clamp_min(1e-30)), "step": step})
-            opt.step()
+            if not sharded:
+                opt.step()
             t2 = time.monotonic()
             if broadcaster is not None:
                 broadcaster.step()

@@ -1,4 +1,4 @@
-"""PyTorch integration: a DDP communication hook, a bounded-drift parameter broadcaster, DiLoCo.
+"""PyTorch integration: a DDP communication hook, sharded optimizers, a parameter broadcaster, DiLoCo.
 
 Typical use, under ``torchrun`` (the default process group must be gloo: it
 is the control plane, used here only for rendezvous)::
@@ -40,7 +40,7 @@ from pydblp.dataplane import check_kind, open_dataplane
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
 
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo", "Exchange", "GlooExchange",
-           "PydblpExchange"]
+           "PydblpExchange", "ShardedSGD", "ShardedAdam"]
 
 
 class State:
@@ -284,3 +284,5 @@ class ParameterBroadcaster:
 # DiLoCo (exact and factored gossip) and the exchanges it runs over: pydblp.torch.diloco, .exchange
 from pydblp.torch.diloco import DiLoCo  # noqa: E402
 from pydblp.torch.exchange import Exchange, GlooExchange, PydblpExchange  # noqa: E402
+# sharded optimizers (parameters all-gathered): pydblp.torch.sharded
+from pydblp.torch.sharded import ShardedAdam, ShardedSGD  # noqa: E402
