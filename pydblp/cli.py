@@ -473,6 +473,9 @@ def _add_experiment(sub):
     p.add_argument("--k", type=float, help="DBLP's P_high - P_low (default 0.40)")
     p.add_argument("--freq", type=int, help="DBLP measures the gradient norm every FREQ steps (default 10)")
     p.add_argument("--eta", type=float, help="DBLP: critical while |dG|/G >= ETA (default 0.5)")
+    p.add_argument("--g-over", choices=["step", "window"],
+                   help="DBLP's G: the norm of the measured step's averaged gradient (step, the paper's; "
+                        "default) or of its mean over the FREQ steps since the last measurement (window)")
     p.add_argument("--estimator", choices=["unbiased", "zero"])
     p.add_argument("--order", choices=["shuffle", "rows"],
                    help="pydblp runs: the chunks' order in a message: shuffle (default: a permutation per round, so "
@@ -524,8 +527,8 @@ def _experiment_options(args):
         if bad or not transports:
             raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
-                                       "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "estimator",
-                                       "order", "consistency", "mode", "allgather", "target", "seed")}
+                                       "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "g_over",
+                                       "estimator", "order", "consistency", "mode", "allgather", "target", "seed")}
     eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
     ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio
     k_top = 1 - eff["p_low"]

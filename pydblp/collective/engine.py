@@ -147,11 +147,9 @@ class Collective:
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
-            if st.own is not None:
-                part.append(st.own.reshape(-1))
-            elif st.my_shard is not None:
-                a, b = st.bounds[st.my_shard]
-                part.append(st.y[a:b].reshape(-1))  # (any order: only its norm is used)
+            v = _own_rows(st)
+            if v is not None:
+                part.append(v)
 
         def fresh(st):  # consistent: the rows this round delivered (every rank holds the same ones)
             if not st.have.all():
@@ -226,8 +224,9 @@ class Collective:
         part = []
 
         def mine(st):
-            if st.own is not None:
-                part.append(st.own.reshape(-1))
+            v = _own_rows(st)
+            if v is not None:
+                part.append(v)
 
         out = self._round(g, start=lambda pr, flat: pr.start(flat, tensor, True, base=p, update=update), done=mine)
         self.controller.observe(self.index - 1, part[0] if part else np.zeros(0, np.float32))
@@ -419,3 +418,16 @@ class Collective:
                 self._serving = False
             if self._closing:
                 return
+
+
+def _own_rows(st) -> np.ndarray | None:
+    """The owner's estimate of its shard's mean (before anything carried was added, before a
+    sharded update), flat, in the tensor's row order (``Dblp(g_over="window")`` sums it over steps,
+    so the rows must line up); None for a rank that owns no shard."""
+    if st.my_shard is None:
+        return None
+    a, b = st.bounds[st.my_shard]
+    v = st.own if st.own is not None else st.y[a:b]
+    if st.perm is not None:
+        v = v[np.argsort(st.perm[a:b])]
+    return v.reshape(-1)

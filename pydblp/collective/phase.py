@@ -34,6 +34,7 @@ import numpy as np
 
 DBLP_K = 0.40  # DBLP's P_high - P_low: 40 percentage points
 HISTORY_MAX = 1024  # measurements Dblp.history keeps
+G_OVER = ("step", "window")  # what Dblp measures G on
 
 
 class PhaseController:
@@ -74,18 +75,34 @@ class Static(PhaseController):
 
 
 class Dblp(PhaseController):
-    """DBLP defaults: p_low 1.6 % (within their 0.8-2.4 % range), k 40 points, freq 10, eta 0.5."""
+    """DBLP defaults: p_low 1.6 % (within their 0.8-2.4 % range), k 40 points, freq 10, eta 0.5.
+
+    ``g_over="window"`` (by step only): G is the norm of the *mean* averaged gradient over the steps since
+    the last measurement (up to ``freq`` of them), not of the measured step's alone.  One step's
+    minibatch gradient is noisy once the signal is small (late in training its norm jumps by
+    more than ``eta`` from one measurement to the next on this project's models, which reads as
+    a critical regime); the window's mean keeps the signal and averages the noise down.  Each
+    round's vector must have the same shape at the same position in every step.  ``"step"``
+    (default) is the paper's: the measured step's averaged gradient.
+    """
 
     name = "dblp"
 
-    def __init__(self, p_low: float = 0.016, k: float = DBLP_K, freq: int = 10, eta: float = 0.5):
+    def __init__(self, p_low: float = 0.016, k: float = DBLP_K, freq: int = 10, eta: float = 0.5,
+                 g_over: str = "step"):
         _check(p_low)
         _check(p_low + k)
         if k < 0:
             raise ValueError(f"k {k} must be >= 0 (P_high = p_low + k)")
         if freq < 1 or eta <= 0:
             raise ValueError("freq must be >= 1 and eta > 0")
-        self.p_low, self.k, self.freq, self.eta = p_low, k, freq, eta
+        if g_over not in G_OVER:
+            raise ValueError(f"g_over {g_over!r}: use {' or '.join(G_OVER)}")
+        self.p_low, self.k, self.freq, self.eta, self.g_over = p_low, k, freq, eta, g_over
+        self.window = g_over == "window"
+        self._acc: list[np.ndarray] = []  # window: per round of a step, its vectors summed over the window
+        self._k = 0                       # window: rounds observed in the current step
+        self._n = 0                       # window: steps ended since the last measurement
         self.critical = True
         self.g_prev: float | None = None
         # the latest measurements, for inspection: (round or step index, G, critical); bounded, so
@@ -101,6 +118,19 @@ class Dblp(PhaseController):
         return "critical" if self.critical else "relaxed"
 
     def observe(self, index: int, result: np.ndarray) -> None:
+        if self.window:
+            if self.steps is None:
+                raise RuntimeError("Dblp(g_over='window') measures by step: call count_steps() first")
+            r = result.astype(np.float64, copy=False).reshape(-1)
+            if self._k == len(self._acc):
+                self._acc.append(r.copy())
+            elif self._acc[self._k].shape != r.shape:
+                raise ValueError(f"Dblp(g_over='window'): round {self._k} of a step gave {r.size} values, "
+                                 f"earlier steps {self._acc[self._k].size}")
+            else:
+                self._acc[self._k] += r
+            self._k += 1
+            return
         if self.steps is not None:  # by step: add this round's share of the step's norm
             if self.steps % self.freq == 0:
                 r = result.astype(np.float64, copy=False).reshape(-1)
@@ -115,14 +145,21 @@ class Dblp(PhaseController):
             self.steps, self._sq = 0, 0.0
 
     def measuring(self) -> float | None:
-        return self._sq if self.steps is not None and self.steps % self.freq == 0 else None
+        if self.steps is None or self.steps % self.freq:
+            return None
+        if self.window:  # the squared norm of this rank's part of the window's mean
+            return sum(float(np.dot(a, a)) for a in self._acc) / (self._n + 1) ** 2
+        return self._sq
 
     def end_step(self, total: float | None = None) -> None:
         if self.steps is None:
             raise RuntimeError("end_step() before count_steps()")
+        own = self.measuring()
         step, self.steps = self.steps, self.steps + 1
+        self._n, self._k = self._n + 1, 0
         if step % self.freq == 0:
-            self._decide(step, math.sqrt(max(0.0, self._sq if total is None else total)))
+            self._decide(step, math.sqrt(max(0.0, own if total is None else total)))
+            self._acc, self._n = [], 0
         self._sq = 0.0
 
     def _decide(self, index: int, g: float) -> None:

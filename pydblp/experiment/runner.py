@@ -59,6 +59,7 @@ class Options:
     k: float = 0.40                 # DBLP's P_high - P_low
     freq: int = 10                  # DBLP measures G every freq steps
     eta: float = 0.5                # DBLP's critical threshold
+    g_over: str = "step"            # DBLP's G: the measured step's ("step") or the window's mean ("window")
     estimator: str = "unbiased"
     order: str = "shuffle"          # pydblp Config.order: "shuffle" or "rows"
     mode: str = "tar"               # pydblp Config.mode: "tar" or "ps" (DBLP's setup)
@@ -226,7 +227,7 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
                       str(opt.workers), "--master", master, "--transport", transport, "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
-                      "--eta", str(opt.eta), "--estimator", opt.estimator, "--order", opt.order, "--consistency", opt.consistency,
+                      "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator, "--order", opt.order, "--consistency", opt.consistency,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
                       "--priority", arm.priority, "--grad-error-every", str(opt.grad_error_every),

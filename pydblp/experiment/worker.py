@@ -51,6 +51,7 @@ def parse(argv=None):
     p.add_argument("--k", type=float, default=0.40, help="dblp's P_high - P_low")
     p.add_argument("--freq", type=int, default=10, help="dblp measures G every FREQ steps")
     p.add_argument("--eta", type=float, default=0.5, help="dblp's critical threshold on |dG|/G")
+    p.add_argument("--g-over", choices=["step", "window"], default="step", help="dblp's G (pydblp Dblp.g_over)")
     p.add_argument("--consistency", default="allgather", help=f"{CONSISTENCY_USE} (see consistency())")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
             import pydblp.torch as ptorch
             from pydblp.collective import Config, Dblp, Static
 
-            phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta)
+            phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
+                                                                                 g_over=a.g_over)
             cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,

@@ -306,6 +306,62 @@ def test_dblp_controller_by_step_measures_each_steps_whole_gradient():
         Dblp(k=-0.1)
 
 
+def test_dblp_window_measures_the_mean_gradient_since_the_last_measurement():
+    """g_over="window": G at a measured step is the norm of the mean, over the steps since the
+    last measurement, of each step's vectors (two rounds a step here): noise that cancels
+    across steps does not read as a change of regime, where the measured step alone would."""
+    rng = np.random.default_rng(4)
+    signal = [np.full(3, 1.0), np.full(4, 1.0)]
+    steps = [[sig + rng.standard_normal(sig.size) * 0.1 for sig in signal] for s in range(9)]
+    for s in (3, 4):  # a noisy measured step: alone it jumps, in its window the noise cancels
+        steps[s] = [sig + (-1) ** s * np.full(sig.size, 3.0) for sig in signal]
+    got = {}
+    for g_over in ("step", "window"):
+        c = Dblp(freq=4, g_over=g_over)
+        c.count_steps()
+        for vecs in steps:
+            for i, v in enumerate(vecs):
+                c.observe(0, v.astype(np.float32))
+            c.end_step()
+        got[g_over] = list(c.history)
+    win = [np.concatenate(v) for v in steps]
+    want = [np.linalg.norm(win[0]), np.linalg.norm(np.mean(win[1:5], axis=0)), np.linalg.norm(np.mean(win[5:9], axis=0))]
+    assert [s for s, _, _ in got["window"]] == [0, 4, 8]
+    assert [g for _, g, _ in got["window"]] == pytest.approx(want, rel=1e-5)
+    assert [crit for _, _, crit in got["window"]] == [True, False, False]
+    assert got["step"][1][2]  # the measured step alone: 4.0 against 1.0, critical
+    c = Dblp(g_over="window")
+    with pytest.raises(RuntimeError, match="count_steps"):
+        c.observe(0, np.ones(3, np.float32))
+    c.count_steps()
+    for _ in range(2):  # (step 0 is measured and starts a new window)
+        c.observe(0, np.ones(3, np.float32))
+        c.end_step()
+    with pytest.raises(ValueError, match="gave 5 values, earlier steps 3"):
+        c.observe(0, np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="g_over 'epoch'"):
+        Dblp(g_over="epoch")
+
+
+def test_dblp_window_over_a_sharded_update_sums_each_row_with_itself(ranks):
+    """Shuffled rows, sharded update, g_over="window", no loss: each owner's estimate is put back in
+    the tensor's row order before it is summed over steps, so every rank's G is the norm of the
+    mean of the steps' exact mean gradients."""
+    world, n = 3, 30_000
+    rk = ranks(world, consistent=False, phase="dblp")
+    for c in rk.cols:
+        c.controller = c.protocol.controller = Dblp(freq=3, g_over="window")
+    xs = inputs(world, n, rounds=4, seed=31)
+    res, errs = rk.run(lambda r, c: [c.sharded_update(xs[i][r], np.zeros(n, np.float32), _sgd(0.1)) for i in range(4)])
+    assert not errs
+    means = [np.mean(np.float64(x), axis=0) for x in xs]
+    for c in rk.cols:
+        (s0, g0, _), (s3, g3, _) = c.controller.history
+        assert (s0, s3) == (0, 3)
+        assert g0 == pytest.approx(np.linalg.norm(means[0]), rel=1e-4)
+        assert g3 == pytest.approx(np.linalg.norm(np.mean(means[1:4], axis=0)), rel=1e-4)
+
+
 def test_dblp_tolerance_reaches_the_wire(ranks):
     rk = ranks(2, phase=Schedule(lambda i: [0.0, 0.4][i % 2]))
     xs = inputs(2, 5000, rounds=4)

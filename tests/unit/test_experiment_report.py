@@ -44,6 +44,7 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--consistency", "allgathr"], "--consistency allgathr"),
     (["--consistency", "broadcast:0"], "--consistency broadcast:0"),
     (["--consistency", "broadcast"], "--consistency broadcast"),
+    (["--consistency", "sharded:all"], "--consistency sharded:all"),
     # priority and congestion
     (["--priority", "size"], "--priority size"), (["--priority", ""], "--priority"),
     (["--drop-policy", "tail"], "--drop-policy needs a queue"),
@@ -107,6 +108,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
         cli.main(["experiment", "--scenario", "paper"])
         cli.main(["experiment", "--scenario", "paper", "--burst-port", "all", "--loss", "0.02", "--rate", "200",
                   "--burst-ratio", "0.7,0.8", "--consistency", "broadcast:5"])
+        cli.main(["experiment", "--consistency", "sharded:whole"])
     finally:
         signal.signal(signal.SIGTERM, old)
     paper, base = runner.SCENARIOS["paper"], runner.Options()
@@ -115,6 +117,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
     assert (seen[1].burst_ports, seen[1].loss, seen[1].rate_mbit) == ("all", 0.02, 200.0)
     assert seen[1].burst_ratio == (0.7, 0.8) and seen[1].consistency == "broadcast:5"
     assert seen[1].steps == paper["steps"]
+    assert seen[2].consistency == "sharded:whole"
 
 
 def test_ge_params_give_the_asked_mean_loss_and_run_length():
@@ -234,3 +237,14 @@ def test_summary_carries_the_gradient_error_mean():
     assert runner.summarize(runner.Run("gloo", steps=steps), runner.Options(), None)["grad_error"] is None
     text = report.table({"summary": {"dblp": s}, "speedup": {}})
     assert "gradient error" in text and "dblp: gradient error by phase: critical 0.1000, relaxed 0.3000" in text
+
+
+def test_consistency_specs_map_to_the_collective_s_knobs():
+    from pydblp.experiment.worker import consistency
+
+    assert consistency("allgather") == ({"consistent": True}, 0, False)
+    assert consistency("sharded") == ({"consistent": False}, 0, True)
+    assert consistency("sharded:whole") == ({"consistent": True}, 0, True)
+    assert consistency("broadcast:7") == ({"consistent": False}, 7, False)
+    with pytest.raises(ValueError, match="sharded"):
+        consistency("sharded:2")
