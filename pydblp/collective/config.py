@@ -167,6 +167,10 @@ class Config:
             raise ValueError(f"allgather_bound {self.allgather_bound!r}: use True or False")
         if not isinstance(self.consistent, bool):
             raise ValueError(f"consistent {self.consistent!r}: use True (identical results) or False")
+        if (getattr(self.phase, "window", False) and self.consistent and self.allgather_bound
+                and self.fill == "stale"):
+            raise ValueError("Dblp(g_over='window') sums each row over steps, and allgather_bound with fill "
+                             "'stale' measures G on other rows each round: use g_over 'step' or fill 'carry'")
         if self.fill == "carry" and not (self.consistent and self.allgather_bound):
             raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
                              "and allgather_bound=True, or use fill 'stale' or 'local'")

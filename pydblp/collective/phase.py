@@ -77,12 +77,12 @@ class Static(PhaseController):
 class Dblp(PhaseController):
     """DBLP defaults: p_low 1.6 % (within their 0.8-2.4 % range), k 40 points, freq 10, eta 0.5.
 
-    ``g_over="window"`` (by step only): G is the norm of the *mean* averaged gradient over the steps since
-    the last measurement (up to ``freq`` of them), not of the measured step's alone.  One step's
-    minibatch gradient is noisy once the signal is small (late in training its norm jumps by
-    more than ``eta`` from one measurement to the next on this project's models, which reads as
-    a critical regime); the window's mean keeps the signal and averages the noise down.  Each
-    round's vector must have the same shape at the same position in every step.  ``"step"``
+    ``g_over="window"`` (by step only): G is the norm of the *mean* averaged gradient over the
+    steps since the last measurement (up to ``freq`` of them), not of the measured step's alone.
+    One step's minibatch gradient is noisy once the signal is small (late in training its norm
+    jumps by more than ``eta`` from one measurement to the next on this project's models, which
+    reads as a critical regime); the window's mean keeps the signal and averages the noise down.
+    Each round's vector must have the same shape at the same position in every step.  ``"step"``
     (default) is the paper's: the measured step's averaged gradient.
     """
 

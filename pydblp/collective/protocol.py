@@ -129,7 +129,8 @@ class Protocol:
         (``Collective.sharded_update``) also gives ``base`` (float32, ``flat``'s size: this rank's
         values, what an all-gather row that does not arrive keeps) and ``update(rows, mean, values)``
         (an owner's new values for its shard's chunk rows, in the tensor's order, from their
-        estimated mean and current values).  Takes in the packets of it that were stashed; sends nothing yet."""
+        estimated mean and current values).  Takes in the packets of it that were stashed; sends
+        nothing yet."""
         rnd = self.round = (self.round + 1) & MASK32
         tol = self.controller.tol(self.index)
         T = max(1, -(-flat.size // self.C))
@@ -146,7 +147,8 @@ class Protocol:
             held = self._scratch("basein", tensor, (T, self.C))
             held.reshape(-1)[: flat.size] = base
             held.reshape(-1)[flat.size:] = 0
-            base = held if perm is None else np.take(held, perm, axis=0, out=self._scratch("base", tensor, (T, self.C)))
+            base = held if perm is None else np.take(held, perm, axis=0,
+                                                     out=self._scratch("base", tensor, (T, self.C)))
         me = self.rank
         t0 = time.monotonic()
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,

@@ -904,7 +904,8 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     ((2, 2), {}, "rank 2: use 0..1"), ((-1, 2), {}, "rank -1"), ((0, 0), {}, "world 0"),
     ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5"),
     ((0, 2), {"allgather": "multicast"}, "allgather 'multicast'"),
-    ((0, 2), {"allgather": "broadcast"}, "allgather 'broadcast' needs group=")])
+    ((0, 2), {"allgather": "broadcast"}, "allgather 'broadcast' needs group="),
+    ((0, 2), {"phase": Dblp(g_over="window"), "allgather_bound": True}, "use g_over 'step' or fill 'carry'")])
 def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
     """Each bad knob gets its own ValueError naming it, before any peer is added to the transport."""
     t = UdpTransport(port=0)
@@ -1244,6 +1245,21 @@ def _sgd(lr):
     return lambda rows, g, p: p - np.float32(lr) * g
 
 
+def _sharded_steps(rk, xs, p0, lr):
+    """Every rank runs a sharded SGD step per round of inputs ``xs`` from ``p0``; per rank, its
+    parameters after each step."""
+    def run(r, c):
+        p, out = p0.copy(), []
+        for x in xs:
+            p = c.sharded_update(x[r], p, _sgd(lr))
+            out.append(p.copy())
+        return out
+
+    res, errs = rk.run(run)
+    assert not errs
+    return res
+
+
 @pytest.mark.parametrize("mode", ["tar", "ps"])
 @pytest.mark.parametrize("consistent", [True, False])
 def test_a_sharded_update_without_loss_is_the_exact_step_on_every_rank(ranks, mode, consistent):
@@ -1255,16 +1271,7 @@ def test_a_sharded_update_without_loss_is_the_exact_step_on_every_rank(ranks, mo
         c.controller.freq = 1
     xs = inputs(world, n, rounds=steps, seed=21)
     p0 = np.random.default_rng(3).standard_normal(n).astype(np.float32)
-
-    def run(r, c):
-        p, out = p0.copy(), []
-        for i in range(steps):
-            p = c.sharded_update(xs[i][r], p, _sgd(0.1))
-            out.append(p.copy())
-        return out
-
-    res, errs = rk.run(run)
-    assert not errs
+    res = _sharded_steps(rk, xs, p0, 0.1)
     want = np.float64(p0)
     for i in range(steps):
         mean = np.mean(np.float64(xs[i]), axis=0)
@@ -1289,16 +1296,7 @@ def test_a_parameter_the_sharded_allgather_loses_keeps_its_value_until_delivered
                                     & (h["chunk"].astype(np.int64) * 5 >= h["nchunks"].astype(np.int64) * 4)))
     xs = inputs(world, n, rounds=steps, seed=23)
     p0 = np.zeros(n, np.float32)
-
-    def run(r, c):
-        p, out = p0.copy(), []
-        for i in range(steps):
-            p = c.sharded_update(xs[i][r], p, _sgd(1.0))
-            out.append(p.copy())
-        return out
-
-    res, errs = rk.run(run)
-    assert not errs
+    res = _sharded_steps(rk, xs, p0, 1.0)
     C = rk.cols[0].C
     T = -(-n // C)
     half = (T // 2) * C  # rank 0 owns rows 0..T//2
