@@ -208,3 +208,48 @@ def test_state_with_a_job_key(tb, tmp_path, kind, same):
             assert float(out.split(" failed after ")[1].split()[0]) < 10.0, out
     for r in range(WORLD):
         assert host.attached_program("eth0", tb.ns(r)) is None
+
+
+SHARDED = r"""
+import datetime, sys
+import torch, torch.distributed as dist
+import pydblp.torch as ptorch
+from pydblp.collective import Config
+
+rank, kind, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://198.18.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+cfg = Config(job=8, peer_timeout=20.0, consistent=False, phase="static:0")  # (exact: no tolerance)
+state = ptorch.State.from_process_group(kind, iface="eth0", config=cfg)
+try:
+    torch.manual_seed(rank)  # different starting values: the optimizer broadcasts rank 0's
+    model = torch.nn.Linear(300, 200)  # 60k parameters: ~170 chunks, 85 per owner
+    opt = ptorch.ShardedSGD(state, model, lr=0.1, momentum=0.9)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(300, 200)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.full((4, 300), float(rank + 1 + step))).sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(torch.full((4, 300), 1.5 + step)).sum().backward()  # linear in the input: the ranks' mean
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (p - q).abs().max()
+    print(f"ok {rank} rounds {len(state.collective.records)}", flush=True)
+finally:
+    state.close()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_a_sharded_optimizer_over_af_xdp_is_torch_s_sgd(tb, kind):
+    """``ShardedSGD`` on the AF_XDP data plane: ranks that start from different values end each of
+    three steps with torch.optim.SGD's (momentum 0.9) on the mean gradient; nothing is left attached."""
+    port = 29620 + ["xsk", "xsk-ktx"].index(kind)
+    run_in_workers(tb, lambda r: [sys.executable, "-c", SHARDED, str(r), kind, str(port)], ENV, 120,
+                   f"ShardedSGD over {kind}")
+    for r in range(WORLD):
+        assert host.attached_program("eth0", tb.ns(r)) is None
