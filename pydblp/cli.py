@@ -377,7 +377,8 @@ def _cmd_dump(args) -> int:
 EXPERIMENT_EPILOG = """\
 examples:
   dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 10 % loss, bursts
-  dblp experiment --scenario paper --seeds 3      longer, more bursts, 3 seeds (about 15 minutes)
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, sharded optimizer, 3 seeds (~18 minutes)
+  dblp experiment --scenario paper --consistency allgather --g-over step   the same, identical replicas
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -447,7 +448,8 @@ def _add_experiment(sub):
                                    "spread over --seeds); write report.json and PNG plots. Options left out "
                                    "come from --scenario.")
     p.add_argument("--scenario", choices=["demo", "paper", "incast"], default="demo",
-                   help="preset for every option not given (default demo; paper: DBLP's regime; incast: "
+                   help="preset for every option not given (default demo; paper: DBLP's regime and "
+                        "architecture, a sharded optimizer whose all-gather carries parameters; incast: "
                         "a parameter server behind a finite switch buffer, priority shedding vs drop-tail)")
     p.add_argument("--workers", type=int)
     p.add_argument("--model", choices=["mlp", "digits", "text"],
@@ -474,13 +476,15 @@ def _add_experiment(sub):
     p.add_argument("--freq", type=int, help="DBLP measures the gradient norm every FREQ steps (default 10)")
     p.add_argument("--eta", type=float, help="DBLP: critical while |dG|/G >= ETA (default 0.5)")
     p.add_argument("--g-over", choices=["step", "window"],
-                   help="DBLP's G: the norm of the measured step's averaged gradient (step, the paper's; "
-                        "default) or of its mean over the FREQ steps since the last measurement (window)")
+                   help="DBLP's G: the norm of the measured step's averaged gradient (step, the paper's rule; "
+                        "default) or of its mean over the FREQ steps since the last measurement (window; "
+                        "the paper scenario's)")
     p.add_argument("--estimator", choices=["unbiased", "zero"])
     p.add_argument("--order", choices=["shuffle", "rows"],
                    help="pydblp runs: the chunks' order in a message: shuffle (default: a permutation per round, so "
                         "a bound's cut and a burst hit other rows each round) or rows (the tensor's order)")
-    p.add_argument("--consistency", help="replica consistency: allgather (default: identical results on every rank), "
+    p.add_argument("--consistency", help="replica consistency: allgather (default, paper: sharded; identical results "
+                                         "on every rank), "
                                          "allgather:bound (the same, the all-gather stops at the round's bound; "
                                          "the rest is filled from the last result), allgather:carry (the same; "
                                          "the rest is applied a round later), "

@@ -96,13 +96,17 @@ class Options:
 # with a broadcast all-gather made dblp slower (each receiver's 10 % of the broadcast repaired
 # by unicast).  Gilbert-Elliott background loss (--loss-model ge) at a 3 % mean made Gloo's
 # steps ~40x longer here (TCP timeouts), too slow for a 20-minute run of 3 seeds.
-# With identical replicas (pydblp.torch's default) the all-gather is repaired whole and a
-# relaxed round is at best ~0.86x static's (paper, 3 seeds: time to target 0.89x static's).
-# "--consistency broadcast:10" (the all-gather tolerates loss, parameters broadcast every 10
-# steps) reached 0.83x over six seeds with replicas up to 7.4 % apart, so the presets keep
-# identical replicas (0.88x over the same seeds; bench/results/2026-12-03-chunk-order.md).
-# Cutting the all-gather at the bound too, with the cut rows applied a round later
-# ("--consistency allgather:carry"), gave 1.03x static over the same six seeds.
+# "demo" keeps identical replicas (pydblp.torch's default): the gradient all-gather is
+# repaired whole, so a relaxed round is at best ~0.86x static's (paper scenario, six seeds:
+# time to target 0.88x static's).  "paper" runs DBLP's own architecture: a sharded optimizer
+# whose all-gather carries parameters and tolerates loss (a parameter not delivered keeps its
+# value, replicas within 0.7 %), with G over the window since the last check ("--g-over
+# window": one step's G jumped by more than eta late in training and read as critical):
+# six seeds 0.80x static's time to target (0.83x with the paper's one-step G, 0.88x with
+# identical replicas; bench/results/2026-12-04-sharded-optimizer.md).  Other ways of letting
+# the gradient all-gather tolerate loss cost more steps than they saved: a stale fill
+# (allgather:bound), the cut applied a round later (allgather:carry, 1.03x), replicas drifting
+# until a broadcast (broadcast:10, 0.83x, replicas up to 7.4 % apart).
 #
 # "incast": no injected loss at all.  A parameter server (rank 0) receives every worker's
 # gradient at once through a switch port with a finite buffer (128 KiB, draining at 2 Gbit/s
@@ -110,7 +114,7 @@ class Options:
 # within each message's budget and as a plain drop-tail queue.  docs/experiment.md has figures.
 SCENARIOS = {
     "demo": {},
-    "paper": {"steps": 300, "bursts": 30, "eval_every": 20},
+    "paper": {"steps": 300, "bursts": 30, "eval_every": 20, "consistency": "sharded", "g_over": "window"},
     "incast": {"mode": "ps", "loss": 0.0, "bursts": 0, "queue_mbit": 2000.0, "queue_kb": 128.0,
                "transports": ("gloo", "dblp"), "drop_policy": DROP_POLICIES},
 }

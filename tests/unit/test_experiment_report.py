@@ -117,6 +117,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
     assert (seen[1].burst_ports, seen[1].loss, seen[1].rate_mbit) == ("all", 0.02, 200.0)
     assert seen[1].burst_ratio == (0.7, 0.8) and seen[1].consistency == "broadcast:5"
     assert seen[1].steps == paper["steps"]
+    assert (seen[0].consistency, seen[0].g_over) == ("sharded", "window") != (base.consistency, base.g_over)
     assert seen[2].consistency == "sharded:whole"
 
 
