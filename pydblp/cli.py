@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from pydblp.cliutil import UsageError, formatter
+from pydblp.cliutil import Parser, UsageError, formatter
 
 EPILOG = """\
 examples:
@@ -700,7 +700,7 @@ def _add_fault(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dblp", formatter_class=formatter, epilog=EPILOG,
         description="pydblp: loss-tolerant gradient transport (XDP + AF_XDP).")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

@@ -17,3 +17,11 @@ class UsageError(Exception):
 def formatter(prog: str) -> argparse.HelpFormatter:
     """The help formatter of every ``dblp`` parser: epilogs kept as written, options aligned."""
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every ``dblp`` parser: a mistake is one line naming it and pointing at ``--help`` (argparse
+    would print the whole usage block first); subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")

@@ -110,9 +110,12 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode, allgather):
     repaired = [(c.rank, rec.index, rec.min_delivered, rec.retransmits, rec.probes, rec.nacks, c.counters)
                 for c in cols for rec in c.records if rec.min_delivered < 1.0 or rec.retransmits]
     # nothing was injected, so a repair needs a drop the kernel counted: a receive ring or socket
-    # buffer that a CPU-starved rank did not drain in time, or a switch port's queue
+    # buffer that a CPU-starved rank did not drain in time, or a switch port's queue.  Except one
+    # a probe asked for: a receiver descheduled past the probe timeout answers with a BITMAP of
+    # what it has taken in so far, and chunks still queued for it are resent (timing, not loss)
     drops = sum(st.get(k, 0) for _, st in out.values() for k in ("rx_dropped", "rx_ring_full")) + clean.fabric.dropped()
-    assert not repaired or drops > 0, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
+    unprompted = [x for x in repaired if x[2] < 1.0 or not x[4]]
+    assert not unprompted or drops > 0, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
     # bytes each rank sent in the largest round, in tensors: reduce-scatter (W-1)/W, then its
     # all-gather (1/W of the tensor) once per peer, or once in all with a broadcast
     sent = [c.records[-1].bytes_sent / (4 * sizes[-1]) for c in cols]
@@ -442,7 +445,7 @@ def test_forged_traffic_changes_no_round_with_a_key(clean, hosts, kind):
 @pytest.mark.parametrize("loss, tol", [(0.02, 0.25), (0.3, 0.05)])
 def test_neighbour_rounds_absorb_loss_within_the_bound_and_repair_above_it(clean, hosts, kind, loss, tol):
     """Neighbour (gossip) rounds on a ring under random fabric loss: within the bound no chunk is
-    resent; above it receivers NACK and senders repair to the bound.  Every neighbour arrives
+    resent unless a probe asked; above it receivers NACK and senders repair to the bound.  Every neighbour arrives
     (its timeout is generous), and each chunk that arrived is the exact weighted average."""
     from pydblp.torch.exchange import neighbours
 
@@ -457,8 +460,8 @@ def test_neighbour_rounds_absorb_loss_within_the_bound_and_repair_above_it(clean
     recs = [rec for c in cols for rec in c.records]
     assert all(rec.min_delivered >= 1 - rec.tol and not rec.below_bound and not rec.left_out for rec in recs)
     assert min(rec.min_delivered for rec in recs) < 1.0  # the fabric did drop some
-    if loss < tol:
-        assert sum(rec.retransmits for rec in recs) == 0
+    if loss < tol:  # (a round whose probe found its STOP late, the receiver descheduled, may resend)
+        assert sum(rec.retransmits for rec in recs if not rec.probes) == 0
     else:
         assert sum(rec.retransmits for rec in recs) > 0 and sum(rec.nacks for rec in recs) > 0
     for r in range(WORLD):
