@@ -147,7 +147,7 @@ class Collective:
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
-            v = _own_rows(st)
+            v = self._own_rows(st)
             if v is not None:
                 part.append(v)
 
@@ -221,17 +221,25 @@ class Collective:
             raise ValueError(f"grad has {g.size} values, params {p.size}: give one of each per parameter")
         self._sharded = True
         self.controller.count_steps()
-        part = []
-
-        def mine(st):
-            v = _own_rows(st)
-            if v is not None:
-                part.append(v)
-
-        out = self._round(g, start=lambda pr, flat: pr.start(flat, tensor, True, base=p, update=update), done=mine)
-        self.controller.observe(self.index - 1, part[0] if part else np.zeros(0, np.float32))
+        own = []
+        out = self._round(g, start=lambda pr, flat: pr.start(flat, tensor, True, base=p, update=update),
+                          done=lambda st: own.append(self._own_rows(st)))
+        self.controller.observe(self.index - 1, own[0] if own[0] is not None else np.zeros(0, np.float32))
         self.end_step()
         return out.reshape(np.shape(params))
+
+    def _own_rows(self, st) -> np.ndarray | None:
+        """The owner's estimate of its shard's mean (before anything carried was added, before a
+        sharded update), flat; None for a rank that owns no shard.  For a controller that sums it
+        over steps (``Dblp(g_over="window")``) a copy in the tensor's row order, so the rows line
+        up; else a view in the round's order (only its norm is used)."""
+        if st.my_shard is None:
+            return None
+        a, b = st.bounds[st.my_shard]
+        v = st.own if st.own is not None else st.y[a:b]
+        if st.perm is not None and getattr(self.controller, "window", False):
+            v = v[np.argsort(st.perm[a:b])]
+        return v.reshape(-1)
 
     def _shared_g(self) -> bool:
         """Every rank measures G on the same vector (the result, or the rows a round delivered)."""
@@ -419,15 +427,3 @@ class Collective:
             if self._closing:
                 return
 
-
-def _own_rows(st) -> np.ndarray | None:
-    """The owner's estimate of its shard's mean (before anything carried was added, before a
-    sharded update), flat, in the tensor's row order (``Dblp(g_over="window")`` sums it over steps,
-    so the rows must line up); None for a rank that owns no shard."""
-    if st.my_shard is None:
-        return None
-    a, b = st.bounds[st.my_shard]
-    v = st.own if st.own is not None else st.y[a:b]
-    if st.perm is not None:
-        v = v[np.argsort(st.perm[a:b])]
-    return v.reshape(-1)

@@ -99,7 +99,6 @@ class Dblp(PhaseController):
         if g_over not in G_OVER:
             raise ValueError(f"g_over {g_over!r}: use {' or '.join(G_OVER)}")
         self.p_low, self.k, self.freq, self.eta, self.g_over = p_low, k, freq, eta, g_over
-        self.window = g_over == "window"
         self._acc: list[np.ndarray] = []  # window: per round of a step, its vectors summed over the window
         self._k = 0                       # window: rounds observed in the current step
         self._n = 0                       # window: steps ended since the last measurement
@@ -110,6 +109,11 @@ class Dblp(PhaseController):
         self.history: collections.deque[tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_MAX)
         self.steps: int | None = None  # steps ended so far once count_steps() was called
         self._sq = 0.0                 # squared norm of the current step's results so far
+
+    @property
+    def window(self) -> bool:
+        """G over the window (observed vectors are summed over steps)."""
+        return self.g_over == "window"
 
     def tol(self, index: int) -> float:
         return self.p_low if self.critical else self.p_low + self.k

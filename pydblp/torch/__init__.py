@@ -36,6 +36,7 @@ from pydblp import net, wire
 from pydblp.auth import load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config, estimators, link_chunk_bytes
 from pydblp.dataplane import check_kind, open_dataplane
+from pydblp.torch._flat import assign, flatten
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
 
@@ -270,14 +271,10 @@ class ParameterBroadcaster:
         self.steps += 1
         if self.steps % self.every:
             return False
-        params = [p for p in self.module.parameters()]
-        flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]).numpy()
+        params = list(self.module.parameters())
+        flat = flatten(params).numpy()
         out = self.state.submit(lambda col: col.broadcast_shards(flat, tensor=self.TENSOR)).wait()
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(torch.from_numpy(np.ascontiguousarray(out[off: off + n])).view_as(p).to(p.dtype))
-            off += n
+        assign(params, torch.from_numpy(out))
         return True
 
 

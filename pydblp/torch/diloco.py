@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pydblp.torch._flat import assign, flatten
 from pydblp.torch.exchange import Exchange, neighbours
 
 MODES = ("exact", "gossip")
@@ -115,7 +116,7 @@ class DiLoCo:
         self.outer_steps = 0
         self.records: list[OuterRecord] = []
         self._round = 0                      # mixing rounds so far (names them; the same on every rank)
-        self._anchor = self._flat().clone()
+        self._anchor = flatten(self.params)
         self._mix: threading.Thread | None = None
         self._mix_out: dict = {}
         self._hook = None
@@ -153,19 +154,19 @@ class DiLoCo:
             rec.overlap_s, missing = self._apply_overlap()
             rec.overlap_wait_s = time.monotonic() - w0
             rec.missing.update(missing)
-        delta = self._anchor - self._flat()
+        delta = self._anchor - flatten(self.params)
         if self.mode == "exact":
             delta = self.exchange.allreduce_mean(delta)
         else:
             for _ in range(self.blocking_rounds):
                 delta, left_out = self._mix_once(delta)
                 rec.missing.update(left_out)
-        self._set_flat(self._anchor)
+        assign(self.params, self._anchor)
         for p, g in zip(self.params, self._split(delta)):
             p.grad = g.view_as(p).to(p.device, p.dtype, copy=True)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        self._anchor = self._flat().clone()
+        self._anchor = flatten(self.params)
         if self.mode == "gossip" and self.overlap_rounds:
             self._start_overlap()
         rec.blocking_s = time.monotonic() - t0
@@ -213,16 +214,8 @@ class DiLoCo:
         shift = out["result"] - self._anchor
         self._anchor += shift
         with torch.no_grad():
-            self._set_flat(self._flat() + shift)
+            assign(self.params, flatten(self.params) + shift)
         return out["seconds"], out["missing"]
-
-    # ---- flat views -------------------------------------------------------
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, [p.numel() for p in self.params]))
-
-    def _set_flat(self, flat: torch.Tensor) -> None:
-        for p, v in zip(self.params, self._split(flat)):
-            p.data.copy_(v.view_as(p))

@@ -27,13 +27,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pydblp.torch._flat import assign, flatten
+
 __all__ = ["ShardedSGD", "ShardedAdam"]
 
 
 class _Sharded:
-    """The common part: flat views of the module's parameters and gradients, one round a step."""
+    """The common part: flat views of the module's parameters and gradients, one round a step,
+    and the owner's per-element optimizer state for its own rows only."""
 
     TENSOR = 0xFFFD  # tensor id of the step's round (DDP buckets use small ids)
+    STATE = ()       # names of the per-element state buffers a subclass keeps
 
     def __init__(self, state, module: torch.nn.Module, lr: float):
         if not lr > 0:
@@ -46,19 +50,13 @@ class _Sharded:
             with torch.no_grad():
                 for p in self.params:
                     dist.broadcast(p.data, 0)
-        self.C = state.collective.C
-        n = sum(p.numel() for p in self.params)
-        self._rows = -(-n // self.C)
         self.steps = 0
+        self._first: int | None = None  # the first owned row (an owner gets the same rows every round)
+        self._buffers: dict[str, np.ndarray] = {}
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-
-    def _buffer(self) -> np.ndarray:
-        """A zeroed (rows, C) float32 buffer for per-element optimizer state (only the owned rows
-        are ever used)."""
-        return np.zeros((self._rows, self.C), np.float32)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -66,20 +64,23 @@ class _Sharded:
         without a gradient counts as zero gradient.  Blocks for the round; raises
         :class:`~pydblp.collective.CollectiveError` as the collective does (the state is then
         unusable)."""
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in self.params]).numpy()
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params]).numpy()
+        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]).numpy()
+        values = flatten(self.params).numpy()
         self.steps += 1
-        out = self.state.submit(lambda col: col.sharded_update(grad, flat, self._update, self.TENSOR)).wait()
-        off = 0
-        for p in self.params:
-            k = p.numel()
-            p.copy_(torch.from_numpy(np.ascontiguousarray(out[off: off + k])).view_as(p).to(p.dtype))
-            off += k
+        out = self.state.submit(lambda col: col.sharded_update(grad, values, self._owned, self.TENSOR)).wait()
+        assign(self.params, torch.from_numpy(out))
 
-    def _update(self, rows: np.ndarray, mean: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """The owner's new values of its chunk ``rows`` from their mean gradient and current values
-        (:meth:`~pydblp.collective.Collective.sharded_update`'s ``update``)."""
+    def _owned(self, rows: np.ndarray, mean: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """``sharded_update``'s ``update``: this owner's state buffers, (rows of its shard, C)
+        zeroed at its first round, indexed by ``rows`` relative to its first row."""
+        if self._first is None:
+            self._first = int(rows.min())
+            self._buffers = {name: np.zeros((len(rows), mean.shape[1]), np.float32) for name in self.STATE}
+        return self._update(rows - self._first, mean, values, **self._buffers)
+
+    def _update(self, at: np.ndarray, g: np.ndarray, p: np.ndarray, **state: np.ndarray) -> np.ndarray:
+        """The owner's new values of its rows (``at``: their rows in ``state``) from their mean
+        gradient ``g`` and current values ``p``; updates ``state`` in place."""
         raise NotImplementedError
 
 
@@ -98,11 +99,11 @@ class ShardedSGD(_Sharded):
             raise ValueError(f"momentum {momentum!r}: use a value in [0, 1)")
         super().__init__(state, module, lr)
         self.momentum = float(momentum)
-        self._b = self._buffer()
+        self.STATE = ("b",) if self.momentum else ()
 
-    def _update(self, rows, g, p):
-        if self.momentum:
-            g = self._b[rows] = np.float32(self.momentum) * self._b[rows] + g
+    def _update(self, at, g, p, b=None):
+        if b is not None:
+            g = b[at] = np.float32(self.momentum) * b[at] + g
         return p - np.float32(self.lr) * g
 
 
@@ -117,6 +118,8 @@ class ShardedAdam(_Sharded):
         eps: added to the denominator (> 0).
     """
 
+    STATE = ("m", "v")
+
     def __init__(self, state, module: torch.nn.Module, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"betas {betas!r}: give two values in [0, 1)")
@@ -124,12 +127,11 @@ class ShardedAdam(_Sharded):
             raise ValueError(f"eps {eps!r}: give a value > 0")
         super().__init__(state, module, lr)
         self.betas, self.eps = (float(betas[0]), float(betas[1])), float(eps)
-        self._m, self._v = self._buffer(), self._buffer()
 
-    def _update(self, rows, g, p):
+    def _update(self, at, g, p, m, v):
         b1, b2 = self.betas
-        m = self._m[rows] = b1 * self._m[rows] + (1 - b1) * g
-        v = self._v[rows] = b2 * self._v[rows] + (1 - b2) * g * g
+        m[at] = b1 * m[at] + (1 - b1) * g
+        v[at] = b2 * v[at] + (1 - b2) * g * g
         t = self.steps
-        step = self.lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + self.eps)
+        step = self.lr * (m[at] / (1 - b1 ** t)) / (np.sqrt(v[at] / (1 - b2 ** t)) + self.eps)
         return (p - step).astype(np.float32)

@@ -59,12 +59,12 @@ def test_without_loss_a_sharded_optimizer_is_torch_s_on_the_exact_mean(kind):
     cols, states = _states({"phase": "static:0.0"})
     make = (lambda s, m: ShardedSGD(s, m, lr=0.1, momentum=0.9)) if kind == "sgd" else \
         (lambda s, m: ShardedAdam(s, m, lr=0.01))
-    out = {}
+    out, opts = {}, {}
     models = [_model() for _ in range(WORLD)]  # (the global RNG: not from the threads)
 
     def go(r):
         m = models[r]
-        opt = make(states[r], m)
+        opt = opts[r] = make(states[r], m)
         for i in range(steps):
             opt.zero_grad()
             _loss(m, *_batch(r, i)).backward()
@@ -91,6 +91,10 @@ def test_without_loss_a_sharded_optimizer_is_torch_s_on_the_exact_mean(kind):
     for r in range(WORLD):
         for got, want in zip(out[r], ref.parameters()):
             torch.testing.assert_close(got, want.detach(), atol=2e-5, rtol=1e-4)
+    # each owner keeps optimizer state for its own rows only: together, the tensor's rows once
+    rows = -(-sum(p.numel() for p in ref.parameters()) // (CHUNK // 4))
+    for name in opts[0].STATE:
+        assert sum(opts[r]._buffers[name].shape[0] for r in range(WORLD)) == rows
 
 
 def test_under_loss_replicas_lag_their_owners_and_do_not_drift():
