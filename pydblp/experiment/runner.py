@@ -100,7 +100,7 @@ class Options:
 # repaired whole, so a relaxed round is at best ~0.86x static's (paper scenario, six seeds:
 # time to target 0.88x static's).  "paper" runs DBLP's own architecture: a sharded optimizer
 # whose all-gather carries parameters and tolerates loss (a parameter not delivered keeps its
-# value, replicas within 0.7 %), with G over the window since the last check ("--g-over
+# value, replicas within 0.65-0.75 %), with G over the window since the last check ("--g-over
 # window": one step's G jumped by more than eta late in training and read as critical):
 # six seeds 0.80x static's time to target (0.83x with the paper's one-step G, 0.88x with
 # identical replicas; bench/results/2026-12-04-sharded-optimizer.md).  Other ways of letting
