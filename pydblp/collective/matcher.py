@@ -132,7 +132,7 @@ class Matcher:
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
         prev = (base - 1) & MASK32
         data, keep, ctrl = [], [], []
-        foreign = late = bad = 0
+        foreign = late = bad = stray = 0
         for i, f in zip(rows, fields):
             kind, rnd, src = f[F_KIND], f[F_ROUND], f[F_SRC]
             if (f[F_JOB] != job or src >= W or src == me
@@ -147,6 +147,8 @@ class Matcher:
                     ctrl.append((f, i, False))
                 elif rnd == base:
                     late += 1
+                else:
+                    stray += 1
             elif rnd == base:
                 st.heard[src] = now
                 if kind != DATA:
@@ -170,9 +172,12 @@ class Matcher:
             elif rnd == prev:
                 st.heard[src] = now
                 late += 1
+            else:  # DATA of a round long finished, or too far ahead to keep
+                stray += 1
         c = self.counters
         c["foreign"] += foreign
         c["late"] += late
+        c["stray"] += stray
         c["bad_payload"] += bad
         if keep:
             self._keep(h, pay, lens, np.array(keep))

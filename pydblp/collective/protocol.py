@@ -28,7 +28,7 @@ from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRA
                                       TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import InMessage, OutMessage, Round
-from pydblp.transport.base import Batch, Transport
+from pydblp.transport.base import RECV_ERROR_LOG_EVERY, Batch, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class Protocol:
         self.index = 0    # rounds finished
         self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
-                                       "tx_short", "trail_retransmits", "trail_probes", "trail_dropped"), 0)
+                                       "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
+                                       "stray", "rx_errors"), 0)
+        self._rx_error_logged = float("-inf")  # when take last logged a batch it dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
         self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, flag, dst,
                                                   # nchunks, tol8, chunk, payload)
@@ -341,7 +343,15 @@ class Protocol:
         """
         b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
         if b.n:
-            self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+            try:
+                self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+            except Exception as e:  # what arrives never ends a round: drop the batch, repair as loss
+                self.counters["rx_errors"] += 1
+                now = time.monotonic()
+                if now - self._rx_error_logged >= RECV_ERROR_LOG_EVERY:
+                    self._rx_error_logged = now
+                    log.warning("rank %d: a received batch raised %s: %s; dropped it (rx_errors %d)",
+                                self.rank, type(e).__name__, e, self.counters["rx_errors"], exc_info=e)
         return b.n
 
     def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
@@ -565,6 +575,8 @@ class Protocol:
             if inn is None or inn.flag != flag:
                 if inn is None and not current and self._forgotten(st, rnd):  # finished before the last round
                     self._ctrl_packet(rnd, tensor, STOP, flag, src, f[F_NCHUNKS], f[F_TOL])
+                else:
+                    self.counters["stray"] += 1
                 return
             if inn.tol8 is None:
                 inn.tol8 = f[F_TOL]
@@ -577,7 +589,8 @@ class Protocol:
         if kind == STOP and len(payload) >= 2:
             self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
-        if o is None or o.done or o.flag != flag:
+        if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
+            self.counters["stray"] += 1
             return
         if kind == STOP:
             self._out_done(o, now)

@@ -110,6 +110,7 @@ class AuthTransport(Transport):
         self._macs = Macs(key, epoch)
         self._epb = np.frombuffer(epoch.to_bytes(EPOCH_LEN, "big"), np.uint8)
         self._c = {f"auth_{r}": 0 for r in ("tagged", "verified", *REASONS)}
+        self._c["rx_errors"] = 0  # batches this layer dropped on an error (Transport.recv)
         self._rx: Batch | None = None
         self._txh = wire.empty_batch(0)
         self._txp = np.empty((0, 0), np.uint8)
@@ -140,7 +141,8 @@ class AuthTransport(Transport):
 
     def stats(self) -> dict:
         """The inner transport's counters and ``auth_*`` (see the module docstring)."""
-        return {**self.inner.stats(), **self._c}
+        inner = self.inner.stats()
+        return {**inner, **self._c, "rx_errors": inner.get("rx_errors", 0) + self._c["rx_errors"]}
 
     # ---- tags -----------------------------------------------------------
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
@@ -178,10 +180,12 @@ class AuthTransport(Transport):
             TransportError: a rank's packets have failed for ``fail_after`` seconds without one
                 that verified (another key, no key, another run); raised on every call from then on.
         """
+        return super().recv(into, timeout, max, want=want, linger=linger, copy=copy)
+
+    def _recv(self, into: Batch, timeout: float | None, max: int | None, want: int, linger: float,
+              copy: bool) -> Batch:
         if self._failing:
             self._check_failing(time.monotonic())
-        if into is None:
-            into = Batch.empty(1024)
         width = (into.maxlen if into.maxlen > DEFAULT_MAXLEN else DEFAULT_MAXLEN) + TAG_LEN  # a tag; misfits verify
         if self._rx is None or self._rx.cap < into.cap or self._rx.maxlen != width:
             self._rx = Batch.empty(into.cap, width)
@@ -209,9 +213,11 @@ class AuthTransport(Transport):
         lo = int(lens.min())
         if allgood and lo == int(lens.max()):  # one size: the trailers are a column block
             trail = pay[:, lo - TAG_LEN: lo]
-        else:
-            cols = np.clip(lens - TAG_LEN, 0, None)[:, None] + np.arange(TAG_LEN)
-            trail = pay[np.arange(n)[:, None], np.minimum(cols, pay.shape[1] - 1)]
+        else:  # only a tagged packet of the right length has a trailer (lent rows may be 0 wide)
+            trail = np.zeros((n, TAG_LEN), np.uint8)
+            rows = np.flatnonzero(good & (lens <= pay.shape[1]))
+            if len(rows):
+                trail[rows] = pay[rows[:, None], (lens[rows] - TAG_LEN)[:, None] + np.arange(TAG_LEN)]
         epoch_ok = (trail[:, :EPOCH_LEN] == self._epb).all(axis=1)
         if allgood and epoch_ok.all():
             ok = (self._macs(h, pay, body, None) == trail[:, EPOCH_LEN:]).all(axis=1)

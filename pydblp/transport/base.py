@@ -49,6 +49,7 @@ from __future__ import annotations
 import abc
 import errno
 import ipaddress
+import logging
 import operator
 import time
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ import numpy as np
 from pydblp import wire
 
 DEFAULT_MAXLEN = 2048 - 42 - wire.HEADER_LEN  # anything that fits a 2 KiB frame
+RECV_ERROR_LOG_EVERY = 10.0  # s: at most one warning this often for batches a receive dropped on an error
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,6 +152,8 @@ class Transport(abc.ABC):
     port: int
 
     spin: float = 0.0
+    _c: dict          # counters (stats()); subclasses make it in __init__
+    _rx_error_logged = float("-inf")  # when _recv_failed last logged
 
     def _spin(self, ready, timeout: float | None) -> bool:
         """Busy-poll ``ready()`` for up to ``spin`` seconds (never past ``timeout``), before sleeping in poll(2).
@@ -175,7 +181,6 @@ class Transport(abc.ABC):
         space; returns fewer than ``len(batch)`` only when that runs out.
         """
 
-    @abc.abstractmethod
     def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
              *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
         """Receive up to ``max`` (default: ``into.cap``) packets into ``into``.
@@ -198,7 +203,47 @@ class Transport(abc.ABC):
         returned batch's ``payload`` may be a view of them (AF_XDP: the UMEM
         frames, so no payload copy), valid only until the next ``recv``;
         ``headers``, ``lengths`` and ``peer`` are still ``into``'s rows.
+
+        Failure semantics: what arrives never ends a transport.  If handling a
+        received batch raises anything but an ``OSError`` (a packet the checks
+        let through and the code then chokes on: a bug), the batch is dropped
+        whole, its buffers go back to the kernel, ``stats()["rx_errors"]``
+        counts it, a warning with the traceback is logged (at most one every
+        ``RECV_ERROR_LOG_EVERY`` seconds) and an empty batch is returned: the
+        collective above repairs the packets as it repairs loss.
+
+        Raises:
+            TransportError: the transport is closed, or cannot go on (e.g.
+                :class:`~pydblp.transport.auth.AuthTransport`: peers hold another key).
+            OSError: the socket itself failed.
         """
+        self._check_open()
+        if into is None:
+            into = Batch.empty(1024)
+        try:
+            return self._recv(into, timeout, max, want, linger, copy)
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:  # the batch, not the transport: drop it, count it, go on
+            self._recv_failed(e)
+            into.n = 0
+            return into.view(0, 0)
+
+    @abc.abstractmethod
+    def _recv(self, into: Batch, timeout: float | None, max: int | None, want: int, linger: float,
+              copy: bool) -> Batch:
+        """:meth:`recv`'s work, on an open transport and a given ``into``; may raise on a bad batch
+        (:meth:`recv` drops it and calls :meth:`_recv_failed`)."""
+
+    def _recv_failed(self, e: Exception) -> None:
+        """Count and log a batch :meth:`_recv` raised on; a subclass also gives back the buffers
+        the batch held (and calls this)."""
+        self._c["rx_errors"] = self._c.get("rx_errors", 0) + 1
+        now = time.monotonic()
+        if now - self._rx_error_logged >= RECV_ERROR_LOG_EVERY:
+            self._rx_error_logged = now
+            log.warning("%s transport: a received batch raised %s: %s; dropped it (rx_errors %d) and "
+                        "receiving on", self.kind, type(e).__name__, e, self._c["rx_errors"], exc_info=e)
 
     def tx_backlog(self) -> float:
         """Seconds until what ``send`` queued here has been handed to the network (0: nothing waits).

@@ -195,7 +195,7 @@ class UdpTransport(Transport):
         self._sock = None
         self._fd = -1
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off",
+                                 "rx_truncated", "rx_errors", "tx_errors", "tx_blocked", "tx_gso_packets", "tx_gso_off",
                                  "rx_gro_packets", "tx_looped"), 0)
         self._peers: list = []
         self._peer_key: dict[bytes, int] = {}
@@ -348,11 +348,8 @@ class UdpTransport(Transport):
         self._rx_iov["len"][:n, 1] = into.maxlen
         self._rx_bound = (h, p, n)
 
-    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
-             *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
-        self._check_open()
-        if into is None:
-            into = Batch.empty(1024)
+    def _recv(self, into: Batch, timeout: float | None, max: int | None, want: int, linger: float,
+              copy: bool) -> Batch:
         if not _rows_ok(into):  # the kernel can only scatter into plain rows
             tmp = self.recv(Batch.empty(into.cap, into.maxlen), timeout, max, want=want, linger=linger)
             k = len(tmp)
@@ -385,6 +382,11 @@ class UdpTransport(Transport):
                     if (into.headers["kind"][k - k2: k] != DATA_KIND).any():  # a control packet: answer it now
                         break
         return self._deliver(into, into.payload, self._rx_mmsg["len"][:k].astype(np.int64), self._match(k), 0)
+
+    def _recv_failed(self, e: Exception) -> None:
+        """Drop what a narrow batch left over too: the datagrams read with the failed batch are gone."""
+        self._spill_n = self._spill_at = 0
+        super()._recv_failed(e)
 
     def _recv_gro(self, into: Batch, cap: int, timeout, want: int, linger: float, copy: bool) -> Batch:
         """``recv`` on a GRO socket: one message a read, as whole datagrams into the rows of a

@@ -153,7 +153,7 @@ class XskTransport(XskReceive, Transport):
         self._tmpl = frames.Templates()
         self._tos = dscp_mod.tos_table(dscp)  # header prio -> TOS / traffic class byte; None: 0
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
-                                 "rx_truncated", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
+                                 "rx_truncated", "rx_errors", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
         try:
             with net.in_netns(netns):
                 self._sock = socket.socket(AF_XDP, socket.SOCK_RAW, 0)
@@ -182,6 +182,8 @@ class XskTransport(XskReceive, Transport):
             # frames: receive ones go to the fill ring now, transmit ones to the free list
             self._fill_pending = np.zeros(0, np.uint64)
             self._lent = None  # frames whose payload the last recv(copy=False) lent out
+            self._taking = None  # (rx ring index, descriptors available) while a batch is received
+            self._taken = None   # addresses of the frames it took off the rx ring (given back on an error)
             self._fill_push(np.arange(rx_frames, dtype=np.uint64) * np.uint64(frame_size))
             # transmit frames: a FIFO, so frames leave and complete in UMEM order and a
             # batch usually gets consecutive frames it can be built in place into
@@ -271,11 +273,8 @@ class XskTransport(XskReceive, Transport):
             self._pressure_fn(level)
             self._pressure = level
 
-    def recv(self, into: Batch | None = None, timeout: float | None = 0.0, max: int | None = None,
-             *, want: int = 1, linger: float = 0.0, copy: bool = True) -> Batch:
-        self._check_open()
-        if into is None:
-            into = Batch.empty(1024)
+    def _recv(self, into: Batch, timeout: float | None, max: int | None, want: int, linger: float,
+              copy: bool) -> Batch:
         cap = into.cap if max is None else min(max, into.cap)
         rx = self._rx
         if self._lent is not None:  # the caller is done with the payload the last call lent
@@ -318,7 +317,25 @@ class XskTransport(XskReceive, Transport):
                     break
         self._ctrl_last = seen
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
-        return self._receive(into, cons, avail, cap, copy)
+        self._taking, self._taken = (cons, avail), None
+        got = self._receive(into, cons, avail, cap, copy)
+        self._taking = self._taken = None
+        return got
+
+    def _recv_failed(self, e: Exception) -> None:
+        """Give the failed batch's frames back to the fill ring (taking its descriptors off the rx
+        ring first if the error came before they were: a batch that raises is never met twice)."""
+        if self._taking is not None and self._taken is None:
+            cons, avail = self._taking
+            if (int(self._rx.cons[0]) - cons) & 0xFFFFFFFF == 0:
+                d = self._rx.at(cons, avail)
+                self._taken = d["addr"].astype(np.int64)
+                self._rx.consume(cons, avail)
+        if self._taken is not None:
+            fs = self.frame_size
+            self._fill_push((self._taken // fs * fs).astype(np.uint64))
+        self._taking = self._taken = None
+        super()._recv_failed(e)
 
     # ---- transmit ------------------------------------------------------
 

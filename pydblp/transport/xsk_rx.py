@@ -51,6 +51,7 @@ class XskReceive:
         addr = d["addr"].astype(np.int64)
         flen = d["len"].astype(np.int64)
         rx.consume(cons, n)  # descriptors copied; frames stay ours until refilled
+        self._taken = addr
         run = self._recv_run(into, addr, flen, n, copy) if (addr[1:] - addr[:-1] == fs).all() else None
         if run is not None:
             return run
@@ -139,6 +140,7 @@ class XskReceive:
         ndesc = int(ends[npk - 1]) + 1
         rx.consume(cons, ndesc)
         addr = dd["addr"][:ndesc].astype(np.int64)
+        self._taken = addr
         dlen = dd["len"][:ndesc].astype(np.int64)
         first = np.concatenate(([0], ends[: npk - 1] + 1))
         nseg = ends[:npk] - first + 1

@@ -214,7 +214,8 @@ class Owner:
     """A Round of rank 0 of 2 that owns shard 0 (100 chunks) and awaits shard 1's all-gather."""
 
     def __init__(self, tol8=0):
-        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload"), 0)
+        self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
+                                              "stray"), 0)
         self.m = Matcher(0, 2, job=1, chunk_bytes=C * 4, broadcast=False, counters=self.counters)
         T = 200
         st = self.st = _round(round=7, tensor=3, tol8=tol8, x=np.zeros((T, C), np.float32),
