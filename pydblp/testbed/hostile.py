@@ -16,7 +16,7 @@ Categories (:data:`CATEGORIES`):
 ``flags``       a random ``flags`` byte
 ``wrong_key``   tagged with another key (the job's epoch: the MAC is what fails)
 ``replay``      tagged with the job key under another epoch (a packet of an earlier run)
-``untagged``    a well-formed packet without a tag
+``untagged``    a well-formed packet without a tag, every other one header-only (no payload)
 ``oversize``    a DATA packet filling the MTU, longer than any chunk the job sends
 ``ipv6``        a well-formed packet over IPv6 (the rank's host may not speak it)
 ``udp_length``  the UDP or IPv4 length field lies about the datagram
@@ -131,8 +131,8 @@ def _mutant(t: Target, cat: str, rng, i: int) -> tuple[bytes, bool]:
         return _packet(t, rng, key=OTHER_KEY, epoch=t.epoch), False
     if cat == "replay":
         return _packet(t, rng, key=t.key or OTHER_KEY, epoch=(t.epoch + 1 + int(rng.integers(0, 1000))) & 0xFFFFFFFF), False
-    if cat == "untagged":
-        return _packet(t, rng), False
+    if cat == "untagged":  # every other one header-only: a frame with no payload byte at all
+        return _packet(t, rng, payload_len=0 if i % 2 == 0 else None), False
     if cat == "oversize":
         room = 1500 - frames.IPV4_LEN - frames.UDP_LEN - wire.HEADER_LEN - (wire.TAG_LEN if keyed else 0)
         h = wire.Header.unpack(_packet(t, rng)[:wire.HEADER_LEN]).replace(kind=wire.Kind.DATA)

@@ -21,10 +21,11 @@ import zlib
 import numpy as np
 import pytest
 
-from pydblp import host
+from pydblp import host, wire
 from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
-from pydblp.testbed.hostile import CATEGORIES, Sprayer, Target, mutants
+from pydblp.testbed.hostile import CATEGORIES, Sprayer, Target, frame, mutants
+from pydblp.transport import Batch
 from pydblp.transport.auth import authenticate
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
@@ -168,6 +169,30 @@ def test_spray_changes_nothing(tb, hosts, kind, keyed, round_kind):
     finally:
         for c in cols:
             c.close()
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_header_only_frames_at_a_keyed_af_xdp_socket(tb, hosts, kind):
+    """The fault that stopped keyed AF_XDP jobs: a receive whose frames are all header-only (no
+    payload byte) lends payload rows 0 bytes wide; the tag check read column -1 of them and
+    raised IndexError out of ``recv``.  Now: dropped as untagged, counted, nothing raised."""
+    t = authenticate(XskTransport("eth0", netns=tb.ns(0), host=hosts[0], rx_frames=512,
+                                  tx="kernel" if kind == "xsk-ktx" else "xsk"), KEY, 5)
+    try:
+        target = Target(tb.mac(0), tb.addr(0), t.port, tb.mac(2), tb.addr(2), job=JOB, world=2)
+        bare = frame(target, wire.encode(wire.Header(job=JOB, round=3, src=1, dst=0, nchunks=4, chunk=1)))
+        with Sprayer(tb.ns(2), "eth0", [("untagged", bare)], count=20, duration=10) as sp:
+            sp.start()
+            assert sp.wait(10)
+        into, got = Batch.empty(64, 1408), 0
+        for _ in range(20):
+            got += t.recv(into, timeout=0.05, copy=False).n
+            if t.stats()["auth_untagged"] == 20:
+                break
+        st = t.stats()
+        assert got == 0 and st["auth_untagged"] == 20 and st["rx_errors"] == 0, st
+    finally:
+        t.close()
 
 
 # ---- a batch that raises inside a receive -------------------------------------------------
