@@ -666,8 +666,16 @@ class Protocol:
         if now - st.t_alive < DEAD_TICK:
             return
         st.t_alive = now
+        # Peers whose silence is their own: one this rank probes (a live one answers every probe),
+        # one owing its own data (a contribution to this rank's shard, a shard it broadcasts).  An
+        # owner's all-gather in an allreduce may instead wait for a third rank's contribution, so
+        # such a peer is judged only when no peer of the first kind is needed: else a rank killed
+        # while still sending would go unnamed, and each survivor would name the other, silent
+        # since its own data went out.
         needed = {o.dst for o in st.outs.values() if not o.done}
-        needed |= {i.src for i in st.ins.values() if not i.done and (i.ag or not st.reduced)}
+        needed |= {i.src for i in st.ins.values() if not i.done and (not st.reduced if not i.ag else not st.reduce)}
+        if not needed:
+            needed = {i.src for i in st.ins.values() if not i.done and i.ag}
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
             r = min(needed, key=lambda q: (st.heard[q], q))

@@ -10,9 +10,10 @@ gradient synchronisation, ``dt``: the whole step), ``{"eval", ...}`` at
 evaluation points (``--eval-every`` steps, ``--eval-at`` and the last step)
 followed by ``{"div", ...}``: the largest parameter difference from rank 0's
 over all ranks, measured through the Gloo control plane, and a final
-``{"final", ...}`` with the collective's round records and every rank's phase
-decisions.  ``t`` counts training only: evaluation and the divergence check
-are left out.  Failures go to stderr and the exit status.
+``{"final", ...}`` with the collective's round records, every rank's phase
+decisions, host-program counters and transport and collective counters.  ``t``
+counts training only: evaluation and the divergence check are left out.
+Failures go to stderr and the exit status.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def parse(argv=None):
     p.add_argument("--grad-error-every", type=int, default=0,
                    help="every N steps (pydblp runs) compare the averaged gradient with the exact mean (0: never)")
     p.add_argument("--peer-timeout", type=float, default=30.0)
+    p.add_argument("--no-round-records", dest="round_records", action="store_false",
+                   help="leave every round's record out of the final line (long runs: memory stays flat)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="the link's bits/s: the xsk transport paces at it (AF_XDP bypasses the TBF)")
     return p.parse_args(argv)
@@ -169,7 +172,8 @@ def main(argv=None) -> int:
             phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
                                                                                  g_over=a.g_over)
             cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
-                         allgather=a.allgather, priority=a.priority, on_record=lambda r: rounds.append(
+                         allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
+                         lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
@@ -282,6 +286,11 @@ def main(argv=None) -> int:
             host = [None] * a.world  # every rank's host-program counters (sheds by priority)
             dist.all_gather_object(host, state.host_counters())
             final["host"] = host
+            # every rank's transport counters (rx_invalid, auth_*, ...) and the collective's drops
+            ctr = [None] * a.world
+            dist.all_gather_object(ctr, {"transport": state.collective.t.stats(),
+                                         "collective": dict(state.collective.counters)})
+            final["counters"] = ctr
         if a.rank == 0:
             emit(final)
         return 0
