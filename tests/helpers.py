@@ -269,6 +269,32 @@ def host_pair(mtu: int = 1500):
         net.netns_del(b)
 
 
+FOREIGN_PROG = r"""
+BPF_XSKMAP(xsks, 4);
+int xdp_to_xsk(struct xdp_md *ctx) {
+    return xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
+}
+"""
+
+
+@contextlib.contextmanager
+def foreign_xskmap(dev: str, netns: str):
+    """An XDP program that is not pydblp's on ``dev``: it redirects every frame to the AF_XDP
+    socket of its queue (no checks); yields its ``xskmap`` for ``XskTransport(xskmap=)``.
+    Detached with the namespace; the program is released at exit."""
+    from bcc import BPF
+
+    from pydblp.bpf import Map
+
+    prog = BPF(text=FOREIGN_PROG.encode())
+    try:
+        fd = prog.load_func(b"xdp_to_xsk", BPF.XDP).fd
+        net.xdp_attach(dev, fd, net.Mode.NATIVE, netns)
+        yield Map(prog[b"xsks"].map_fd, owned=False)
+    finally:
+        prog.cleanup()
+
+
 def xsk(pair, side: int, **kw):
     """An :class:`~pydblp.transport.xsk.XskTransport` on queue 0 of side ``side`` of a :func:`host_pair`."""
     from pydblp.transport.xsk import XskTransport

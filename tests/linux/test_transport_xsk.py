@@ -19,7 +19,8 @@ from pydblp import net, wire
 from pydblp.transport import Batch
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import ADDR, JOB, JOB_UDP, MAC, MAXLEN, N, Checker, both_ways, make_pair, packets, transfer, xsk
+from tests.helpers import (ADDR, JOB, JOB_UDP, MAC, MAXLEN, N, Checker, both_ways, foreign_xskmap, make_pair, packets,
+                           transfer, xsk)
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -337,28 +338,12 @@ def test_add_peer_resolves_the_mac_on_demand(pair):
             ip.addr("del", index=ip.link_lookup(ifname="vb")[0], address=extra, prefixlen=24)
 
 
-FOREIGN_PROG = r"""
-BPF_XSKMAP(xsks, 4);
-int xdp_to_xsk(struct xdp_md *ctx) {
-    return xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
-}
-"""
-
-
 def test_foreign_xskmap_receive_validates_headers():
     """Behind a program that is not pydblp's (no kernel checks), receive validates and counts."""
-    from bcc import BPF
-
-    from pydblp.bpf import Map
-
     a, b = make_pair()
-    prog = None
     try:
-        prog = BPF(text=FOREIGN_PROG.encode())
-        fd = prog.load_func(b"xdp_to_xsk", BPF.XDP).fd
-        net.xdp_attach("vb", fd, net.Mode.NATIVE, b)
-        xskmap = Map(prog[b"xsks"].map_fd, owned=False)
-        with XskTransport("va", netns=a) as ta, XskTransport("vb", netns=b, xskmap=xskmap) as tb:
+        with foreign_xskmap("vb", b) as xskmap, XskTransport("va", netns=a) as ta, \
+                XskTransport("vb", netns=b, xskmap=xskmap) as tb:
             pb = ta.add_peer(ADDR[4][1])
             good = packets(0, 300, 0, 1, JOB, pb)
             bad = packets(300, 300, 0, 1, JOB, pb)
@@ -379,5 +364,3 @@ def test_foreign_xskmap_receive_validates_headers():
     finally:
         net.netns_del(a)
         net.netns_del(b)
-        if prog is not None:
-            prog.cleanup()

@@ -21,34 +21,20 @@ from pydblp import net, wire
 from pydblp.testbed.hostile import Sprayer, Target, frame
 from pydblp.transport import Batch
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import ADDR, MAC, make_pair
+from tests.helpers import ADDR, MAC, foreign_xskmap, make_pair
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
-FOREIGN_PROG = r"""
-BPF_XSKMAP(xsks, 4);
-int xdp_to_xsk(struct xdp_md *ctx) {
-    return xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
-}
-"""
 PORT = wire.DEFAULT_PORT
 
 
 @pytest.fixture(scope="module")
 def rig(bpf_xdp):
     """Namespaces a <-> b; on vb a foreign program redirecting everything to one AF_XDP socket."""
-    from bcc import BPF
-
-    from pydblp.bpf import Map
-
     a, b = make_pair()
-    prog = None
     try:
-        prog = BPF(text=FOREIGN_PROG.encode())
-        fd = prog.load_func(b"xdp_to_xsk", BPF.XDP).fd
-        net.xdp_attach("vb", fd, net.Mode.NATIVE, b)
-        with XskTransport("vb", netns=b, xskmap=Map(prog[b"xsks"].map_fd, owned=False), rx_frames=1024,
-                          tx_frames=64) as t:
+        with foreign_xskmap("vb", b) as xskmap, \
+                XskTransport("vb", netns=b, xskmap=xskmap, rx_frames=1024, tx_frames=64) as t:
             target = Target(MAC[1], ADDR[4][1], PORT, MAC[0], ADDR[4][0], job=5, world=2)
             yield {"ns": a, "t": t, "target": target}
     finally:
@@ -56,8 +42,6 @@ def rig(bpf_xdp):
             net.netns_del(a)
         with contextlib.suppress(Exception):
             net.netns_del(b)
-        if prog is not None:
-            prog.cleanup()
 
 
 def _dblp(kind, n, cut, lie):
