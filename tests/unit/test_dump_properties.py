@@ -6,7 +6,8 @@ does not know, micro- or nanosecond timestamps of any value, either byte order, 
 random bytes (0..1600), or IPv4/IPv6 UDP datagrams to, from or past the DBLP port(s) carrying
 arbitrary bytes, cut DBLP headers, headers of any field values (a lying ``len`` too), packets
 tagged with the job key, another key or altered, UDP lengths that lie, link padding, each
-captured whole or cut short (snaplen).
+captured whole or cut short (snaplen); the file itself whole or cut anywhere past its global
+header (a capture still being written).
 
 Properties, plain, with ``-v`` and with ``--key-file``: the command exits 0 and never raises;
 it prints exactly one line per frame to or from a DBLP port (``-v``: that line, then indented
@@ -43,7 +44,7 @@ from scapy.layers.l2 import CookedLinux, Ether
 from pydblp import cli, wire
 from tests.unit.test_cli_dump import MACS
 
-SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True)
 KEY, OTHER = bytes(range(32)), b"o" * 32
 PORT, PORT2 = wire.DEFAULT_PORT, wire.DEFAULT_PORT + 1
 MAX32 = 0xFFFFFFFF
@@ -125,7 +126,10 @@ def udp_frames(draw, link: int) -> dict:
 
 @st.composite
 def captures(draw) -> dict:
-    """A capture file's parameters and frames: ``(frame, captured length, seconds, fraction)``."""
+    """A capture file: link type, byte order, time resolution, snaplen, where it is cut (None:
+    whole), whether dump is given a second DBLP port, and its frames (each: its bytes, how many
+    of them were captured, its time in seconds and fraction, and for a datagram built here its
+    headers' length, ports, UDP payload and lying UDP length)."""
     link = draw(st.sampled_from([ETHER, ETHER, RAW_IP, SLL, UNKNOWN]))
     frames = []
     for _ in range(draw(st.integers(0, 8))):
@@ -140,18 +144,31 @@ def captures(draw) -> dict:
         frames.append(f)
     return dict(link=link, frames=frames, nano=draw(st.booleans()), big=draw(st.booleans()),
                 snaplen=draw(st.one_of(st.just(65535), st.integers(0, MAX32))),
+                cut=draw(st.one_of(st.none(), st.none(), st.integers(0, 1 << 20))),  # (the file, mod its size)
                 two_ports=draw(st.booleans()))
 
 
-def write_pcap(path: str, cap: dict) -> None:
+def write_pcap(path: str, cap: dict) -> list[dict]:
+    """Write ``cap``; the frames a reader finds in the file (all, or with ``cap["cut"]`` the file
+    is cut short as a capture still being written is: those whose record header is in, the last
+    one's bytes as far as they go)."""
     e = ">" if cap["big"] else "<"
     out = [struct.pack(e + "IHHiIII", 0xA1B23C4D if cap["nano"] else 0xA1B2C3D4, 2, 4, 0, 0, cap["snaplen"],
                        cap["link"])]
+    at, found = 24, []
     for f in cap["frames"]:
         out.append(struct.pack(e + "IIII", f["sec"], f["frac"], f["caplen"], len(f["data"])))
         out.append(f["data"][: f["caplen"]])
+        found.append((at + 16, f))
+        at += 16 + f["caplen"]
+    data = b"".join(out)
+    if cap["cut"] is not None:
+        data = data[: 24 + cap["cut"] % (len(data) - 24 + 1)]
+        found = [(start, dict(f, caplen=min(f["caplen"], len(data) - start))) for start, f in found
+                 if start <= len(data)]
     with open(path, "wb") as fh:
-        fh.write(b"".join(out))
+        fh.write(data)
+    return [f for _, f in found]
 
 
 # ---- what the dump must print ------------------------------------------------------
@@ -214,7 +231,7 @@ def _frame(payload: bytes, caplen: int | None = None, **kw) -> dict:
 
 
 _GOOD = wire.encode(wire.Header(kind=wire.Kind.DATA, job=5, src=1, nchunks=2), b"x" * 40, key=KEY, epoch=7)
-_CAP = dict(link=ETHER, nano=False, big=False, snaplen=65535, two_ports=False)
+_CAP = dict(link=ETHER, nano=False, big=False, snaplen=65535, two_ports=False, cut=None)
 
 
 @SETTINGS
@@ -224,11 +241,11 @@ _CAP = dict(link=ETHER, nano=False, big=False, snaplen=65535, two_ports=False)
                                 _frame(_GOOD, caplen=38)]), keyed=True)
 def test_dump_prints_one_line_per_dblp_frame_and_never_fails(cap, keyed, workdir):
     path = workdir / "trace.pcap"
-    write_pcap(str(path), cap)
+    frames = write_pcap(str(path), cap)
     ports = {PORT, PORT2} if cap["two_ports"] else {PORT}
     argv = ["-r", path] + (["--port", PORT, "--port", PORT2] if cap["two_ports"] else [])
     argv += ["--key-file", workdir / "job.key"] if keyed else []
-    shown = [f for f in cap["frames"] if on_dblp_port(cap, f, ports)]
+    shown = [f for f in frames if on_dblp_port(cap, f, ports)]
     times = [when(f, cap["nano"]) for f in shown]
     for verbose in (False, True):
         rc, out = dump(*argv, *(["-v"] if verbose else []))
