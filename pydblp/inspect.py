@@ -20,6 +20,7 @@ without it raises :class:`pydblp._extras.MissingExtra`, which says so.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -248,25 +249,57 @@ def check_filter(expr: str) -> None:
         raise CaptureError(f"bad filter {expr!r}: {e}") from None
 
 
+class _HeldWarnings(logging.Handler):
+    """Hold what scapy logs inside ``with``; :meth:`replay` hands it to scapy's own handlers.
+    A file scapy cannot open then fails with one line, not its warnings first."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self._log = logging.getLogger("scapy")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self):
+        self._propagate = self._log.propagate
+        self._saved = self._log.handlers[:]
+        self._log.handlers = [self]
+        self._log.propagate = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._log.handlers = self._saved
+        self._log.propagate = self._propagate
+
+    def replay(self) -> None:
+        for r in self.records:
+            self._log.handle(r)
+        self.records.clear()
+
+
 def read_pcap(path: str, expr: str | None = None) -> Iterator[Packet]:
     """Packets of a pcap/pcapng file, through the BPF filter ``expr`` (tcpdump) if given."""
     from scapy.error import Scapy_Exception
     from scapy.utils import PcapReader, tcpdump
 
     if not os.path.isfile(path):
-        raise CaptureError(f"{path}: no such file")
+        raise CaptureError(f"{path}: {'a directory' if os.path.isdir(path) else 'no such file'}")
     proc = None
+    held = _HeldWarnings()  # scapy's warnings while it opens the file: shown only if it opens
     try:
-        if expr:
-            check_filter(expr)
-            proc = tcpdump(path, args=["-w", "-"], flt=expr, getproc=True, quiet=True)
-            reader = PcapReader(proc.stdout)
-        else:
-            reader = PcapReader(path)
+        with held:
+            if expr:
+                check_filter(expr)
+                proc = tcpdump(path, args=["-w", "-"], flt=expr, getproc=True, quiet=True)
+                reader = PcapReader(proc.stdout)
+            else:
+                reader = PcapReader(path)
     except Scapy_Exception as e:
         raise CaptureError(f"{path}: not a capture file scapy can read ({e})") from None
     except OSError as e:
         raise CaptureError(f"{path}: {e.strerror or e}") from None
+    held.replay()
     try:
         yield from reader
     finally:
