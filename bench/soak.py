@@ -7,8 +7,8 @@ sprayer host, the testbed's 1 Gbit/s links): ``clean``, then ``sprayed`` while t
 forged, replayed, oversized, IPv6, other jobs...) at rank 0's data port, from the moment the ranks
 start training until they finish.  The training is the main job's digits MLP
 (:mod:`pydblp.experiment.worker`, DDP with pydblp's hook, ``static:0``: every round exact), so
-the sprayed run must end with the clean run's accuracy exactly (the same bits: forged packets
-change nothing, malformed ones are dropped).
+the sprayed run must give the clean run's accuracy at every evaluation and end with the same
+parameters, bit for bit (forged packets change nothing, malformed ones are dropped).
 
 Reported (stdout, and ``--json``): accuracy at each evaluation, both runs; each rank's RSS,
 sampled every ``--sample`` seconds (the bound: max - min after the first minute, against the
@@ -150,7 +150,7 @@ def train(tb, a, steps: int, key_file: str, spray: bool, timeout: float, logs: s
                 print(f"  {'sprayed' if spray else 'clean'}: step {rec['step'] + 1}/{steps} accuracy "
                       f"{rec['eval']:.4f}" + (f", {sprayer.total:,} frames sprayed" if sprayer else ""), flush=True)
             elif rec.get("final"):
-                run["final"] = {k: rec[k] for k in ("wall", "host", "counters") if k in rec}
+                run["final"] = {k: rec[k] for k in ("wall", "host", "counters", "params_sha256") if k in rec}
         for p in procs:
             p.wait(timeout=60)
     finally:
@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         "steps": steps, "workers": a.workers, "pps": a.pps, "seed": a.seed, "net": a.net,
         "wall_s": {"clean": clean["final"]["wall"], "sprayed": sprayed["final"]["wall"]},
         "accuracy": {"clean": clean["evals"], "sprayed": sprayed["evals"]},
-        "identical": clean["evals"] == sprayed["evals"],
+        "identical": (clean["evals"] == sprayed["evals"]
+                      and clean["final"]["params_sha256"] == sprayed["final"]["params_sha256"]),
         "sent_by_category": sprayed["sent"], "spray_s": sprayed["spray_s"], "accounting": acc,
         "rss": {"clean": rss_bound(clean), "sprayed": rss_bound(sprayed)},
         "rss_samples": sprayed["rss"],
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     print(f"  frames sprayed at rank 0: {acc['sent']:,} in {sprayed['spray_s']:.0f} s "
           f"({len(sprayed['sent'])} categories of {len(CATEGORIES)})")
     print(f"  final accuracy clean {clean['evals'][-1][1]:.4f}, sprayed {sprayed['evals'][-1][1]:.4f}; "
-          f"every evaluation identical: {report['identical']}")
+          f"every evaluation and the final parameters identical: {report['identical']}")
     print(f"  the collective's stray, foreign, bad_payload, late, duplicate (clean, sprayed): {acc['collective']}")
     print(f"  counted dropped at rank 0: {acc['counted']:,}; the rest {acc['unaccounted']:,} against "
           f"{acc['passed_to_stack']:,} more passed to the stack than in the clean run and "

@@ -276,7 +276,10 @@ def main(argv=None) -> int:
                     emit({"div": div, "div_rel": div_rel, "step": step})
                 paused += time.monotonic() - te0
         final = {"final": True, "wall": time.monotonic() - t_start - paused,
-                 "tcp_retransmits": tcp_retransmits() - retrans0}
+                 "tcp_retransmits": tcp_retransmits() - retrans0,
+                 # this rank's parameters, bit for bit: two runs that must be identical compare it
+                 "params_sha256": hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                                          for p in model.parameters())).hexdigest()}
         if state is not None:
             final["rounds"] = rounds  # every round's (Collective.records keeps only the latest)
             final["chunk_bytes"] = state.collective.cfg.chunk_bytes
