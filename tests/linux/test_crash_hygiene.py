@@ -184,6 +184,12 @@ def test_sigkill_mid_round_then_unload_all_and_down(bpf_xdp, kind):
     if stray.exists():
         pytest.fail(f"{stray} exists (a pydblp program pinned for eth0, from another run?): the ranks would "
                     "use its maps instead of attaching their own; `dblp unload --all` removes it")
+    # `dblp unload --all` below removes every pydblp attachment on the host: never another run's
+    others = host.loaded()
+    if others:
+        pytest.skip("pydblp is attached elsewhere on this host ("
+                    + ", ".join(f"{e['ifname']}@{e['netns'] or '-'}" for e in others[:4])
+                    + "): this test ends with `dblp unload --all`, which would remove it; run it alone")
     pins_before = pins()
     tb = Testbed(workers=WORLD, name=name, rate=0, fabric=False)
     workers: list[Worker] = []
@@ -233,8 +239,8 @@ def test_sigkill_mid_round_then_unload_all_and_down(bpf_xdp, kind):
             assert m, errors[0]
             elapsed, me, dead, silent, rnd = float(m[1]), int(m[2]), int(m[3]), float(m[4]), int(m[5])
             if (me, dead, silent) != (w.rank, KILLED, PEER_TIMEOUT):
-                pytest.fail(f"rank {w.rank} blames the wrong rank: {errors[0]}\n(rank {KILLED} killed in round {done})\n"
-                            + "\n----\n".join(x.out for x in workers))
+                pytest.fail(f"rank {w.rank} blames the wrong rank: {errors[0]}\n(rank {KILLED} killed in round "
+                            f"{done})\n" + "\n----\n".join(x.out for x in workers))
             assert "peer dead or unreachable" in errors[0], errors[0]
             # it failed in the round rank 2 died in (or the one after), and no sooner than peer_timeout
             assert done - 1 <= rnd <= done + 1 and rnd == w.rounds(), (done, out[-3000:])
