@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # the tensor id of the one-chunk round that sums a step's partial gradient norms (end_step);
 # pydblp.torch.ParameterBroadcaster uses 0xFFFF, DDP buckets small ids
 AGREE_TENSOR = 0xFFFE
+CLOSE_JOIN = 5.0  # s close() waits for the idle responder before leaving the transport to it
 
 
 class Collective:
@@ -80,12 +81,15 @@ class Collective:
         self._closing = False
         self._sharded = False                # sharded_update ran: results are parameters, G is the owners'
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
+        self._state = threading.Lock()       # guards the hand-off's flags below (no reliance on the GIL)
         self._running = False                # a round runs or is about to take the lock
         self._serving = False                # the idle responder polls the transport
+        self._idle_done = False              # the idle responder has returned
+        self._close_late = False             # close() found it stuck: it releases what it uses as it returns
         self._idle_error: BaseException | None = None  # what ended the idle responder, raised by the next round
         self._alarm = Alarm()                # starts the idle responder IDLE_GRACE after a round
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # ends its poll
-        self._idler = threading.Thread(target=self._idle_loop, name=f"pydblp-idle-{rank}", daemon=True)
+        self._idler = threading.Thread(target=self._idle_main, name=f"pydblp-idle-{rank}", daemon=True)
         try:
             self._idler.start()
         except BaseException:
@@ -336,14 +340,26 @@ class Collective:
         close only after every rank has finished (``pydblp.torch.State.close``
         barriers first).
         """
-        if not self._closing:
-            self._closing = True
-            self._alarm.set(1e-9)
-            os.eventfd_write(self._wake, 1)
-            self._idler.join(timeout=5)
-            if not self._idler.is_alive():  # (else it is stuck in a transport call: leave its fds)
-                self._alarm.close()
-                os.close(self._wake)
+        if self._closing:
+            if not self._close_late:
+                self.t.close()
+            return
+        self._closing = True
+        self._alarm.set(1e-9)
+        os.eventfd_write(self._wake, 1)
+        self._idler.join(timeout=CLOSE_JOIN)
+        with self._state:
+            self._close_late = not self._idle_done
+        if self._close_late:  # stuck in a transport call: never close what it is using under it
+            log.warning("rank %d: the idle responder is still in a transport call after %.0f s; the "
+                        "transport closes when it returns", self.rank, CLOSE_JOIN)
+            return
+        self._release()
+
+    def _release(self) -> None:
+        """Close the idle responder's timer and wake descriptor, then the transport."""
+        self._alarm.close()
+        os.close(self._wake)
         self.t.close()
 
     def _round(self, x: np.ndarray, start, done=None) -> np.ndarray:
@@ -355,9 +371,11 @@ class Collective:
             raise CollectiveError(f"the transport failed between rounds: {self._idle_error}") from self._idle_error
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         p = self.protocol
-        self._running = True
+        with self._state:  # (the idle responder sets _serving, then reads _running, under the same lock)
+            self._running = True
+            serving = self._serving
         self._alarm.set(0)
-        if self._serving:
+        if serving:
             os.eventfd_write(self._wake, 1)
         with self._poll_lock:  # the idle responder leaves its poll at once; a receive of its runs to the end
             try:
@@ -371,7 +389,8 @@ class Collective:
                 if done is not None:
                     done(st)
             finally:
-                self._running = False
+                with self._state:
+                    self._running = False
                 self._alarm.set(IDLE_GRACE)
         return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
 
@@ -395,9 +414,10 @@ class Collective:
         poller.register(wake, select.POLLIN)
         while True:
             self._alarm.wait()
-            self._serving = True  # (set before _running is read: _round reads them the other way round)
+            with self._state:
+                self._serving = True
             try:
-                while not self._closing and not self._running:
+                while not self._closing and not self._round_begun():
                     backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
                     due = p.trail_due(time.monotonic())  # a trailing message's probe or retransmissions
                     waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
@@ -410,20 +430,36 @@ class Collective:
                     if not self._poll_lock.acquire(blocking=False):
                         continue  # a round has begun
                     try:
-                        if not self._running:
+                        if not self._round_begun():
                             while p.take(None, 0.0) >= RECV_BATCH:
                                 pass
                             if p.trail:
                                 p.serve_trail(time.monotonic())
                             p.flush_ctrl()
-                    except Exception as e:  # e.g. TransportError: peers hold another job key
-                        log.warning("rank %d: idle responder stopped: %s", self.rank, e)
-                        self._idle_error = e
-                        return
                     finally:
                         self._poll_lock.release()
+            except Exception as e:  # e.g. TransportError: peers hold another job key
+                log.warning("rank %d: idle responder stopped: %s", self.rank, e)
+                self._idle_error = e
+                return
             finally:
-                self._serving = False
+                with self._state:
+                    self._serving = False
             if self._closing:
                 return
+
+    def _round_begun(self) -> bool:
+        with self._state:
+            return self._running
+
+    def _idle_main(self) -> None:
+        """The idle responder's thread: :meth:`_idle_loop`, then what a late :meth:`close` left."""
+        try:
+            self._idle_loop()
+        finally:
+            with self._state:
+                self._idle_done = True
+                late = self._close_late
+            if late:
+                self._release()
 
