@@ -221,3 +221,23 @@ def test_cli_peer_binding_drops_a_spoofed_source_on_a_real_veth(pair, capsys):
     assert c["drop"]["spoof_ip"] == 5 and c["dblp_pass"] == 1
     for s in (rx, good, spoof):
         s.close()
+
+
+def test_a_process_inside_a_namespace_finds_that_namespaces_pins_only(pair):
+    """Pins live on the host's one bpffs: a process that entered namespace a (``ip netns exec``,
+    ``nsenter``) and names no namespace must find the program pinned for a's ``va``, never
+    take another namespace's for its own (``-`` stays the root namespace's)."""
+    a, b = pair
+    assert bpf.pin_dir("host", "eth0", None).parent.name == "-"
+    with net.in_netns(a):
+        assert bpf.current_netns() == a
+        assert bpf.pin_dir("host", "va", None) == bpf.pin_dir("host", "va", a)
+    with host.HostProgram("va", netns=a, pin=True) as h:
+        h.register_job(5, 2, 0, "xsk")
+        with net.in_netns(a):
+            maps = host.open_pinned("va")  # as a process started there would
+        with maps:
+            assert maps.jobs()[5]["rank"] == 0
+        with net.in_netns(b), pytest.raises(host.HostError, match="not loaded on va"):
+            host.open_pinned("va")
+    assert not bpf.pin_dir("host", "va", a).exists()
