@@ -310,7 +310,7 @@ _W0_SPAN = max(_KINDS) - min(_KINDS)
 _U4 = np.dtype("<u4")
 _KIND_MIN, _KIND_MAX = min(_KINDS), max(_KINDS)
 _FEW = 8  # headers up to which all_valid checks them in Python
-_TAG = int(Flag.TAG)  # a plain int: numpy takes an IntFlag operand ~5x slower
+FLAG_TAG = int(Flag.TAG)  # a plain int (C: DBLP_FLAG_TAG): numpy takes an IntFlag operand ~5x slower
 assert sorted(_KINDS) == list(range(min(_KINDS), max(_KINDS) + 1)) and Flag.TAG == 4 and TAG_LEN == 16
 
 
@@ -324,7 +324,7 @@ def all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
         for f, pl in zip(h.tolist(), plen.tolist()):
             if (f[F_MAGIC] != MAGIC or f[F_VERSION] != VERSION or not _KIND_MIN <= f[F_KIND] <= _KIND_MAX
                     or f[F_JOB] == 0 or not 1 <= f[F_NCHUNKS] <= MAX_NCHUNKS or f[F_CHUNK] >= f[F_NCHUNKS]
-                    or f[F_LEN] + (TAG_LEN if f[F_FLAGS] & _TAG else 0) + HEADER_LEN != pl):
+                    or f[F_LEN] + (TAG_LEN if f[F_FLAGS] & FLAG_TAG else 0) + HEADER_LEN != pl):
                 return False
         return True
     w = h.view(_U4).reshape(-1, 8).byteswap()  # one swap; the checks then run on native words
@@ -334,7 +334,7 @@ def all_valid(h: np.ndarray, plen: np.ndarray) -> bool:
     bad |= w[:, 1] == 0  # job
     bad |= (n_ch - np.uint32(1)) >= MAX_NCHUNKS  # nchunks 1..MAX_NCHUNKS
     bad |= w[:, 5] >= n_ch  # chunk
-    bad |= (w7 >> 16) + ((w7 & _TAG) << 2) + HEADER_LEN != plen  # len (tag included); so plen >= 32 too
+    bad |= (w7 >> 16) + ((w7 & FLAG_TAG) << 2) + HEADER_LEN != plen  # len (tag included); so plen >= 32 too
     return not bad.any()
 
 
@@ -349,7 +349,7 @@ def validate_batch(headers: np.ndarray, payload_lens: np.ndarray,
     plen = np.asarray(payload_lens, dtype=np.int64)
     if world_size is None and rank is None and all_valid(h, plen):  # the usual case, in few numpy calls
         return np.zeros(len(h), np.uint8)
-    taglen = np.where(h["flags"] & _TAG, TAG_LEN, 0)
+    taglen = np.where(h["flags"] & FLAG_TAG, TAG_LEN, 0)
     nch = h["nchunks"].astype(np.int64)
     checks = [
         (Reason.SHORT, plen < HEADER_LEN),

@@ -18,9 +18,17 @@ AG = int(wire.Flag.ALLGATHER)
 NB = int(wire.Flag.NEIGHBOUR)
 DST_ALL = wire.DST_ALL
 RETX = int(wire.Flag.RETX)
-TAG = int(wire.Flag.TAG)
+TAG = wire.FLAG_TAG
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
+# Tensor ids the library's own rounds use, one each; DDP buckets and a user's tensors take
+# small ids (from 0).  Two users of one id in one job would take each other's packets.
+TENSOR_BROADCAST = 0xFFFF  # pydblp.torch.ParameterBroadcaster's shard broadcasts
+TENSOR_AGREE = 0xFFFE      # Collective.end_step: the ranks' partial gradient norms summed
+TENSOR_SHARDED = 0xFFFD    # pydblp.torch.ShardedSGD / ShardedAdam: the step's round
+TENSOR_DILOCO = 0xFFFC     # pydblp.torch.PydblpExchange: DiLoCo's outer rounds
+RESERVED_TENSORS = {TENSOR_BROADCAST: "ParameterBroadcaster", TENSOR_AGREE: "Collective.end_step",
+                    TENSOR_SHARDED: "sharded optimizers", TENSOR_DILOCO: "PydblpExchange (DiLoCo)"}
 STASH_MAX = 65536  # packets of the next rounds kept before they start
 STASH_AHEAD = 64  # rounds ahead whose packets are kept (a rank behind in neighbour rounds catches up on them)
 RECV_BATCH = 2048  # packets taken from the transport per receive call

@@ -18,16 +18,13 @@ import time
 
 import numpy as np
 
-from pydblp.collective.config import IDLE_GRACE, RECV_BATCH, CollectiveError, Config, RoundRecord
+from pydblp.collective.config import IDLE_GRACE, RECV_BATCH, TENSOR_AGREE, CollectiveError, Config, RoundRecord
 from pydblp.collective.protocol import Protocol
 from pydblp.collective.timer import Alarm
 from pydblp.transport.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
-# the tensor id of the one-chunk round that sums a step's partial gradient norms (end_step);
-# pydblp.torch.ParameterBroadcaster uses 0xFFFF, DDP buckets small ids
-AGREE_TENSOR = 0xFFFE
 CLOSE_JOIN = 5.0  # s close() waits for the idle responder before leaving the transport to it
 
 
@@ -260,7 +257,7 @@ class Collective:
         if self._shared_g() or part is None:  # (identical results: every rank measured the same G)
             self.controller.end_step()
             return
-        total = self._round(np.array([part], np.float32), start=lambda p, flat: p.start(flat, AGREE_TENSOR, True))
+        total = self._round(np.array([part], np.float32), start=lambda p, flat: p.start(flat, TENSOR_AGREE, True))
         self.controller.end_step(float(total[0]) * self.world)
 
     def broadcast_shards(self, x: np.ndarray, tensor: int = 0) -> np.ndarray:

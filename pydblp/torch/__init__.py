@@ -35,6 +35,7 @@ import torch.distributed as dist
 from pydblp import net, wire
 from pydblp.auth import load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config, estimators, link_chunk_bytes
+from pydblp.collective.config import TENSOR_BROADCAST
 from pydblp.dataplane import check_kind, open_dataplane
 from pydblp.torch._flat import assign, flatten
 
@@ -257,7 +258,7 @@ class ParameterBroadcaster:
     (stale) value.  Call :meth:`step` after each optimizer step.
     """
 
-    TENSOR = 0xFFFF  # tensor id reserved for broadcasts (DDP buckets use small ids)
+    TENSOR = TENSOR_BROADCAST  # (pydblp.collective.config.RESERVED_TENSORS)
 
     def __init__(self, state: State, module: torch.nn.Module, every: int = 1):
         if every < 1:

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pydblp.collective.config import TENSOR_DILOCO
+
 log = logging.getLogger(__name__)
 
 TOPOLOGIES = ("ring", "exp", "random")
@@ -296,7 +298,7 @@ class PydblpExchange(Exchange):
 
     supports_neighbours = True
 
-    def __init__(self, state, tensor: int = 0xFFFE, timeout: float | None = None, readmit_every: int = 4):
+    def __init__(self, state, tensor: int = TENSOR_DILOCO, timeout: float | None = None, readmit_every: int = 4):
         peer_timeout = state.collective.cfg.peer_timeout
         if timeout is not None and not 0 < timeout < peer_timeout:
             raise ValueError(f"timeout {timeout}: use seconds in (0, Config.peer_timeout = {peer_timeout})")

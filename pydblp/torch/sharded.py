@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pydblp.collective.config import TENSOR_SHARDED
 from pydblp.torch._flat import assign, flatten
 
 __all__ = ["ShardedSGD", "ShardedAdam"]
@@ -36,7 +37,7 @@ class _Sharded:
     """The common part: flat views of the module's parameters and gradients, one round a step,
     and the owner's per-element optimizer state for its own rows only."""
 
-    TENSOR = 0xFFFD  # tensor id of the step's round (DDP buckets use small ids)
+    TENSOR = TENSOR_SHARDED  # (pydblp.collective.config.RESERVED_TENSORS)
     STATE = ()       # names of the per-element state buffers a subclass keeps
 
     def __init__(self, state, module: torch.nn.Module, lr: float):

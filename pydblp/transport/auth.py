@@ -60,7 +60,7 @@ from pydblp import wire
 from pydblp.mac import Macs
 from pydblp.transport.base import DEFAULT_MAXLEN, Batch, Transport, TransportError
 
-TAG = int(wire.Flag.TAG)
+TAG = wire.FLAG_TAG
 TAG_LEN, EPOCH_LEN, MAC_LEN = wire.TAG_LEN, wire.EPOCH_LEN, wire.MAC_LEN
 FAIL_AFTER = 1.0  # s of nothing but failing packets from a rank before recv raises
 FAIL_MIN = 8      # failing packets at least, too (a live rank sends more in its first round's burst or probes)

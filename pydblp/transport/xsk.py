@@ -63,6 +63,7 @@ from pydblp import dscp as dscp_mod
 from pydblp import net, wire
 from pydblp.transport import frames, neighbor
 from pydblp.transport import xsk_ring as ring
+from pydblp.host import PRESSURE_MAX
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
 from pydblp.transport.pacer import Pacer
 from pydblp.transport.xsk_ring import (AF_XDP, SG_MAX_SEGMENTS, SOL_XDP, XDP_COPY, XDP_MAX_TX_SKB_BUDGET,
@@ -73,7 +74,6 @@ from pydblp.transport.xsk_rx import XskReceive
 
 _U64 = struct.Struct("=Q")  # the host program's control-packet count (HostMaps.control_seen)
 SIOCGIFHWADDR = 0x8927
-PRESSURE_MAX = 1000
 PRESSURE_STEP = 50  # write the level when it moved this much (or reached 0)
 
 
