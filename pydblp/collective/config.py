@@ -5,6 +5,8 @@ What each constant times or bounds is described in docs/protocol.md.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +23,8 @@ RETX = int(wire.Flag.RETX)
 TAG = wire.FLAG_TAG
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
+REAL_CLOCK = time.monotonic  # the one place the collective reads the real clock (Protocol's clock=)
+
 # Tensor ids the library's own rounds use, one each; DDP buckets and a user's tensors take
 # small ids (from 0).  Two users of one id in one job would take each other's packets.
 TENSOR_BROADCAST = 0xFFFF  # pydblp.torch.ParameterBroadcaster's shard broadcasts

@@ -14,11 +14,12 @@ import math
 import os
 import select
 import threading
-import time
+from collections.abc import Callable
 
 import numpy as np
 
-from pydblp.collective.config import IDLE_GRACE, RECV_BATCH, TENSOR_AGREE, CollectiveError, Config, RoundRecord
+from pydblp.collective.config import (IDLE_GRACE, REAL_CLOCK, RECV_BATCH, TENSOR_AGREE, CollectiveError, Config,
+                                     RoundRecord)
 from pydblp.collective.protocol import Protocol
 from pydblp.collective.timer import Alarm
 from pydblp.transport.base import Transport, TransportError
@@ -57,7 +58,7 @@ class Collective:
     """
 
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
-                 group: tuple | None = None):
+                 group: tuple | None = None, clock: Callable[[], float] = REAL_CLOCK):
         """Args:
             transport: an open transport; the collective owns it from now on (:meth:`close`).
             rank: this rank, 0..world-1.
@@ -65,12 +66,13 @@ class Collective:
             peers: per rank, ``(addr, port)`` or ``(addr, port, mac)``.
             config: the knobs (default ``Config()``).
             group: the broadcast all-gather's address (see above).
+            clock: the protocol's "now" (seconds, monotonic; default the real clock).
 
         Raises ValueError naming what is wrong (a knob, the rank, world, peer list, group, a
         closed transport) before any peer is registered; OSError if the idle responder's
         timer or thread cannot be made.
         """
-        self.protocol = p = Protocol(transport, rank, world, peers, config, group)
+        self.protocol = p = Protocol(transport, rank, world, peers, config, group, clock)
         self.cfg, self.t, self.rank, self.world, self.C = p.cfg, p.t, p.rank, p.world, p.C
         self.controller = p.controller
         self.records: collections.deque[RoundRecord] = p.records  # the latest rounds' (Config.records_max)
@@ -416,7 +418,7 @@ class Collective:
             try:
                 while not self._closing and not self._round_begun():
                     backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
-                    due = p.trail_due(time.monotonic())  # a trailing message's probe or retransmissions
+                    due = p.trail_due(p.clock())  # a trailing message's probe or retransmissions
                     waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
                              + ([math.ceil(due * 1000)] if due is not None else []))
                     ready = poller.poll(min(waits) if waits else None)
@@ -431,7 +433,7 @@ class Collective:
                             while p.take(None, 0.0) >= RECV_BATCH:
                                 pass
                             if p.trail:
-                                p.serve_trail(time.monotonic())
+                                p.serve_trail(p.clock())
                             p.flush_ctrl()
                     finally:
                         self._poll_lock.release()

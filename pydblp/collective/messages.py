@@ -254,7 +254,7 @@ class Round:
     bounds: list                     # per shard, its rows (first, end)
     my_shard: int | None             # the shard this rank owns (None: none, a parameter server's client)
     reduced: bool                    # this rank's own shard is in y (reduced or, broadcast, copied)
-    t0: float                        # when it began (time.monotonic)
+    t0: float                        # when it began (the protocol's clock)
     heard: np.ndarray                # per rank, when it was last heard from
     hi: np.ndarray                   # [all-gather?, src]: 1 + the highest chunk seen
     ag_first: np.ndarray             # per owner, its first result row

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
+from collections.abc import Callable
 
 import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
-from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
+from pydblp.collective.config import (REAL_CLOCK, AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
                                       MASK32, NB, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
                                       TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.matcher import Matcher
@@ -44,13 +44,16 @@ class Protocol:
         peers: per rank, ``(addr, port)`` or ``(addr, port, mac)`` (this rank's own is ignored).
         config: the knobs (checked here: ValueError names the first one out of range).
         group: the broadcast all-gather's address (only with ``Config.allgather="broadcast"``).
+        clock: what "now" is, in seconds (monotonic): every timer, timeout and record of the
+            protocol reads it (default: the real clock; a simulation passes its own).
 
     Raises ValueError for a bad rank, world, peer list, config or a closed transport, before
     any peer is registered.
     """
 
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
-                 group: tuple | None = None):
+                 group: tuple | None = None, clock: Callable[[], float] = REAL_CLOCK):
+        self.clock = clock  # every "now" of the protocol: seconds, monotonic
         self.cfg = c = config or Config()
         c.check()
         self.layers: dict[int, np.ndarray] = {}  # tensor -> class per chunk (priority "layer")
@@ -152,7 +155,7 @@ class Protocol:
             base = held if perm is None else np.take(held, perm, axis=0,
                                                      out=self._scratch("base", tensor, (T, self.C)))
         me = self.rank
-        t0 = time.monotonic()
+        t0 = self.clock()
         st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,
                    tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x,
                    y=np.empty_like(x),  # every row is written: own shard, all-gather, or finish's fill
@@ -211,7 +214,7 @@ class Protocol:
         x = self._scratch("x", tensor, (T, self.C))
         x.reshape(-1)[: flat.size] = flat
         x.reshape(-1)[flat.size:] = 0
-        t0 = time.monotonic()
+        t0 = self.clock()
         K = len(peers)
         slot = np.full(self.world, -1, np.intp)
         slot[peers] = np.arange(K)
@@ -302,7 +305,7 @@ class Protocol:
         """
         cfg = self.cfg
         while True:
-            now = time.monotonic()
+            now = self.clock()
             late = cfg.deadline is not None and now - st.t0 > cfg.deadline / 2
             if not st.reduced and (late or all(st.ins[(False, s)].done for s in range(self.world)
                                                if (False, s) in st.ins)):
@@ -316,7 +319,7 @@ class Protocol:
                 return
             want = 1 if busy else st.expected(now)
             self.take(st, 0.0 if busy else self.tx_wait or 0.002, want, LINGER if want > 1 else 0.0)
-            now = time.monotonic()
+            now = self.clock()
             if now - st.t_timers >= TIMER_TICK:  # timeouts are milliseconds: no need to check every turn
                 st.t_timers = now
                 self.timers(st, now)
@@ -344,10 +347,10 @@ class Protocol:
         b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
         if b.n:
             try:
-                self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], time.monotonic())
+                self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], self.clock())
             except Exception as e:  # what arrives never ends a round: drop the batch, repair as loss
                 self.counters["rx_errors"] += 1
-                now = time.monotonic()
+                now = self.clock()
                 if now - self._rx_error_logged >= RECV_ERROR_LOG_EVERY:
                     self._rx_error_logged = now
                     log.warning("rank %d: a received batch raised %s: %s; dropped it (rx_errors %d)",
@@ -413,7 +416,7 @@ class Protocol:
         if split:
             for o in first:
                 o.avail = o.n // 2
-            st.ag_rest = time.monotonic() + AG_SPLIT
+            st.ag_rest = self.clock() + AG_SPLIT
 
     # ---- sending ---------------------------------------------------------
     def send_some(self, st: Round, now: float) -> bool:
@@ -781,7 +784,7 @@ class Protocol:
             np.copyto(last, st.y)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
-                          phase=st.phase, latency=time.monotonic() - st.t0)
+                          phase=st.phase, latency=self.clock() - st.t0)
         for (ag, src), inn in st.ins.items():
             rec.delivered[f"{'ag' if ag else 'rs'}:{src}"] = inn.count / inn.n
             rec.below_bound |= not inn.done
@@ -810,7 +813,7 @@ class Protocol:
         self._trail_from(st)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
-                          phase=st.phase, latency=time.monotonic() - st.t0)
+                          phase=st.phase, latency=self.clock() - st.t0)
         for r in st.peers:
             inn = st.ins[(False, r)]
             rec.delivered[f"nb:{r}"] = inn.count / inn.n
@@ -848,7 +851,7 @@ class Protocol:
                 old = keep.copy() if old is None else old
                 o.rows = old
         np.copyto(keep, rows)
-        now = time.monotonic()
+        now = self.clock()
         for o in pending:
             o.rows, o.trailing, o.t_heard = keep, True, now
             self.trail[(o.rnd, o.ag, o.dst)] = o

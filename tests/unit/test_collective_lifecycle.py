@@ -1,4 +1,4 @@
-"""The idle responder and close(): close never closes a transport a live thread is using."""
+"""The collective's lifecycle: the idle responder and close(), and the clock a protocol is given."""
 
 from __future__ import annotations
 
@@ -80,3 +80,33 @@ def test_close_of_an_idle_collective_closes_at_once():
     col.close()
     assert t.closed and not col._idler.is_alive()
     np.testing.assert_equal(t.closed_while_inside, False)
+
+
+def test_the_protocol_reads_the_clock_it_is_given():
+    """Every "now" of a round comes from ``clock=``: a clock that advances 1 us a call makes a
+    round's latency a whole number of its ticks, and the round still completes, exact."""
+    from pydblp.transport.udp import UdpTransport
+    from tests.helpers import run_threads
+
+    lock, ticks = threading.Lock(), [0]
+
+    def clock():
+        with lock:
+            ticks[0] += 1
+            return ticks[0] * 1e-6
+
+    ts = [UdpTransport(port=0) for _ in range(2)]
+    peers = [("127.0.0.1", t.port) for t in ts]
+    cols = [Collective(ts[r], r, 2, peers, Config(), clock=clock) for r in range(2)]
+    try:
+        xs = [np.full(10_000, r + 1, np.float32) for r in range(2)]
+        res, errs = run_threads(lambda r: cols[r].allreduce(xs[r]), range(2), 60)
+        assert not errs
+        for r in range(2):
+            np.testing.assert_array_equal(res[r], np.full(10_000, 1.5, np.float32))
+        lat = [c.records[-1].latency for c in cols]
+        assert all(0 < x < ticks[0] * 1e-6 for x in lat)
+        assert all(abs(x * 1e6 - round(x * 1e6)) < 1e-3 for x in lat)  # whole ticks of the given clock
+    finally:
+        for c in cols:
+            c.close()
