@@ -86,7 +86,7 @@ class Pydblp:
         from pydblp.dataplane import open_dataplane
 
         peers = [tuple(p) for p in json.loads(a.peers)]
-        from pydblp.auth import load_key
+        from pydblp.jobkey import load_key
 
         keyed = a.transport.endswith("-key")
         kind = a.transport.removesuffix("-key").removesuffix("-bc")

@@ -325,7 +325,7 @@ def _cmd_dump(args) -> int:
     expr = " ".join(args.expression) or None
     key = None
     if args.key_file:
-        from pydblp.auth import KeyLoadError, load_key
+        from pydblp.jobkey import KeyLoadError, load_key
 
         try:
             key = load_key(args.key_file)
@@ -602,7 +602,7 @@ def _cmd_experiment(args) -> int:
     if args.key_file is not None:  # the workers read it themselves (never through the store)
         import os
 
-        from pydblp.auth import KeyLoadError, load_key
+        from pydblp.jobkey import KeyLoadError, load_key
 
         try:
             load_key(args.key_file)

@@ -121,9 +121,9 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
         max_payload: the largest DBLP payload (bytes) the AF_XDP receive
             frames must hold whole (its tag included); None: the transport's
             default frames (2 KiB, enough for 1408-byte chunks).
-        key: the job key (:func:`pydblp.auth.load_key`); None: no authentication.
+        key: the job key (:func:`pydblp.jobkey.load_key`); None: no authentication.
         epoch: the run epoch every rank of this run uses with ``key``
-            (:func:`pydblp.auth.new_epoch`, drawn by one rank and shared).
+            (:func:`pydblp.jobkey.new_epoch`, drawn by one rank and shared).
         **kw: passed to the transport's constructor.
 
     Raises:
@@ -134,7 +134,7 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
     """
     check_kind(kind, iface)
     if key is not None and epoch is None:
-        raise ValueError("key= needs epoch=: one rank draws it (pydblp.auth.new_epoch) and gives it to all")
+        raise ValueError("key= needs epoch=: one rank draws it (pydblp.jobkey.new_epoch) and gives it to all")
     if kind != "udp":
         if job is None:
             raise ValueError(f"the {kind} transport needs job= (registered on the host program)")

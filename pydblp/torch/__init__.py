@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pydblp import net, wire
-from pydblp.auth import load_key, new_epoch
+from pydblp.jobkey import load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config, estimators, link_chunk_bytes
 from pydblp.collective.config import TENSOR_BROADCAST
 from pydblp.dataplane import check_kind, open_dataplane

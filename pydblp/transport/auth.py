@@ -1,7 +1,7 @@
 """Authenticated transport: every DBLP packet of a job carries a tag made with the job key.
 
 :func:`authenticate` wraps any :class:`~pydblp.transport.base.Transport` in an
-:class:`AuthTransport` given the job key and the run epoch (:mod:`pydblp.auth`
+:class:`AuthTransport` given the job key and the run epoch (:mod:`pydblp.jobkey`
 loads the one and draws the other); without a key it returns the transport
 itself, so a keyless job sends and receives byte for byte what it did before.
 
@@ -74,8 +74,8 @@ def authenticate(transport: Transport, key: bytes | None, epoch: int = 0,
 
     Args:
         transport: an open transport; the result owns it (closing it closes ``transport``).
-        key: the job key (:func:`pydblp.auth.load_key`), or None.
-        epoch: this run's epoch, the same on every rank (:func:`pydblp.auth.new_epoch`).
+        key: the job key (:func:`pydblp.jobkey.load_key`), or None.
+        epoch: this run's epoch, the same on every rank (:func:`pydblp.jobkey.new_epoch`).
         fail_after: seconds of failing packets from a rank before ``recv`` raises; keep it
             below the collective's ``peer_timeout``.
     """

@@ -2,7 +2,7 @@
 
 :mod:`pydblp.transport.xsk_ring` holds the ABI (socket options, ring layout,
 bind), :mod:`pydblp.transport.pacer` the token bucket that paces transmit,
-:mod:`pydblp.transport.neighbor` the source address and MAC lookups, and
+:mod:`pydblp.transport.addresses` the source address and MAC lookups, and
 :mod:`pydblp.transport.xsk_rx` the receive copy paths; this module holds the
 socket's lifetime, the frame bookkeeping, receive waiting and transmit.
 
@@ -61,7 +61,7 @@ import numpy as np
 
 from pydblp import dscp as dscp_mod
 from pydblp import net, wire
-from pydblp.transport import frames, neighbor
+from pydblp.transport import addresses, frames
 from pydblp.transport import xsk_ring as ring
 from pydblp.host import PRESSURE_MAX
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
@@ -250,8 +250,8 @@ class XskTransport(XskReceive, Transport):
         (resolved on demand) unless given; ``src`` overrides the local address."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
-        src = parse_ip(src) if src is not None else neighbor.local_addr(self.ifindex, self.ifname, dst, self.netns)
-        dmac = frames.mac_bytes(mac) if mac is not None else neighbor.resolve(self.ifindex, self.ifname, dst, self.netns)
+        src = parse_ip(src) if src is not None else addresses.local_addr(self.ifindex, self.ifname, dst, self.netns)
+        dmac = frames.mac_bytes(mac) if mac is not None else addresses.resolve(self.ifindex, self.ifname, dst, self.netns)
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
         self._sources.add(dst)

@@ -378,7 +378,7 @@ def test_forged_traffic_changes_no_round_with_a_key(clean, hosts, kind):
     import socket
 
     from pydblp import net, wire
-    from pydblp.auth import new_epoch
+    from pydblp.jobkey import new_epoch
     from pydblp.transport.auth import authenticate
 
     key, epoch = bytes(range(7, 39)), new_epoch()

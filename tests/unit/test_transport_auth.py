@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pydblp import wire
-from pydblp.auth import KeyLoadError, load_key, new_epoch
+from pydblp.jobkey import KeyLoadError, load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config
 from pydblp.transport.auth import AuthTransport, authenticate
 from pydblp.transport.base import Batch, TransportError
