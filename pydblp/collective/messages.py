@@ -9,10 +9,26 @@ They hold state and decide; the protocol (:mod:`pydblp.collective.protocol`) sen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from pydblp.collective.config import AG, LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET, NB
+
+
+class Control(NamedTuple):
+    """A control packet waiting to be sent (``Protocol.ctrl``): about message (``round``,
+    ``tensor``, ``flag``) to or from rank ``dst``."""
+
+    round: int
+    tensor: int
+    kind: int      # STOP, PROBE or BITMAP (wire.Kind)
+    flag: int      # the message's kind: ALLGATHER, NEIGHBOUR or 0
+    dst: int
+    nchunks: int   # the message's length in chunks
+    tol8: int      # its tolerance, 0..254 (wire: tol)
+    chunk: int = 0         # BITMAP: the first chunk its bits cover
+    payload: bytes = b""   # STOP: the probe timeout estimate; BITMAP: arrival bits
 
 
 class OutMessage:

@@ -27,7 +27,7 @@ from pydblp.collective.config import (REAL_CLOCK, AG, AG_SPLIT, BITMAP, DATA, DE
                                       MASK32, NB, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
                                       TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.matcher import Matcher
-from pydblp.collective.messages import InMessage, OutMessage, Round
+from pydblp.collective.messages import Control, InMessage, OutMessage, Round
 from pydblp.transport.base import RECV_ERROR_LOG_EVERY, Batch, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
@@ -90,8 +90,7 @@ class Protocol:
                                        "stray", "rx_errors"), 0)
         self._rx_error_logged = float("-inf")  # when take last logged a batch it dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
-        self.ctrl: list[tuple] = []               # control packets queued: (round, tensor, kind, flag, dst,
-                                                  # nchunks, tol8, chunk, payload)
+        self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
                                                   # this rank's own is :attr:`estimate`
@@ -512,12 +511,13 @@ class Protocol:
         lens = self._txlens[:k]
         lens[:] = width
         peer = self._txpeer[:k]
-        for i, (rnd, tensor, kind, flag, dst, n, tol8, chunk, pl) in enumerate(ctrl):
-            h[i] = (wire.MAGIC, wire.VERSION, kind, self.cfg.job, rnd, tensor, self.rank, dst, 0,
-                    RAW, chunk, max(n, 1), len(pl), tol8, flag)
+        for i, c in enumerate(ctrl):
+            pl = c.payload
+            h[i] = (wire.MAGIC, wire.VERSION, c.kind, self.cfg.job, c.round, c.tensor, self.rank, c.dst, 0,
+                    RAW, c.chunk, max(c.nchunks, 1), len(pl), c.tol8, c.flag)
             payload[i, : len(pl)] = np.frombuffer(pl, np.uint8)
             lens[i] = len(pl)
-            peer[i] = self._pid[dst]
+            peer[i] = self._pid[c.dst]
         if parts:
             rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
             d = h[nc:]
@@ -553,7 +553,7 @@ class Protocol:
         """Queue a control packet about a message whose kind ``flag`` marks (AG, NB or 0)."""
         if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units
             payload = min(0xFFFF, round(self.estimate * 1e4)).to_bytes(2, "big")
-        self.ctrl.append((st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
+        self.ctrl.append(Control(st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
 
     def flush_ctrl(self) -> None:
         """Send the control packets waiting (a loop turn with no data to send)."""

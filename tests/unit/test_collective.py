@@ -405,8 +405,8 @@ class Rank0:
 
     def sent(self):
         """Control packets queued since the last call, as (kind, dst, first chunk, bits)."""
-        out = [(k, dst, chunk, np.unpackbits(np.frombuffer(pl, np.uint8), bitorder="little"))
-               for _, _, k, _, dst, _, _, chunk, pl in self.col.ctrl]
+        out = [(c.kind, c.dst, c.chunk, np.unpackbits(np.frombuffer(c.payload, np.uint8), bitorder="little"))
+               for c in self.col.ctrl]
         self.col.ctrl.clear()
         return out
 
@@ -642,7 +642,7 @@ def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
     # the STOP carries the probe's chunk count and tolerance
     h["round"] = (rank0.st.round - 2) & 0xFFFFFFFF
     rank0.col.control(rank0.st, h.item(), np.zeros(0, np.uint8), 100.0, current=False)
-    assert {(q[2], q[5], q[6]) for q in rank0.col.ctrl} == {(wire.Kind.STOP, 77, 12)}
+    assert {(c.kind, c.nchunks, c.tol8) for c in rank0.col.ctrl} == {(wire.Kind.STOP, 77, 12)}
 
 
 def test_chunks_already_received_count_past_the_bound():
