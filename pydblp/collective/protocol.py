@@ -23,12 +23,12 @@ import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
-from pydblp.collective.config import (REAL_CLOCK, AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
-                                      MASK32, NB, PROBE, RAW, RECV_BATCH, RETX, STOP, TIMER_TICK, TXQ_LIMIT,
-                                      TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
+                                      MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
+                                      TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, Round
-from pydblp.transport.base import RECV_ERROR_LOG_EVERY, Batch, Transport
+from pydblp.transport.base import Batch, DropLog, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Protocol:
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
                                        "stray", "rx_errors"), 0)
-        self._rx_error_logged = float("-inf")  # when take last logged a batch it dropped on an error
+        self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
@@ -349,11 +349,7 @@ class Protocol:
                 self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], self.clock())
             except Exception as e:  # what arrives never ends a round: drop the batch, repair as loss
                 self.counters["rx_errors"] += 1
-                now = self.clock()
-                if now - self._rx_error_logged >= RECV_ERROR_LOG_EVERY:
-                    self._rx_error_logged = now
-                    log.warning("rank %d: a received batch raised %s: %s; dropped it (rx_errors %d)",
-                                self.rank, type(e).__name__, e, self.counters["rx_errors"], exc_info=e)
+                self._drop_log(e, self.counters["rx_errors"])
         return b.n
 
     def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
@@ -675,10 +671,11 @@ class Protocol:
         # such a peer is judged only when no peer of the first kind is needed: else a rank killed
         # while still sending would go unnamed, and each survivor would name the other, silent
         # since its own data went out.
-        needed = {o.dst for o in st.outs.values() if not o.done}
-        needed |= {i.src for i in st.ins.values() if not i.done and (not st.reduced if not i.ag else not st.reduce)}
+        waiting = [i for i in st.ins.values() if not i.done]
+        owing = {i.src for i in waiting if (not st.reduce if i.ag else not st.reduced)}
+        needed = {o.dst for o in st.outs.values() if not o.done} | owing
         if not needed:
-            needed = {i.src for i in st.ins.values() if not i.done and i.ag}
+            needed = {i.src for i in waiting if i.ag}
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
             r = min(needed, key=lambda q: (st.heard[q], q))

@@ -46,6 +46,7 @@ from pydblp import bpf, net
 from pydblp._libc import libc
 from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
+from pydblp.transport import frames
 
 STATE_DIR = Path(os.environ.get("DBLP_TESTBED_DIR", "/run/dblp/testbed"))
 PIN_BASE = bpf.PIN_ROOT / "testbed"
@@ -678,7 +679,7 @@ def ping(ns: str, addr: str, count: int = 1, timeout: float = 1.0, size: int = 5
         for seq in range(count):
             body = struct.pack("!d", time.monotonic()).ljust(size, b"\xa5")
             hdr = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
-            pkt = struct.pack("!BBHHH", 8, 0, _icmp_sum(hdr + body), ident, seq) + body
+            pkt = struct.pack("!BBHHH", 8, 0, frames.checksum(hdr + body), ident, seq) + body
             s.sendto(pkt, (addr, 0))
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:

@@ -71,16 +71,6 @@ class Target:
         self.key, self.epoch, self.rounds, self.chunk_bytes = key, epoch, rounds, chunk_bytes
 
 
-def _checksum(b: bytes, start: int = 0) -> int:
-    """The Internet checksum of ``b`` (RFC 1071), starting from partial sum ``start``."""
-    if len(b) & 1:
-        b += b"\0"
-    s = start + int(np.frombuffer(b, ">u2").sum(dtype=np.uint64))
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
 def frame(t: Target, dblp: bytes, v6: bool = False, sport: int = 40000) -> bytes:
     """``dblp`` (any bytes) as the UDP payload of a whole Ethernet frame to ``t``, lengths and
     checksums right (``v6``: between benchmarking IPv6 addresses in 2001:2::/48 made from the
@@ -97,11 +87,11 @@ def frame(t: Target, dblp: bytes, v6: bool = False, sport: int = 40000) -> bytes
     f[u + 4: u + 6] = udp_len.to_bytes(2, "big")
     if not v6:
         f[16:18] = (frames.IPV4_LEN + udp_len).to_bytes(2, "big")
-        f[24:26] = _checksum(bytes(f[frames.ETH_LEN: frames.ETH_LEN + frames.IPV4_LEN])).to_bytes(2, "big")
+        f[24:26] = frames.checksum(bytes(f[frames.ETH_LEN: frames.ETH_LEN + frames.IPV4_LEN])).to_bytes(2, "big")
         return bytes(f) + dblp
     f[18:20] = udp_len.to_bytes(2, "big")
     pseudo = src.packed + dst.packed + udp_len.to_bytes(4, "big") + bytes([0, 0, 0, frames.IPPROTO_UDP])
-    c = _checksum(pseudo + bytes(f[u:]) + dblp) or 0xFFFF
+    c = frames.checksum(pseudo + bytes(f[u:]) + dblp) or 0xFFFF
     f[u + 6: u + 8] = c.to_bytes(2, "big")
     return bytes(f) + dblp
 

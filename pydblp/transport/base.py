@@ -117,6 +117,22 @@ class Batch:
         return [self.payload[i, : self.lengths[i]].tobytes() for i in range(self.n)]
 
 
+class DropLog:
+    """Logs a received batch dropped because handling it raised: the first with its traceback,
+    then at most one every ``RECV_ERROR_LOG_EVERY`` seconds (a stream of them must not flood the
+    log).  Used by :meth:`Transport.recv` and the collective's receive."""
+
+    def __init__(self, logger: logging.Logger, who: str):
+        self.log, self.who, self.last = logger, who, float("-inf")
+
+    def __call__(self, e: Exception, count: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= RECV_ERROR_LOG_EVERY:
+            self.last = now
+            self.log.warning("%s: a received batch raised %s: %s; dropped it (rx_errors %d), receiving on",
+                             self.who, type(e).__name__, e, count, exc_info=e)
+
+
 class TransportError(OSError):
     """A transport could not be opened or used; the message says what to do."""
 
@@ -153,7 +169,7 @@ class Transport(abc.ABC):
 
     spin: float = 0.0
     _c: dict          # counters (stats()); subclasses make it in __init__
-    _rx_error_logged = float("-inf")  # when _recv_failed last logged
+    _drop_log: "DropLog | None" = None  # made at the first batch dropped on an error
 
     def _spin(self, ready, timeout: float | None) -> bool:
         """Busy-poll ``ready()`` for up to ``spin`` seconds (never past ``timeout``), before sleeping in poll(2).
@@ -238,12 +254,10 @@ class Transport(abc.ABC):
     def _recv_failed(self, e: Exception) -> None:
         """Count and log a batch :meth:`_recv` raised on; a subclass also gives back the buffers
         the batch held (and calls this)."""
-        self._c["rx_errors"] = self._c.get("rx_errors", 0) + 1
-        now = time.monotonic()
-        if now - self._rx_error_logged >= RECV_ERROR_LOG_EVERY:
-            self._rx_error_logged = now
-            log.warning("%s transport: a received batch raised %s: %s; dropped it (rx_errors %d) and "
-                        "receiving on", self.kind, type(e).__name__, e, self._c["rx_errors"], exc_info=e)
+        self._c["rx_errors"] += 1
+        if self._drop_log is None:
+            self._drop_log = DropLog(log, f"{self.kind} transport")
+        self._drop_log(e, self._c["rx_errors"])
 
     def tx_backlog(self) -> float:
         """Seconds until what ``send`` queued here has been handed to the network (0: nothing waits).

@@ -55,6 +55,16 @@ def fold(s: np.ndarray, rounds: int = 4) -> np.ndarray:
     return s
 
 
+def checksum(b: bytes, start: int = 0) -> int:
+    """The Internet checksum (RFC 1071) of ``b``, from partial sum ``start`` (a pseudo-header's)."""
+    if len(b) & 1:
+        b += b"\0"
+    s = start + int(np.frombuffer(b, ">u2").sum(dtype=np.uint64))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
 def _words(b: bytes) -> int:
     if len(b) % 2:
         b += b"\0"

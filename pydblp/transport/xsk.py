@@ -325,12 +325,10 @@ class XskTransport(XskReceive, Transport):
     def _recv_failed(self, e: Exception) -> None:
         """Give the failed batch's frames back to the fill ring (taking its descriptors off the rx
         ring first if the error came before they were: a batch that raises is never met twice)."""
-        if self._taking is not None and self._taken is None:
+        if self._taking is not None and self._taken is None:  # (the paths set _taken as they consume)
             cons, avail = self._taking
-            if (int(self._rx.cons[0]) - cons) & 0xFFFFFFFF == 0:
-                d = self._rx.at(cons, avail)
-                self._taken = d["addr"].astype(np.int64)
-                self._rx.consume(cons, avail)
+            self._taken = self._rx.at(cons, avail)["addr"].astype(np.int64)
+            self._rx.consume(cons, avail)
         if self._taken is not None:
             fs = self.frame_size
             self._fill_push((self._taken // fs * fs).astype(np.uint64))

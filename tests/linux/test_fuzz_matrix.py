@@ -24,7 +24,7 @@ import pytest
 from pydblp import host, wire
 from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
-from pydblp.testbed.hostile import CATEGORIES, Sprayer, Target, frame, mutants
+from pydblp.testbed.hostile import Sprayer, Target, frame, mutants
 from pydblp.transport import Batch
 from pydblp.transport.auth import authenticate
 from pydblp.transport.udp import UdpTransport
@@ -154,7 +154,6 @@ def test_spray_changes_nothing(tb, hosts, kind, keyed, round_kind):
         st = cols[0].t.stats()
         ctr = cols[0].counters
         assert st["rx_errors"] == 0 and ctr["rx_errors"] == 0, (st, ctr)  # handled, not caught
-        assert set(sp.sent) == set(CATEGORIES)
         host_after = verdicts(h0)
         in_xdp = host_after["drop"] - host_before["drop"] if kind != "udp" else 0
         auth = sum(st.get(f"auth_{w}", 0) for w in ("untagged", "epoch", "bad_tag", "truncated"))
@@ -234,9 +233,7 @@ def test_a_failing_batch_costs_a_repair_not_the_round(tb, hosts, where):
     t0 = cols[0].t
     taken = []
     try:
-        if where == "udp":
-            failed = _fail_n(t0, "_deliver", 5)
-        elif where == "auth":
+        if where in ("udp", "auth"):  # (a UdpTransport's, or the AuthTransport's over it)
             failed = _fail_n(t0, "_deliver", 5)
         elif where.endswith("before-take"):
             failed = _fail_n(t0, "_receive", 40)

@@ -27,7 +27,7 @@ def test_a_sprayed_keyed_job_trains_as_a_clean_one_and_counts_every_frame(bpf_xd
     r = json.loads(out.read_text())
     assert r["identical"] and len(r["accuracy"]["sprayed"]) >= 5  # every evaluation, and the parameters' bits
     acc = r["accounting"]
-    assert acc["sent"] > 1000 and set(r["sent_by_category"]) == set(CATEGORIES)
+    assert acc["sent"] > 1000 and all(r["sent_by_category"].get(c, 0) > 0 for c in CATEGORIES)
     assert acc["rx_errors"] == 0
     # every frame sent is in a drop counter, but for what the stack or the kernel took
     assert 0 <= acc["unaccounted"] <= acc["passed_to_stack"] + acc["kernel_drops"], acc
