@@ -58,7 +58,7 @@ class Collective:
     """
 
     def __init__(self, transport: Transport, rank: int, world: int, peers: list, config: Config | None = None,
-                 group: tuple | None = None, clock: Callable[[], float] = REAL_CLOCK):
+                 group: tuple | None = None, clock: Callable[[], float] = REAL_CLOCK, idle_thread: bool = True):
         """Args:
             transport: an open transport; the collective owns it from now on (:meth:`close`).
             rank: this rank, 0..world-1.
@@ -67,6 +67,10 @@ class Collective:
             config: the knobs (default ``Config()``).
             group: the broadcast all-gather's address (see above).
             clock: the protocol's "now" (seconds, monotonic; default the real clock).
+            idle_thread: answer peers between rounds from a thread of this collective's own
+                (default).  False: no thread; whoever owns the collective calls :meth:`serve`
+                between rounds, from the thread that runs them (:mod:`pydblp.sim` does, in
+                virtual time).
 
         Raises ValueError naming what is wrong (a knob, the rank, world, peer list, group, a
         closed transport) before any peer is registered; OSError if the idle responder's
@@ -86,6 +90,9 @@ class Collective:
         self._idle_done = False              # the idle responder has returned
         self._close_late = False             # close() found it stuck: it releases what it uses as it returns
         self._idle_error: BaseException | None = None  # what ended the idle responder, raised by the next round
+        self._idler = None
+        if not idle_thread:
+            return
         self._alarm = Alarm()                # starts the idle responder IDLE_GRACE after a round
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # ends its poll
         self._idler = threading.Thread(target=self._idle_main, name=f"pydblp-idle-{rank}", daemon=True)
@@ -344,6 +351,9 @@ class Collective:
                 self.t.close()
             return
         self._closing = True
+        if self._idler is None:
+            self.t.close()
+            return
         self._alarm.set(1e-9)
         os.eventfd_write(self._wake, 1)
         self._idler.join(timeout=CLOSE_JOIN)
@@ -373,9 +383,10 @@ class Collective:
         with self._state:  # (the idle responder sets _serving, then reads _running, under the same lock)
             self._running = True
             serving = self._serving
-        self._alarm.set(0)
-        if serving:
-            os.eventfd_write(self._wake, 1)
+        if self._idler is not None:
+            self._alarm.set(0)
+            if serving:
+                os.eventfd_write(self._wake, 1)
         with self._poll_lock:  # the idle responder leaves its poll at once; a receive of its runs to the end
             try:
                 st = start(p, flat)
@@ -390,7 +401,8 @@ class Collective:
             finally:
                 with self._state:
                     self._running = False
-                self._alarm.set(IDLE_GRACE)
+                if self._idler is not None:
+                    self._alarm.set(IDLE_GRACE)
         return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
 
     def _idle_loop(self) -> None:
@@ -430,11 +442,7 @@ class Collective:
                         continue  # a round has begun
                     try:
                         if not self._round_begun():
-                            while p.take(None, 0.0) >= RECV_BATCH:
-                                pass
-                            if p.trail:
-                                p.serve_trail(p.clock())
-                            p.flush_ctrl()
+                            self._serve()
                     finally:
                         self._poll_lock.release()
             except Exception as e:  # e.g. TransportError: peers hold another job key
@@ -446,6 +454,37 @@ class Collective:
                     self._serving = False
             if self._closing:
                 return
+
+    def serve(self) -> float | None:
+        """Between rounds, without an idle thread (``idle_thread=False``): take in what has
+        arrived (keeping the next round's packets, answering late probes), send what trailing
+        all-gather messages were asked to resend, and the answers.  Call it whenever the
+        transport is readable and when the time it returns has passed.
+
+        Returns:
+            Seconds until a trailing message needs this collective again (a probe due), or None
+            if none does (only an arriving packet does).
+
+        Raises:
+            CollectiveError: the collective is closed.
+            TransportError: the transport cannot go on (e.g. peers hold another job key).
+        """
+        if self._idler is not None:
+            raise RuntimeError("this collective answers peers from its own thread: serve() is for idle_thread=False")
+        if self._closing:
+            raise CollectiveError("collective is closed")
+        self._serve()
+        return self.protocol.trail_due(self.protocol.clock())
+
+    def _serve(self) -> None:
+        """Take in what has arrived, serve trailing messages, send the answers (whoever holds the
+        transport between rounds)."""
+        p = self.protocol
+        while p.take(None, 0.0) >= RECV_BATCH:
+            pass
+        if p.trail:
+            p.serve_trail(p.clock())
+        p.flush_ctrl()
 
     def _round_begun(self) -> bool:
         with self._state:

@@ -1,0 +1,197 @@
+"""A :class:`~pydblp.transport.base.Transport` over the simulated network, in virtual time.
+
+It keeps the real transports' contract (batches, peer ids, ``want``/``linger``, blocking
+sends, counters), so the collective above runs unchanged.  Waiting (a receive's timeout or
+linger, a send on a full queue) blocks the rank's thread in the scheduler
+(:class:`~pydblp.sim.core.Sim`) until virtual time reaches the moment it waits for.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+from pydblp import wire
+from pydblp.sim.network import FRAME_OVERHEAD
+from pydblp.transport.base import Batch, Transport
+
+GROUP_ADDR = "198.19.255.255"  # the simulated broadcast address (Collective's group)
+FD_BASE = 1 << 30             # fileno(): not a descriptor, nothing polls a simulated transport
+
+
+def rank_addr(rank: int) -> str:
+    """Rank ``rank``'s simulated IPv4 address (198.18.0.0/15, as the testbed's)."""
+    return f"198.18.{rank >> 8}.{rank & 0xFF}"
+
+
+class _Arrivals:
+    """Packets on their way to one rank, in arrival order: ``times`` non-decreasing."""
+
+    __slots__ = ("times", "headers", "payload", "lengths", "src", "at")
+
+    def __init__(self, times, headers, payload, lengths, src):
+        self.times, self.headers, self.payload, self.lengths, self.src = times, headers, payload, lengths, src
+        self.at = 0  # the first not taken yet
+
+
+class SimTransport(Transport):
+    """One rank's transport in a :class:`~pydblp.sim.core.Sim` (made by it).
+
+    Peers are registered by address: :func:`rank_addr` of a rank, or :data:`GROUP_ADDR`
+    (every other rank: the broadcast all-gather's group).  The receiver never drops (receive
+    CPU is not simulated; ``Sim(cost=...)`` charges time per packet), so ``rx_dropped`` stays 0.
+    """
+
+    kind = "sim"
+
+    def __init__(self, sim, rank: int):
+        self.sim, self.rank = sim, rank
+        self.netns, self.ifname, self.queue, self.port = None, f"sim{rank}", 0, wire.DEFAULT_PORT
+        self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid", "rx_truncated",
+                                 "rx_dropped", "rx_errors", "tx_blocked"), 0)
+        self._dst: list[int] = []                  # peer id -> rank (-1: every other rank)
+        self._peer = np.full(sim.world, -1, np.int32)  # rank -> its peer id here (-1: not registered)
+        self._rx: collections.deque[_Arrivals] = collections.deque()
+        self._open = True
+
+    # ---- the Transport interface -----------------------------------------
+    def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
+        """Register rank ``addr`` (its :func:`rank_addr`) or :data:`GROUP_ADDR`; its peer id."""
+        self._check_open()
+        addr = str(addr)
+        if addr == GROUP_ADDR:
+            rank = -1
+        else:
+            rank = self.sim.rank_of(addr)
+        self._dst.append(rank)
+        if rank >= 0 and self._peer[rank] < 0:
+            self._peer[rank] = len(self._dst) - 1
+        return len(self._dst) - 1
+
+    def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
+        """Hand ``batch`` to this rank's uplink; waits (virtual time) up to ``timeout`` s while its
+        send queue is full.  Returns how many packets were taken."""
+        self._check_open()
+        sim = self.sim
+        k = batch.n
+        if k == 0:
+            return 0
+        sim.charge(self.rank, k)
+        sizes = batch.lengths[:k].astype(np.int64) + FRAME_OVERHEAD
+        dsts = np.asarray(self._dst, np.int64)[batch.peer[:k]]
+        end = math.inf if timeout is None else sim.now + timeout
+        done = 0
+        while True:
+            taken, arrivals, retry = sim.network.send(self.rank, sim.now, sizes[done:], dsts[done:])
+            if arrivals:
+                self._hand(batch, done, arrivals)
+            done += taken
+            if done == k or retry > end:
+                break
+            self._c["tx_blocked"] += 1
+            sim.wait(self.rank, retry)
+        self._c["tx_packets"] += done
+        self._c["tx_bytes"] += int(batch.lengths[:done].sum()) + done * wire.HEADER_LEN
+        return done
+
+    def _recv(self, into: Batch, timeout, max, want, linger, copy) -> Batch:
+        sim = self.sim
+        cap = min(into.cap, max or into.cap)
+        end = math.inf if timeout is None else sim.now + timeout
+        while not self._ready(sim.now) and sim.now < end:
+            sim.wait(self.rank, end, self._next)
+        if want > 1 and linger > 0 and self._ready(sim.now):
+            until = sim.now + linger
+            sim.wait(self.rank, until, lambda: self._linger(want))
+        k = self._take(into, cap, sim.now)
+        if k:
+            sim.charge(self.rank, k)
+        return into.view(0, k)
+
+    def tx_queued(self) -> int:
+        """Bytes in this rank's send queue (not yet on the wire)."""
+        return int(self.sim.network.up[self.rank].backlog(self.sim.now))
+
+    def stats(self) -> dict:
+        return dict(self._c)
+
+    def fileno(self) -> int:
+        return FD_BASE + self.rank if self._open else -1
+
+    def close(self) -> None:
+        self._open = False
+        self._rx.clear()
+
+    def drop_arrivals(self) -> None:
+        """Forget what is on its way here (the rank died)."""
+        self._rx.clear()
+
+    # ---- arrivals --------------------------------------------------------
+    def _hand(self, batch: Batch, base: int, arrivals: list) -> None:
+        """Give each receiver its copies of packets ``base + i`` (``arrivals``: (i, rank, time))."""
+        by = collections.defaultdict(list)
+        for i, d, t in arrivals:
+            by[d].append((base + i, t))
+        for d, got in by.items():
+            rows = np.fromiter((i for i, _ in got), np.int64, len(got))
+            times = np.fromiter((t for _, t in got), np.float64, len(got))
+            w = int(batch.lengths[rows].max())
+            self.sim.arrive(d, _Arrivals(times, batch.headers[rows].copy(), batch.payload[rows, :w].copy(),
+                                         batch.lengths[rows].copy(), self.rank))
+
+    def queue_arrivals(self, a: _Arrivals) -> None:
+        """Packets from the network (the scheduler calls it); nothing once closed."""
+        if self._open:
+            self._rx.append(a)
+
+    def _next(self) -> float:
+        """When the next packet arrives (inf: none is on its way)."""
+        for a in self._rx:
+            if a.at < len(a.times):
+                return float(a.times[a.at])
+        return math.inf
+
+    def _ready(self, now: float) -> bool:
+        return self._next() <= now
+
+    def _linger(self, want: int) -> float:
+        """When ``want`` packets will have arrived, or the first control packet (inf: not yet known)."""
+        n = 0
+        for a in self._rx:
+            t, kinds = a.times[a.at:], a.headers["kind"][a.at:]
+            ctrl = np.flatnonzero(kinds != wire.Kind.DATA)
+            if n + len(t) >= want:
+                first = t[want - n - 1]
+                return float(min(first, t[ctrl[0]])) if len(ctrl) else float(first)
+            if len(ctrl):
+                return float(t[ctrl[0]])
+            n += len(t)
+        return math.inf
+
+    def _take(self, into: Batch, cap: int, now: float) -> int:
+        """Move up to ``cap`` packets that have arrived by ``now`` into ``into``."""
+        k = 0
+        while self._rx and k < cap:
+            a = self._rx[0]
+            j = min(int(np.searchsorted(a.times, now, "right")), a.at + cap - k)
+            m = j - a.at
+            if m > 0:
+                s = slice(a.at, j)
+                wire.put(into.headers[k: k + m], a.headers[s])
+                w = min(into.maxlen, a.payload.shape[1])
+                into.payload[k: k + m, :w] = a.payload[s, :w]
+                lens = a.lengths[s]
+                self._c["rx_truncated"] += int((lens > into.maxlen).sum())
+                into.lengths[k: k + m] = np.minimum(lens, into.maxlen)
+                into.peer[k: k + m] = self._peer[a.src]
+                self._c["rx_bytes"] += int(lens.sum()) + m * wire.HEADER_LEN
+                k += m
+                a.at = j
+            if a.at < len(a.times):
+                break
+            self._rx.popleft()
+        self._c["rx_packets"] += k
+        into.n = k
+        return k
