@@ -2,6 +2,8 @@
 /* DBLP wire format v1 and the structs shared by the BPF programs and
  * userspace.  Mirrored once in pydblp/wire.py (header, reasons) and
  * pydblp/host.py (maps); tests/unit/test_header_agreement.py keeps them equal.
+ * For the BPF side only (__KERNEL__), the frame-length and header-parsing
+ * helpers both programs use.
  */
 #ifndef DBLP_H
 #define DBLP_H
@@ -145,6 +147,12 @@ struct dblp_peer {
 };
 
 #ifdef __KERNEL__  /* the BPF side (bcc builds with kernel headers) */
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/udp.h>
+
 /* The frame's length.  Programs loaded multi-buffer (-DDBLP_FRAGS=1, see
  * pydblp.bpf.compile_xdp) get jumbo frames in fragments: data_end bounds
  * the first only, which always holds the headers. */
@@ -156,6 +164,138 @@ static __always_inline __u64 dblp_frame_len(struct xdp_md *ctx)
 	return ctx->data_end - ctx->data;
 #endif
 }
-#endif
+
+/* ---- header parsing, shared by the programs ----
+ *
+ * A cursor walks the frame one header at a time, in the manner of xdp-tools'
+ * parsing_helpers.h.  Each parse_* checks that its whole header lies before
+ * data_end before reading any of it; then it moves the cursor past the
+ * header, points *hdr at it (where it has one) and returns the next protocol
+ * as the header carries it (network order), UDP its length field instead.
+ * A header not there whole returns -1 and leaves the cursor and *hdr alone.
+ * No loops: one VLAN tag at most, IPv4 options skipped by IHL, no IPv6
+ * extension headers (a next header other than UDP is not DBLP). */
+struct hdr_cursor {
+	void *pos;
+};
+
+/* an 802.1Q / 802.1ad tag, after the Ethernet addresses */
+struct vlan_tag {
+	__be16 tci;
+	__be16 proto;
+};
+
+/* Ethernet header: returns its EtherType. */
+static __always_inline int parse_ethhdr(struct hdr_cursor *nh, void *data_end, struct ethhdr **hdr)
+{
+	struct ethhdr *eth = nh->pos;
+
+	if ((void *)(eth + 1) > data_end)
+		return -1;
+	nh->pos = eth + 1;
+	*hdr = eth;
+	return eth->h_proto;
+}
+
+/* An EtherType announcing a VLAN tag: 802.1Q or 802.1ad. */
+static __always_inline int proto_is_vlan(int proto)
+{
+	return proto == bpf_htons(ETH_P_8021Q) || proto == bpf_htons(ETH_P_8021AD);
+}
+
+/* One VLAN tag: returns the EtherType it encloses. */
+static __always_inline int parse_vlanhdr(struct hdr_cursor *nh, void *data_end)
+{
+	struct vlan_tag *vh = nh->pos;
+
+	if ((void *)(vh + 1) > data_end)
+		return -1;
+	nh->pos = vh + 1;
+	return vh->proto;
+}
+
+/* IPv4 header with its options: returns its protocol; -1 also for IHL < 5. */
+static __always_inline int parse_iphdr(struct hdr_cursor *nh, void *data_end, struct iphdr **hdr)
+{
+	struct iphdr *ip = nh->pos;
+	__u32 hdrsize;
+
+	if ((void *)(ip + 1) > data_end || ip->ihl < 5)
+		return -1;
+	hdrsize = ip->ihl * 4;
+	if (nh->pos + hdrsize > data_end)
+		return -1;
+	nh->pos += hdrsize;
+	*hdr = ip;
+	return ip->protocol;
+}
+
+/* More fragments or a fragment offset: no L4 header here, or not all of it. */
+static __always_inline int ipv4_is_fragment(const struct iphdr *ip)
+{
+	return (ip->frag_off & bpf_htons(0x3fff)) != 0;  /* IP_MF | IP_OFFSET */
+}
+
+/* IPv6 fixed header: returns its next header. */
+static __always_inline int parse_ip6hdr(struct hdr_cursor *nh, void *data_end, struct ipv6hdr **hdr)
+{
+	struct ipv6hdr *ip6 = nh->pos;
+
+	if ((void *)(ip6 + 1) > data_end)
+		return -1;
+	nh->pos = ip6 + 1;
+	*hdr = ip6;
+	return ip6->nexthdr;
+}
+
+/* UDP header: returns its length field (header and payload, host order). */
+static __always_inline int parse_udphdr(struct hdr_cursor *nh, void *data_end, struct udphdr **hdr)
+{
+	struct udphdr *udp = nh->pos;
+
+	if ((void *)(udp + 1) > data_end)
+		return -1;
+	nh->pos = udp + 1;
+	*hdr = udp;
+	return bpf_ntohs(udp->len);
+}
+
+/* What the programs keep of an IP header. */
+struct l3_info {
+	__u32 saddr[4];  /* source address as big-endian words: IPv4 in saddr[0], the rest untouched */
+	__u8 family;     /* 4 or 6 */
+	__u8 dscp;       /* 0..63 */
+};
+
+/* The IPv4 or IPv6 header at the cursor, after EtherType `proto`: returns
+ * the protocol it carries, or -1 for another EtherType, a header not there
+ * whole, or an IPv4 fragment (left to the stack to reassemble); fills *info. */
+static __always_inline int parse_ip(struct hdr_cursor *nh, void *data_end, int proto, struct l3_info *info)
+{
+	if (proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip;
+
+		proto = parse_iphdr(nh, data_end, &ip);
+		if (proto < 0 || ipv4_is_fragment(ip))
+			return -1;
+		info->saddr[0] = ip->saddr;
+		info->family = 4;
+		info->dscp = ip->tos >> 2;
+		return proto;
+	}
+	if (proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6;
+
+		proto = parse_ip6hdr(nh, data_end, &ip6);
+		if (proto < 0)
+			return -1;
+		__builtin_memcpy(info->saddr, &ip6->saddr, sizeof(info->saddr));
+		info->family = 6;
+		info->dscp = (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
+		return proto;
+	}
+	return -1;
+}
+#endif /* __KERNEL__ */
 
 #endif /* DBLP_H */

@@ -6,17 +6,7 @@
  * Non-DBLP traffic passes untouched; malformed DBLP is dropped and counted.
  */
 #include <uapi/linux/bpf.h>
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/in.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/ipv6.h>
-#include <uapi/linux/udp.h>
-#include "dblp.h"
-
-struct vlan_hdr_ {
-	__be16 tci;
-	__be16 proto;
-};
+#include "dblp.h"  /* with the header parsing helpers (parse_ethhdr, parse_ip, ...) */
 
 BPF_ARRAY(config, struct dblp_host_cfg, 1);
 BPF_HASH(jobs, u32, struct dblp_job, DBLP_MAX_JOBS);
@@ -132,100 +122,58 @@ static __always_inline u32 spoofed(u32 jobid, u16 src, const u8 *smac, const u32
 	return DBLP_REASON_OK;
 }
 
-int dblp_host(struct xdp_md *ctx)
+/* The DBLP header at h, the payload of a UDP datagram of length field `ulen`:
+ * DBLP_REASON_OK if it is whole, well-formed and self-consistent, else why not. */
+static __always_inline u32 check_header(struct xdp_md *ctx, struct dblp_hdr *h, void *data_end, u32 ulen)
 {
 	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
-	struct udphdr *udp;
-	struct dblp_hdr *h;
-	void *l3;
-	u32 zero = 0;
-	u16 proto;
-	u32 sip[4] = {};  /* source IP for the anti-spoofing check */
-	u8 fam, dscp;
+	u32 plen = ulen;
 
-	struct dblp_host_cfg *cfg = config.lookup(&zero);
-	if (!cfg)
-		return XDP_PASS;
-
-	if ((void *)(eth + 1) > data_end)
-		goto pass;
-	proto = eth->h_proto;
-	l3 = eth + 1;
-	if (proto == bpf_htons(ETH_P_8021Q) || proto == bpf_htons(ETH_P_8021AD)) {
-		struct vlan_hdr_ *vh = l3;
-		if ((void *)(vh + 1) > data_end)
-			goto pass;
-		proto = vh->proto;
-		l3 = vh + 1;
-	}
-
-	if (proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = l3;
-		if ((void *)(ip + 1) > data_end || ip->protocol != IPPROTO_UDP || ip->ihl < 5)
-			goto pass;
-		if (ip->frag_off & bpf_htons(0x3fff))  /* MF or offset: let the stack reassemble */
-			goto pass;
-		udp = (void *)ip + ip->ihl * 4;
-		sip[0] = ip->saddr;
-		fam = 4;
-		dscp = ip->tos >> 2;
-	} else if (proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = l3;
-		if ((void *)(ip6 + 1) > data_end || ip6->nexthdr != IPPROTO_UDP)
-			goto pass;
-		udp = (void *)(ip6 + 1);
-		__builtin_memcpy(sip, &ip6->saddr, sizeof(sip));
-		fam = 6;
-		dscp = (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
-	} else {
-		goto pass;
-	}
-	if ((void *)(udp + 1) > data_end || udp->dest != bpf_htons(cfg->port))
-		goto pass;
-
-	/* From here on the packet claims to be DBLP. */
-	u32 plen = bpf_ntohs(udp->len);
-	h = (void *)(udp + 1);
-	if (plen < sizeof(*udp) + DBLP_HEADER_LEN || (void *)(h + 1) > data_end)
-		return drop(DBLP_REASON_SHORT);
-	plen -= sizeof(*udp);
+	if (plen < sizeof(struct udphdr) + DBLP_HEADER_LEN || (void *)(h + 1) > data_end)
+		return DBLP_REASON_SHORT;
+	plen -= sizeof(struct udphdr);
 	if ((void *)h - data + plen > dblp_frame_len(ctx))
-		return drop(DBLP_REASON_SHORT);
+		return DBLP_REASON_SHORT;
 	if (h->magic != bpf_htons(DBLP_MAGIC))
-		return drop(DBLP_REASON_MAGIC);
+		return DBLP_REASON_MAGIC;
 	if (h->version != DBLP_VERSION)
-		return drop(DBLP_REASON_VERSION);
+		return DBLP_REASON_VERSION;
 	if (h->kind < DBLP_KIND_DATA || h->kind > DBLP_KIND_HELLO)
-		return drop(DBLP_REASON_KIND);
+		return DBLP_REASON_KIND;
 	u32 taglen = (h->flags & DBLP_FLAG_TAG) ? DBLP_TAG_LEN : 0;
 	if (bpf_ntohs(h->len) + DBLP_HEADER_LEN + taglen != plen)
-		return drop(DBLP_REASON_LENGTH);
+		return DBLP_REASON_LENGTH;
 	u32 nchunks = bpf_ntohl(h->nchunks);
 	if (nchunks == 0 || nchunks > DBLP_MAX_NCHUNKS)
-		return drop(DBLP_REASON_NCHUNKS);
+		return DBLP_REASON_NCHUNKS;
 	if (bpf_ntohl(h->chunk) >= nchunks)
-		return drop(DBLP_REASON_CHUNK);
-	u32 jobid = bpf_ntohl(h->job);
-	struct dblp_job *job = jobs.lookup(&jobid);
-	if (!job)
-		return drop(DBLP_REASON_JOB);
+		return DBLP_REASON_CHUNK;
+	return DBLP_REASON_OK;
+}
+
+/* DBLP_REASON_OK if the packet's ranks fit `job` and it is for this host's rank, else why not. */
+static __always_inline u32 check_ranks(const struct dblp_hdr *h, const struct dblp_job *job)
+{
 	u16 src = bpf_ntohs(h->src), dst = bpf_ntohs(h->dst);
+
 	if (src >= job->world_size || (dst >= job->world_size && dst != DBLP_DST_ALL))
-		return drop(DBLP_REASON_RANK);
+		return DBLP_REASON_RANK;
 	/* DST_ALL: DATA broadcast to every rank; control packets name one */
 	if (dst != job->rank && !(dst == DBLP_DST_ALL && h->kind == DBLP_KIND_DATA))
-		return drop(DBLP_REASON_DST);
-	u32 why = spoofed(jobid, src, eth->h_source, sip, fam);
-	if (why)
-		return drop(why);
+		return DBLP_REASON_DST;
+	return DBLP_REASON_OK;
+}
 
-	/* Shed least important data first, never past the message's own budget.  The
-	 * priority comes from the DBLP header, or from the IP header's DSCP (as a switch
-	 * would see it; the budget still from the DBLP header). */
+/* The priority a valid packet is shed at under the present pressure, or 0 to keep it.
+ *
+ * Shed least important data first, never past the message's own budget.  The
+ * priority comes from the DBLP header, or from the IP header's DSCP (as a switch
+ * would see it; the budget still from the DBLP header). */
+static __always_inline u32 shed_prio(struct dblp_host_cfg *cfg, const struct dblp_hdr *h, u8 dscp)
+{
 	u8 prio = h->prio & DBLP_MAX_PRIO;
 	u8 valid = h->prio <= DBLP_MAX_PRIO;
+
 	if (cfg->classify == DBLP_CLASSIFY_DSCP) {
 		/* dscp <= 63, so clang drops the mask; Linux 6.1's verifier loses the bounds at the
 		 * IPv6 path's `|` of two registers and refuses the index unmasked ("math between
@@ -239,21 +187,25 @@ int dblp_host(struct xdp_md *ctx)
 	if (valid && prio > 0 && h->kind == DBLP_KIND_DATA &&
 	    !(h->flags & DBLP_FLAG_RETX) && cfg->shed_at[prio] &&
 	    pressure(cfg) >= cfg->shed_at[prio]) {
-		u32 budget = (u64)nchunks * h->tol / DBLP_TOL_SCALE;
+		u32 budget = (u64)bpf_ntohl(h->nchunks) * h->tol / DBLP_TOL_SCALE;
 		struct dblp_msg_key key = {
-			.job = jobid,
+			.job = bpf_ntohl(h->job),
 			.round = bpf_ntohl(h->round),
 			.tensor = bpf_ntohs(h->tensor),
-			.src = src,
+			.src = bpf_ntohs(h->src),
 			.allgather = (h->flags & DBLP_FLAG_ALLGATHER) ? 1 : 0,
 			.pad = 0,
 		};
-		if (budget && shed_charge(&key, budget)) {
-			count(DBLP_CNT_SHED_BASE + prio);
-			return XDP_DROP;
-		}
+		if (budget && shed_charge(&key, budget))
+			return prio;
 	}
+	return 0;
+}
 
+/* Hand a valid packet on (counted): to the stack for a UDP job, else to the
+ * AF_XDP socket of the rx queue, or to the stack where the queue has none. */
+static __always_inline int steer(struct xdp_md *ctx, const struct dblp_job *job, const struct dblp_hdr *h)
+{
 	if (job->transport == DBLP_JOB_TRANSPORT_UDP) {
 		count(DBLP_CNT_DBLP_PASS);
 		return XDP_PASS;
@@ -268,6 +220,60 @@ int dblp_host(struct xdp_md *ctx)
 	int act = xsks.redirect_map(ctx->rx_queue_index, XDP_PASS);
 	count(act == XDP_REDIRECT ? DBLP_CNT_REDIRECT : DBLP_CNT_NOSOCK);
 	return act;
+}
+
+int dblp_host(struct xdp_md *ctx)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	struct hdr_cursor nh = { .pos = (void *)(long)ctx->data };
+	struct l3_info l3 = {};  /* the IP source (anti-spoofing) and DSCP (shedding) */
+	struct ethhdr *eth;
+	struct udphdr *udp;
+	struct dblp_hdr *h;
+	struct dblp_job *job;
+	u32 zero = 0, why, prio;
+	int proto, ulen;
+
+	struct dblp_host_cfg *cfg = config.lookup(&zero);
+	if (!cfg)
+		return XDP_PASS;
+
+	/* Not DBLP unless Ethernet, one VLAN tag at most, IPv4 (no fragment: the
+	 * stack reassembles) or IPv6, then UDP to cfg.port: such passes untouched. */
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	if (proto < 0)
+		goto pass;
+	if (proto_is_vlan(proto))
+		proto = parse_vlanhdr(&nh, data_end);
+	proto = parse_ip(&nh, data_end, proto, &l3);
+	if (proto != IPPROTO_UDP)
+		goto pass;
+	ulen = parse_udphdr(&nh, data_end, &udp);
+	if (ulen < 0 || udp->dest != bpf_htons(cfg->port))
+		goto pass;
+
+	/* From here on the packet claims to be DBLP: malformed or not for us, it is dropped. */
+	h = nh.pos;
+	why = check_header(ctx, h, data_end, ulen);
+	if (why)
+		return drop(why);
+	u32 jobid = bpf_ntohl(h->job);
+	job = jobs.lookup(&jobid);
+	if (!job)
+		return drop(DBLP_REASON_JOB);
+	why = check_ranks(h, job);
+	if (why)
+		return drop(why);
+	why = spoofed(jobid, bpf_ntohs(h->src), eth->h_source, l3.saddr, l3.family);
+	if (why)
+		return drop(why);
+
+	prio = shed_prio(cfg, h, l3.dscp);
+	if (prio) {
+		count(DBLP_CNT_SHED_BASE + prio);
+		return XDP_DROP;
+	}
+	return steer(ctx, job, h);
 
 pass:
 	count(DBLP_CNT_PASS);

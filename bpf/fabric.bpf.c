@@ -28,12 +28,7 @@
  * else (ARP, ...) goes up to the bridge untouched (FLOOD on the ingress port).
  */
 #include <uapi/linux/bpf.h>
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/in.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/ipv6.h>
-#include <uapi/linux/udp.h>
-#include "dblp.h"
+#include "dblp.h"  /* with the header parsing helpers (parse_ethhdr, parse_ip, ...) */
 #include "fabric.h"
 
 BPF_HASH(port_cfg, u32, struct fabric_cfg, FABRIC_MAX_PORTS);
@@ -65,63 +60,29 @@ static __always_inline int chance(u64 p)
 	return p && (u64)bpf_get_prandom_u32() < p;
 }
 
-/* DBLP DATA header of a UDP/IPv4|IPv6 frame, or NULL. */
-static __always_inline struct dblp_hdr *dblp_of(struct ethhdr *eth, void *data_end)
+/* DBLP DATA header of the UDP/IPv4|IPv6 frame at data, or NULL; *dscp is then its IP header's DSCP. */
+static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 *dscp)
 {
-	void *l4;
-	u8 proto;
-	u16 ethertype = eth->h_proto;
+	struct hdr_cursor nh = { .pos = data };
+	struct l3_info l3 = {};
+	struct ethhdr *eth;
+	struct udphdr *udp;
+	struct dblp_hdr *h;
+	int proto;
 
-	if (ethertype == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
-
-		if ((void *)(ip + 1) > data_end || ip->ihl < 5)
-			return NULL;
-		if (ip->frag_off & bpf_htons(0x3fff))  /* fragment: no UDP header here */
-			return NULL;
-		proto = ip->protocol;
-		l4 = (void *)ip + ip->ihl * 4;
-	} else if (ethertype == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
-
-		if ((void *)(ip6 + 1) > data_end)
-			return NULL;
-		proto = ip6->nexthdr;
-		l4 = ip6 + 1;
-	} else {
+	proto = parse_ethhdr(&nh, data_end, &eth);
+	if (proto < 0)
 		return NULL;
-	}
-	if (proto != IPPROTO_UDP)
+	proto = parse_ip(&nh, data_end, proto, &l3);
+	if (proto != IPPROTO_UDP || parse_udphdr(&nh, data_end, &udp) < 0)
 		return NULL;
-	struct udphdr *udp = l4;
-	if ((void *)(udp + 1) > data_end)
-		return NULL;
-	struct dblp_hdr *h = (void *)(udp + 1);
+	h = nh.pos;
 	if ((void *)(h + 1) > data_end)
 		return NULL;
 	if (h->magic != bpf_htons(DBLP_MAGIC) || h->version != DBLP_VERSION || h->kind != DBLP_KIND_DATA)
 		return NULL;
+	*dscp = l3.dscp;
 	return h;
-}
-
-/* The DSCP of an IPv4|IPv6 frame (0 for anything else). */
-static __always_inline u32 dscp_of(struct ethhdr *eth, void *data_end)
-{
-	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
-
-		if ((void *)(ip + 1) > data_end)
-			return 0;
-		return ip->tos >> 2;
-	}
-	if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
-
-		if ((void *)(ip6 + 1) > data_end)
-			return 0;
-		return (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
-	}
-	return 0;
 }
 
 /* Burst window armed on this port and `now` inside one. */
@@ -182,14 +143,14 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	 * lock (no helper calls under it) and claimed under it: a message (a
 	 * broadcast one: its copy to this port) has a single egress port, so its
 	 * counter is only touched under this lock. */
-	struct dblp_hdr *h = dblp_of(eth, data_end);
+	u32 d = 0;
+	struct dblp_hdr *h = dblp_of(eth, data_end, &d);
 	u32 prio = 0, *spent = NULL;
 	u64 thresh = 0, bound = 0;
 	if (h && (cfg->flags & FABRIC_F_DSCP)) {  /* as a DiffServ switch sees it; the bound stays DBLP's */
-		/* dscp_of() <= 63, so clang drops the mask; Linux 6.1's verifier loses the bounds at
+		/* the DSCP is <= 63, so clang drops the mask; Linux 6.1's verifier loses the bounds at
 		 * the IPv6 path's `|` of two registers and refuses the index unmasked: hide the value
 		 * from clang so the mask stays (dblp_host.bpf.c does the same) */
-		u32 d = dscp_of(eth, data_end);
 		asm volatile("" : "+r"(d));
 		prio = cfg->dscp_prio[d & (FABRIC_NDSCP - 1)];
 	}
@@ -260,17 +221,19 @@ int fabric(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
+	struct hdr_cursor nh = { .pos = data };
+	struct ethhdr *eth;
 	u64 len = dblp_frame_len(ctx);
 	u32 in_if = ctx->ingress_ifindex;
 
-	if ((void *)(eth + 1) > data_end)
+	if (parse_ethhdr(&nh, data_end, &eth) < 0)
 		return XDP_PASS;
 
 	struct fabric_mac mac = {};
 	__builtin_memcpy(mac.addr, eth->h_dest, ETH_ALEN);
 	if (mac.addr[0] & 1) {
-		struct dblp_hdr *h = dblp_of(eth, data_end);
+		u32 dscp;
+		struct dblp_hdr *h = dblp_of(eth, data_end, &dscp);
 
 		if (h && h->dst == bpf_htons(DBLP_DST_ALL))
 			return bcast.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
@@ -292,11 +255,11 @@ int fabric(struct xdp_md *ctx)
 /* Egress of a broadcast copy (the devmap's program): that port's faults. */
 int fabric_egress(struct xdp_md *ctx)
 {
-	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
+	struct hdr_cursor nh = { .pos = (void *)(long)ctx->data };
+	struct ethhdr *eth;
 
-	if ((void *)(eth + 1) > data_end)
+	if (parse_ethhdr(&nh, data_end, &eth) < 0)
 		return XDP_PASS;
 	return faults(eth, data_end, dblp_frame_len(ctx), ctx->egress_ifindex, 1) > 0 ? XDP_DROP : XDP_PASS;
 }
