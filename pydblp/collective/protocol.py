@@ -107,7 +107,8 @@ class Protocol:
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
-        self._began: tuple[int, dict] = (0, {})   # (neighbour round, {rank: when its message began arriving})
+        self._began: tuple[int, dict] = (0, {})   # (last round, {rank: when its message began arriving}: a
+                                                  # neighbour round's, Round.began; empty after other kinds)
 
     @property
     def estimate(self) -> float:
