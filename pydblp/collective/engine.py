@@ -279,6 +279,68 @@ class Collective:
         """
         return self._round(x, start=lambda p, flat: p.start(flat, tensor, False))
 
+    def reduce_scatter(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
+        """This rank's piece of the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
+
+        ``x`` (any shape, float32, ``world * s`` values on every rank) is cut in ``world`` pieces
+        in its flat order: rank k gets the estimated mean of values ``k * s .. (k + 1) * s - 1``,
+        flat, float32, ``s`` values (``torch.distributed.reduce_scatter_tensor``'s layout).  On the
+        wire piece k is rank k's shard of ``max(1, ceil(s / C))`` chunk rows (the last padded with
+        zeros), whatever ``Config.mode``, so with ``s`` a multiple of :attr:`C` the shards are the
+        transpose allreduce's.  Rows are sent in the round's shuffled order (``Config.order``) and
+        the owner puts them back: the result is in ``x``'s order.
+
+        It is an allreduce's first half (:class:`~pydblp.collective.rounds.ReduceScatterRound`):
+        messages with flag 0, the round's loss bound, STOP/PROBE/BITMAP/NACK repair above it and
+        the configured estimator over the contributions that arrived, so no value is missing from
+        the result; the phase controller is not shown it.  Every rank must call it in the same
+        order as the other collectives, with the same size.
+
+        Raises ValueError for a size not divisible by the world or a bad ``op``;
+        :class:`CollectiveError` as :meth:`allreduce` (a needed peer silent for ``peer_timeout``,
+        data that does not fit).
+        """
+        if op not in ("mean", "sum"):
+            raise ValueError("op must be mean or sum")
+        size = int(np.size(x))
+        if size % self.world:
+            raise ValueError(f"reduce_scatter of {size} values over {self.world} ranks: give a multiple of the world")
+        s = size // self.world
+        piece = []
+
+        def done(st):  # my shard's rows, in the tensor's order once the round has finished
+            a, b = st.bounds[st.my_shard]
+            piece.append(st.y[a:b].reshape(-1)[:s].copy())
+
+        self._round(x, start=lambda p, flat: p.start_reduce_scatter(flat, tensor), done=done)
+        return piece[0] * np.float32(self.world) if op == "sum" else piece[0]
+
+    def all_gather(self, shard: np.ndarray, tensor: int = 0) -> np.ndarray:
+        """The concatenation of every rank's ``shard``, rank 0's first: flat, float32,
+        ``world * shard.size`` values (``torch.distributed.all_gather_into_tensor``'s layout).
+
+        Every rank gives a piece of the same size ``s``.  On the wire rank k's piece is its shard
+        of ``max(1, ceil(s / C))`` chunk rows (the last padded with zeros), sent to every rank as
+        an all-gather message (flag ``ALLGATHER``), as :meth:`broadcast_shards` sends shards
+        (:class:`~pydblp.collective.rounds.AllGatherRound`).  With ``Config.consistent`` (the
+        default) every message is repaired whole and every rank ends with the same result;
+        without it loss within the round's bound is tolerated and a value that does not arrive
+        is 0 (this rank has no value of its own for it).  A piece's owner always has its own.
+        Every rank must call it in the same order as the other collectives, with the same size (a
+        piece of another number of chunk rows fails the round as data that does not fit).
+
+        Raises :class:`CollectiveError` as :meth:`allreduce` (a needed peer silent for
+        ``peer_timeout``, data that does not fit).
+        """
+        s = int(np.size(shard))
+        out = []
+
+        def done(st):  # rank k's rows are rows k * R .. (k + 1) * R - 1; its piece their first s values
+            out.append(st.y.reshape(self.world, -1)[:, :s].reshape(-1).copy())
+
+        self._round(shard, start=lambda p, flat: p.start_all_gather(flat, tensor), done=done)
+        return out[0]
+
     def neighbours(self, x: np.ndarray, peers: list[int], weights: list[float], tensor: int = 0,
                    timeout=None) -> tuple[np.ndarray, list[int]]:
         """One neighbour (gossip) round: send ``x`` whole to each rank in ``peers``, average theirs.
@@ -333,7 +395,7 @@ class Collective:
             return p.start_neighbours(flat, tensor, peers, w, per)
 
         def done(st):
-            arrived.extend(r for r in peers if st.ins[(False, r)].done and not st.ins[(False, r)].skipped)
+            arrived.extend(st.taken())
 
         y = self._round(x, start=start, done=done)
         return y, arrived

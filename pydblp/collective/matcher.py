@@ -26,7 +26,8 @@ import numpy as np
 from pydblp import wire
 from pydblp.collective.config import (AG, DATA, DST_ALL, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD,
                                       STASH_MAX, TAG)
-from pydblp.collective.messages import InMessage, Round
+from pydblp.collective.messages import InMessage
+from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
 from pydblp.wire import F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR
 
 
@@ -74,7 +75,7 @@ class Matcher:
         those of later rounds go back to the stash when they are processed)."""
         v = self._rec
         v["round"], v["tensor"] = st.round, st.tensor
-        v["flags"] = 0 if st.peers is None else NB
+        v["flags"] = st.flag
         self._vals[1::4] = v.view(np.uint64)[1]  # only the words with round and tensor, and flags, change
         self._vals[3::4] = v.view(np.uint64)[3]
         stash, self.stash = self.stash, []
@@ -154,14 +155,14 @@ class Matcher:
                 if kind != DATA:
                     ctrl.append((f, i, True))
                 elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
-                      and not f[F_FLAGS] & TAG and bool(f[F_FLAGS] & NB) == (st.peers is not None)):
+                      and not f[F_FLAGS] & TAG and (f[F_FLAGS] & NB) == st.flag):
                     data.append(i)
                 else:
                     bad += 1
                     if src not in st.misfit:
                         kind = "" if f[F_DTYPE] == F32 else f" of dtype {f[F_DTYPE]}"
                         nb = "neighbour" if f[F_FLAGS] & NB else "allreduce"
-                        mine = "allreduce" if st.peers is None else "neighbour"
+                        mine = "neighbour" if st.flag & NB else "allreduce"
                         st.misfit[src] = (now, f"{nb} round, tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
                                                f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is in a "
                                                f"{mine} round at tensor {st.tensor} with {width}-byte float32 chunks")
@@ -210,7 +211,7 @@ class Matcher:
         W = self.world
         src = h["src"].astype(np.intp)
         per = np.bincount(src, minlength=W)
-        if st.peers is not None:
+        if st.flag & NB:
             self._absorb_nb(st, h, pay, prow, src, per, now, out)
             return
         if len(per) > W or per[self.rank]:
@@ -225,14 +226,16 @@ class Matcher:
         touched = []
         if nag and nag < len(h) and prow is None:
             prow = np.arange(len(h))
-        if nag < len(h) and st.my_shard is not None and not st.reduced:  # contributions to my shard
+        if nag < len(h) and not st.reduced:  # contributions to my shard (not reduced: it owns one)
             if nag:
                 rs = (ag == 0).nonzero()[0]
                 self._absorb_rs(st, h[rs], pay, prow[rs], src[rs], chunk[rs], np.bincount(src[rs], minlength=W),
                                 now, touched)
             else:
                 self._absorb_rs(st, h, pay, prow, src, chunk, per, now, touched)
-        if nag:  # all-gather results from shard owners
+        if nag and not st.gather:  # (a round without an all-gather: a peer in another kind of round)
+            self._drop_unexpected(st, h, ag, now)
+        elif nag:  # all-gather results from shard owners
             if nag < len(h):
                 sel = ag.nonzero()[0]
                 h, prow, src, chunk = h[sel], prow[sel], src[sel], chunk[sel]
@@ -259,7 +262,16 @@ class Matcher:
                 inn.stop_sent = True
                 out.stops.append(inn)
 
-    def _absorb_nb(self, st: Round, h, pay, prow, src, per, now: float, out: Sorted) -> None:
+    def _drop_unexpected(self, st: Round, h, ag, now: float) -> None:
+        """Drop all-gather DATA (``ag`` marks it among headers ``h``) in a round that has no
+        all-gather: counted in ``bad_payload``, the first sender noted as a misfit."""
+        rows = ag.nonzero()[0]
+        self.counters["bad_payload"] += len(rows)
+        src = int(h["src"][rows[0]])
+        if src not in st.misfit:
+            st.misfit[src] = (now, f"all-gather data where this rank is in a round without one (tensor {st.tensor})")
+
+    def _absorb_nb(self, st: NeighbourRound, h, pay, prow, src, per, now: float, out: Sorted) -> None:
         """:meth:`absorb` for a neighbour round: each neighbour's message goes to its slot of the
         neighbours' buffer.  A packet from a rank that is not a neighbour this round (or past the
         world) is counted in ``foreign``."""
@@ -287,7 +299,7 @@ class Matcher:
                 inn.stop_sent = True
                 out.stops.append(inn)
 
-    def _absorb_rs(self, st: Round, h, pay, prow, src, chunk, per, now: float, touched: list) -> None:
+    def _absorb_rs(self, st: ReduceScatterRound, h, pay, prow, src, chunk, per, now: float, touched: list) -> None:
         """:meth:`absorb` for reduce-scatter packets (to my shard, not reduced yet)."""
         n = st.rmask.shape[1]
         ok = h["nchunks"] == n

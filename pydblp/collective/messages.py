@@ -1,19 +1,19 @@
-"""Per-message and per-round state of the collective: what was sent, what arrived, what is lost.
+"""Per-message state of the collective: what was sent, what arrived, what is lost.
 
 :class:`OutMessage` is one shard going to one peer (its sends, retransmissions, BITMAP
 answers and probes); :class:`InMessage` one shard coming from one peer (arrivals and the
-receiver's unsolicited BITMAPs, NACKs); :class:`Round` one round's buffers and messages.
-They hold state and decide; the protocol (:mod:`pydblp.collective.protocol`) sends.
+receiver's unsolicited BITMAPs, NACKs); :class:`Control` a control packet waiting to go.  Every
+kind of round (:mod:`pydblp.collective.rounds`) uses them.  They hold state and decide; the
+protocol (:mod:`pydblp.collective.protocol`) sends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from pydblp.collective.config import AG, LINGER_MIN, LINGER_WANT, LOSS_RTTS, NACK_QUIET, NB
+from pydblp.collective.config import AG, LOSS_RTTS, NACK_QUIET, NB
 
 
 class Control(NamedTuple):
@@ -248,78 +248,3 @@ class InMessage:
         coming = (self.n - self.hi if self.hi else 0) + max(0, self.asked - (self.count - self.count_nack))
         return min(coming, self.need - self.count)
 
-
-@dataclass(eq=False)
-class Round:
-    """State of one round of one rank (made by ``Protocol.start``).
-
-    Shards: the tensor's ``T`` chunk rows are cut into ``bounds`` (one (first, end) row range per
-    shard; shard k belongs to rank k).  Rows are float32, ``C`` values each.
-    """
-
-    round: int                       # the round number on the wire (wraps at 2**32)
-    tensor: int                      # the caller's tensor id
-    index: int                       # this rank's round count (RoundRecord.index)
-    reduce: bool                     # an allreduce (else a broadcast of shards or a neighbour round)
-    tol: float                       # the loss bound the phase controller chose
-    tol8: int                        # the same in 1/255 units, as on the wire
-    phase: str                       # the controller's phase name
-    x: np.ndarray                    # (T, C) this rank's input, padded
-    y: np.ndarray                    # (T, C) the result
-    have: np.ndarray                 # (T,) result rows in (own shard, all-gather); all-gather masks are views
-    bounds: list                     # per shard, its rows (first, end)
-    my_shard: int | None             # the shard this rank owns (None: none, a parameter server's client)
-    reduced: bool                    # this rank's own shard is in y (reduced or, broadcast, copied)
-    t0: float                        # when it began (the protocol's clock)
-    heard: np.ndarray                # per rank, when it was last heard from
-    hi: np.ndarray                   # [all-gather?, src]: 1 + the highest chunk seen
-    ag_first: np.ndarray             # per owner, its first result row
-    ag_n: np.ndarray                 # per owner, chunks of its all-gather message to me (-1: none)
-    foreign0: int                    # counters["foreign"] when it began
-    stats0: dict                     # the transport's stats when it began
-    ins: dict = field(default_factory=dict)    # (ag, src) -> InMessage
-    outs: dict = field(default_factory=dict)   # (ag, dst) -> OutMessage
-    bcast: OutMessage | None = None  # broadcast all-gather: the message sending its first pass to all
-    rbuf: np.ndarray | None = None   # owner: (world, rows, C) contributions to my shard, masked by rmask
-    rmask: np.ndarray | None = None  # owner: (world, rows) which contributions arrived
-    rflat: np.ndarray | None = None  # rbuf as rows src * n + chunk
-    rmflat: np.ndarray | None = None # rmask likewise
-    t_timers: float = 0.0            # when timeouts were last checked
-    t_alive: float = 0.0             # when dead peers were last checked
-    nacks: int = 0                   # unsolicited BITMAPs sent
-    repair: bool = False             # a NACK went out or a BITMAP came in this round
-    ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
-    perm: np.ndarray | None = None   # order "shuffle": x and y row i is the tensor's row perm[i] (None: the
-                                     # tensor's own order); finish puts y back in the tensor's order
-    own: np.ndarray | None = None    # owner, fill "carry" or a sharded update: its shard's estimate of this
-                                     # step's mean gradient alone (what the controller measures)
-    base: np.ndarray | None = None   # a sharded update: (T, C) this rank's values, kept by rows not delivered
-    update: object = None            # a sharded update: owner's (rows, mean, values) -> its shard's new values
-    misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
-    # a neighbour round (None otherwise): the peers, by slot (rbuf's first axis), and their weights;
-    # slot[r] is rank r's slot (-1: not a neighbour this round); until: per slot, when that
-    # neighbour is left out if its message is still below its bound
-    peers: list | None = None
-    weights: np.ndarray | None = None
-    slot: np.ndarray | None = None
-    until: np.ndarray | None = None
-
-    def expected(self, now: float) -> int:
-        """How many packets a receive may wait for: the data packets on their way, at most
-        LINGER_WANT; 1 when fewer than LINGER_MIN are (a control packet or a message's last chunks
-        go at once, and so do the replies to a NACK or a STOP).
-
-        A message not begun (an all-gather before its owner has reduced) or stalled below its bound
-        waits for someone to act, not for data: lingering for it would only hold back this rank's
-        own next step.  Until this rank has reduced only its reduce-scatter counts: all-gather data
-        still coming must not hold its reduce past the moment its own shard's contributions are in.
-        """
-        due = 0
-        for inn in self.ins.values():
-            # before the reduce: reduce-scatter only; after it: all-gather only (a neighbour round: all)
-            if inn.ag != self.reduced and not inn.nb:
-                continue
-            due += inn.due(now)
-            if due >= LINGER_WANT:
-                return LINGER_WANT
-        return due if due >= LINGER_MIN else 1

@@ -8,14 +8,18 @@ owns one, serialises its callers and answers peers between rounds through it.  E
 the time it acts at (``now``), so a test can drive it by hand.  The protocol itself (STOP, PROBE,
 BITMAP, NACK, bounds, trailing messages, failure semantics) is described in docs/protocol.md.
 
-Neighbour (gossip) rounds share the machinery: :meth:`~Protocol.start_neighbours` sets a round
-up whose messages go rank to rank, :meth:`~Protocol.skip` ends it at its timeout.  (Over 700
-lines: one state machine whose sending, control and timer paths serve every kind of round.)
+Every kind of round shares the machinery: :meth:`~Protocol.start` (allreduce, sharded update,
+shard broadcast), :meth:`~Protocol.start_reduce_scatter`, :meth:`~Protocol.start_all_gather` and
+:meth:`~Protocol.start_neighbours` build one of the types of :mod:`pydblp.collective.rounds`,
+whose methods answer what differs by kind; :mod:`pydblp.collective.fill` decides what missing
+rows become.  (Over 700 lines: one state machine whose sending, control and timer paths serve
+every kind of round.)
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable
 
@@ -26,8 +30,11 @@ from pydblp.collective import estimators, phase as phases
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
-from pydblp.collective.messages import Control, InMessage, OutMessage, Round
+from pydblp.collective.messages import Control, InMessage, OutMessage
+from pydblp.collective.rounds import (AllGatherRound, AllreduceRound, BroadcastRound, GatherRound, NeighbourRound,
+                                      ReduceScatterRound, Round, ShardedRound, ShardRound)
 from pydblp.transport.base import Batch, DropLog, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
@@ -97,12 +104,11 @@ class Protocol:
         self.estimate = min(c.probe_max, max(c.probe_min, 0.005))  # within the configured bounds
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
-        self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last result (the stale fill; "local" keeps none)
-        self.carried: dict[int, np.ndarray] = {}  # tensor id -> the rows of my shard cut from its all-gather and
-                                                  # not yet sent (fill "carry"; tensor order, from the shard's start)
+        self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
-        self._began: tuple[int, dict] = (0, {})   # (neighbour round, {rank: when its message began arriving})
+        self._began: tuple[int, dict] = (0, {})   # (last round, {rank: when its message began arriving}: a
+                                                  # neighbour round's, Round.began; empty after other kinds)
 
     @property
     def estimate(self) -> float:
@@ -127,76 +133,113 @@ class Protocol:
 
     # ---- round set-up ----------------------------------------------------
     def start(self, flat: np.ndarray, tensor: int, reduce: bool = True, base: np.ndarray | None = None,
-              update=None) -> Round:
+              update=None) -> ShardRound:
         """Begin a round on ``flat`` (float32, this rank's input) for tensor id ``tensor``: an
-        allreduce, or with ``reduce`` False a broadcast of shards.  A sharded update
-        (``Collective.sharded_update``) also gives ``base`` (float32, ``flat``'s size: this rank's
-        values, what an all-gather row that does not arrive keeps) and ``update(rows, mean, values)``
-        (an owner's new values for its shard's chunk rows, in the tensor's order, from their
-        estimated mean and current values).  Takes in the packets of it that were stashed; sends
-        nothing yet."""
-        rnd = self.round = (self.round + 1) & MASK32
-        tol = self.controller.tol(self.index)
+        allreduce (:class:`~pydblp.collective.rounds.AllreduceRound`), or with ``reduce`` False a
+        broadcast of shards (:class:`~pydblp.collective.rounds.BroadcastRound`).  A sharded update
+        (``Collective.sharded_update``, :class:`~pydblp.collective.rounds.ShardedRound`) also gives
+        ``base`` (float32, ``flat``'s size: this rank's values, what an all-gather row that does not
+        arrive keeps) and ``update(rows, mean, values)`` (an owner's new values for its shard's
+        chunk rows, in the tensor's order, from their estimated mean and current values).  Shards:
+        one per rank (``Config.mode`` "tar") or one, rank 0's ("ps").  Takes in the packets of it
+        that were stashed; sends nothing yet."""
         T = max(1, -(-flat.size // self.C))
         nsh = self.world if self.cfg.mode == "tar" else 1
-        bounds = [(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)]
-        perm = self._order(rnd, tensor, T, bounds) if reduce else None
+        put = functools.partial(_pad, flat)
+        if not reduce:
+            return self._start_gather(BroadcastRound, tensor, T, nsh, put)
+        if update is None:
+            return self._start_reduce(AllreduceRound, tensor, T, nsh, put)
+        return self._start_reduce(ShardedRound, tensor, T, nsh, put, base=functools.partial(_pad, base),
+                                  update=update)
+
+    def start_reduce_scatter(self, flat: np.ndarray, tensor: int) -> ReduceScatterRound:
+        """Begin a reduce-scatter (:class:`~pydblp.collective.rounds.ReduceScatterRound`) of ``flat``
+        (float32, ``world * s`` values): piece k (values ``k * s .. (k + 1) * s - 1``) goes to rank
+        k, which estimates the pieces' mean.  Each piece is a shard of ``R = max(1, ceil(s / C))``
+        rows (its last row padded with zeros): rank k's shard is rows ``k * R .. (k + 1) * R - 1``,
+        whatever ``Config.mode``.  The caller checked the size."""
+        s = flat.size // self.world
+        R = max(1, -(-s // self.C))
+
+        def put(into: np.ndarray) -> None:
+            v = into.reshape(self.world, R * self.C)
+            v[:, :s] = flat.reshape(self.world, s)
+            v[:, s:] = 0
+
+        return self._start_reduce(ReduceScatterRound, tensor, self.world * R, self.world, put)
+
+    def start_all_gather(self, flat: np.ndarray, tensor: int) -> AllGatherRound:
+        """Begin an all-gather (:class:`~pydblp.collective.rounds.AllGatherRound`) of ``flat``
+        (float32, this rank's piece of ``s`` values; every rank gives the same size): rank k's
+        piece is the shard of rows ``k * R .. (k + 1) * R - 1`` (``R = max(1, ceil(s / C))``, its
+        last row padded with zeros), whatever ``Config.mode``."""
+        R = max(1, -(-flat.size // self.C))
+        me = self.rank
+        return self._start_gather(AllGatherRound, tensor, self.world * R, self.world,
+                                  lambda into: _pad(flat, into[me * R: (me + 1) * R]))
+
+    def _start_reduce(self, kind: type[ReduceScatterRound], tensor: int, T: int, nsh: int,
+                      put: Callable[[np.ndarray], None], base: Callable | None = None,
+                      update: Callable | None = None) -> ReduceScatterRound:
+        """Begin a round of ``kind`` (a reduce-scatter, alone or followed by an all-gather) on ``T``
+        rows cut into ``nsh`` shards; ``put(rows)`` writes this rank's input into ``rows`` (T, C)
+        in the tensor's order (``base`` likewise its values, for a sharded update)."""
+        rnd = self._next_round()
+        bounds = self._bounds(T, nsh)
+        perm = self._order(rnd, tensor, T, bounds)
         x = self._scratch("x", tensor, (T, self.C))
         into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
-        into.reshape(-1)[: flat.size] = flat
-        into.reshape(-1)[flat.size:] = 0  # the last chunk's padding
+        put(into)
         if perm is not None:
             np.take(into, perm, axis=0, out=x)
+        more = {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
-            held.reshape(-1)[: flat.size] = base
-            held.reshape(-1)[flat.size:] = 0
-            base = held if perm is None else np.take(held, perm, axis=0,
-                                                     out=self._scratch("base", tensor, (T, self.C)))
+            base(held)
+            more = dict(base=held if perm is None else np.take(held, perm, axis=0,
+                                                               out=self._scratch("base", tensor, (T, self.C))),
+                        update=update)
+        if kind.gather:
+            more.update(self._gather_fields(T))
         me = self.rank
-        t0 = self.clock()
-        st = Round(round=rnd, tensor=tensor, index=self.index, reduce=reduce, tol=tol,
-                   tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x,
-                   y=np.empty_like(x),  # every row is written: own shard, all-gather, or finish's fill
-                   have=np.zeros(T, bool), bounds=bounds,
-                   my_shard=me if me < nsh else None, reduced=me >= nsh, t0=t0,
-                   heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
-                   ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
-                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0, perm=perm,
-                   base=base, update=update)
-        if st.my_shard is not None and not reduce:  # broadcast: my shard is my own values
-            a, b = st.bounds[st.my_shard]
-            st.y[a:b] = st.x[a:b]
-            self._start_allgather(st)
-        elif st.my_shard is not None:
-            a, b = st.bounds[st.my_shard]
-            st.rbuf = self._scratch("rbuf", tensor, (self.world, b - a, self.C))  # masked by rmask
-            st.rmask = np.zeros((self.world, b - a), bool)
-            st.rbuf[me] = st.x[a:b]
+        my = me if me < nsh else None
+        st = kind(**self._fields(rnd, tensor, x), bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
+        if my is not None:
+            a, b = bounds[my]
+            st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk
+            st.rbuf[me] = x[a:b]
             st.rmask[me] = True
-            st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row src * n + chunk
             for src in range(self.world):
                 if src != me:
                     st.ins[(False, src)] = InMessage(False, src, st.rmask[src])
-        for k, (a, b) in enumerate(st.bounds):
-            if k == st.my_shard:
-                continue
-            e = a + self._ag_rows(st, b - a)
-            st.ins[(True, k)] = InMessage(True, k, st.have[a:e])
-            st.ag_first[k], st.ag_n[k] = a, e - a
-            if not reduce:
-                continue
-            rows = st.x[a:b]
-            st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, st.round, tensor)
-        for key, inn in list(st.ins.items()):
-            if inn.n == 0:
-                del st.ins[key]
-        for hdr, pay, lens in self.matcher.begin(st):
-            self.process(st, hdr, pay, lens, t0)
-        return st
+        for k, (a, b) in enumerate(bounds):
+            if k != my:
+                rows = x[a:b]
+                st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor)
+        if kind.gather:
+            self._expect_gather(st)
+        return self._begin(st)
+
+    def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
+                      put: Callable[[np.ndarray], None]) -> GatherRound:
+        """Begin a round of ``kind`` (an all-gather alone) on ``T`` rows cut into ``nsh`` shards;
+        ``put(rows)`` writes this rank's input into ``rows`` (T, C): its own shard goes out at once."""
+        rnd = self._next_round()
+        x = self._scratch("x", tensor, (T, self.C))
+        put(x)
+        me = self.rank
+        st = kind(**self._fields(rnd, tensor, x), bounds=self._bounds(T, nsh), my_shard=me if me < nsh else None,
+                  **self._gather_fields(T))
+        if st.my_shard is not None:  # my shard is my own values
+            a, b = st.bounds[st.my_shard]
+            st.y[a:b] = st.x[a:b]
+            self._start_allgather(st)
+        self._expect_gather(st)
+        return self._begin(st)
 
     def start_neighbours(self, flat: np.ndarray, tensor: int, peers: list[int], weights: list[float],
-                         timeouts: list[float]) -> Round:
+                         timeouts: list[float]) -> NeighbourRound:
         """Begin a neighbour round on ``flat`` (float32, this rank's input): send it whole to each of
         ``peers`` and take in theirs (weights: one per peer; this rank's own is ``1 - sum``).  Takes
         in the packets of it that were stashed; sends nothing yet.  The caller checked the arguments.
@@ -207,35 +250,69 @@ class Protocol:
         may still be waiting out a dead peer of its own in that round (up to ``timeout``), and a
         live neighbour late only for that is not left out.
         """
-        rnd = self.round = (self.round + 1) & MASK32
-        tol = self.controller.tol(self.index)
+        rnd = self._next_round()
         T = max(1, -(-flat.size // self.C))
         x = self._scratch("x", tensor, (T, self.C))
-        x.reshape(-1)[: flat.size] = flat
-        x.reshape(-1)[flat.size:] = 0
-        t0 = self.clock()
+        _pad(flat, x)
+        fields = self._fields(rnd, tensor, x)
+        t0 = fields["t0"]
         K = len(peers)
         slot = np.full(self.world, -1, np.intp)
         slot[peers] = np.arange(K)
         last, began = self._began
         began = began if last == (rnd - 1) & MASK32 else {}
         until = np.array([max(t0, began[r] + w) + w if r in began else t0 + w for r, w in zip(peers, timeouts)])
-        st = Round(round=rnd, tensor=tensor, index=self.index, reduce=False, tol=tol,
-                   tol8=min(254, int(tol * 255)), phase=self.controller.phase(), x=x, y=np.empty_like(x),
-                   have=np.ones(T, bool), bounds=[(0, T)], my_shard=None, reduced=True, t0=t0,
-                   heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
-                   ag_first=np.zeros(self.world, np.intp), ag_n=np.full(self.world, -1, np.int64),
-                   foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0,
-                   peers=list(peers), weights=np.asarray(weights, np.float64), slot=slot, until=until)
-        st.rbuf = self._scratch("nbuf", tensor, (K, T, self.C))  # masked by rmask
-        st.rmask = np.zeros((K, T), bool)
-        st.rflat, st.rmflat = st.rbuf.reshape(-1, self.C), st.rmask.reshape(-1)  # row slot * T + chunk
+        st = NeighbourRound(**fields, peers=list(peers), weights=np.asarray(weights, np.float64), slot=slot,
+                            until=until)
+        st.open_inbox(self._scratch("nbuf", tensor, (K, T, self.C)))  # row slot * T + chunk
         prio = self._prio(st, x, 0)
         for k, r in enumerate(peers):
             st.ins[(False, r)] = InMessage(False, r, st.rmask[k], nb=True)
             st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True)
+        return self._begin(st)
+
+    def _next_round(self) -> int:
+        """The next round's number on the wire (wraps at 2**32)."""
+        self.round = (self.round + 1) & MASK32
+        return self.round
+
+    def _fields(self, rnd: int, tensor: int, x: np.ndarray) -> dict:
+        """What every round begins with (:class:`~pydblp.collective.rounds.Round`'s fields): round
+        ``rnd`` of ``tensor`` on input ``x``, at the controller's bound, from now."""
+        tol = self.controller.tol(self.index)
+        t0 = self.clock()
+        return dict(round=rnd, tensor=tensor, index=self.index, tol=tol, tol8=min(254, int(tol * 255)),
+                    phase=self.controller.phase(), x=x,
+                    y=np.empty_like(x),  # every row is written: own shard, all-gather, arrivals or the fill
+                    t0=t0, heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
+                    foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0)
+
+    def _gather_fields(self, T: int) -> dict:
+        """An all-gather's fields (:class:`~pydblp.collective.rounds.GatherRound`) on ``T`` rows."""
+        return dict(have=np.zeros(T, bool), ag_first=np.zeros(self.world, np.intp),
+                    ag_n=np.full(self.world, -1, np.int64))
+
+    @staticmethod
+    def _bounds(T: int, nsh: int) -> list[tuple[int, int]]:
+        """``T`` rows cut into ``nsh`` shards: per shard, its rows (first, end)."""
+        return [(k * T // nsh, (k + 1) * T // nsh) for k in range(nsh)]
+
+    def _expect_gather(self, st: GatherRound) -> None:
+        """The all-gather messages ``st`` waits for: from each other shard's owner, the rows of its
+        shard that its all-gather carries (:meth:`Fill.sent_rows`)."""
+        for k, (a, b) in enumerate(st.bounds):
+            if k != st.my_shard:
+                e = a + self.fill.sent_rows(st, b - a)
+                st.ins[(True, k)] = InMessage(True, k, st.have[a:e])
+                st.ag_first[k], st.ag_n[k] = a, e - a
+
+    def _begin(self, st: Round) -> Round:
+        """Match ``st`` from now on and take in its stashed packets."""
+        for key, inn in list(st.ins.items()):
+            if inn.n == 0:
+                del st.ins[key]
         for hdr, pay, lens in self.matcher.begin(st):
-            self.process(st, hdr, pay, lens, t0)
+            self.process(st, hdr, pay, lens, st.t0)
         return st
 
     def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
@@ -248,38 +325,8 @@ class Protocol:
 
     def _prio(self, st: Round, rows: np.ndarray, first: int) -> np.ndarray:
         """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers."""
-        at = first if st.perm is None else st.perm[first: first + len(rows)]
-        return estimators.chunk_priority(rows, self.cfg.priority, at, len(st.x), self.layers.get(st.tensor))
-
-    def _ag_rows(self, st: Round, n: int) -> int:
-        """How many of a shard's ``n`` rows its all-gather carries (``Config.allgather_bound``): the
-        round's ``need`` when replicas are consistent, the round has a bound, its rows are shuffled
-        and the rest can be filled alike on every rank (fill "carry"; or "stale" once every rank
-        holds the tensor's previous result): all ranks decide alike (same config, agreed bound, same
-        round history); else all ``n``."""
-        cfg = self.cfg
-        if not (cfg.consistent and cfg.allgather_bound and st.reduce and st.tol8 and st.perm is not None):
-            return n
-        last = self.stale.get(st.tensor)
-        fills = cfg.fill == "carry" or (cfg.fill == "stale" and last is not None and last.shape == st.x.shape)
-        return n - n * st.tol8 // 255 if fills else n
-
-    def _carry(self, st: Round, a: int, b: int, need: int) -> None:
-        """Fill "carry" (error feedback), owner of rows ``a..b``: add what earlier rounds cut from
-        this shard's all-gather to its estimate, keep the rows past ``need`` (cut now) for the next
-        round, and zero them in this rank's result as every other rank's fill does.  A shard's
-        rows are the same tensor rows every round (the shuffle stays within shards), so nothing
-        cut is lost: it is applied one or more rounds late."""
-        rows = st.perm[a:b] - a  # the shard's rows in the tensor's order, relative to a
-        acc = self.carried.get(st.tensor)
-        if acc is None or acc.shape != (b - a, self.C):
-            acc = self.carried[st.tensor] = np.zeros((b - a, self.C), np.float32)
-        y = st.y[a:b]
-        st.own = y.copy()
-        y += acc[rows]
-        acc[rows[:need]] = 0
-        acc[rows[need:]] = y[need:]
-        y[need:] = 0
+        return estimators.chunk_priority(rows, self.cfg.priority, st.tensor_rows(first, len(rows)), len(st.x),
+                                         self.layers.get(st.tensor))
 
     def _order(self, rnd: int, tensor: int, T: int, bounds: list) -> np.ndarray | None:
         """Order "shuffle": the round's permutation of the tensor's ``T`` rows within each shard
@@ -363,34 +410,29 @@ class Protocol:
             self.control(st, f, payload, now, current)
 
     def complete(self, st: Round) -> bool:
-        """This rank's result is in (every all-gather message to it reached its bound), its reduce-scatter
-        messages are done, its own all-gather has gone out whole, no retransmission it was asked for
-        waits, and the transport holds no paced backlog: the round may return.  All-gather messages
-        not yet acknowledged then trail (see :meth:`finish`).  A neighbour round: every neighbour's
-        message is done or skipped, each of this rank's went out whole (or was abandoned), and no
-        retransmission waits; those not acknowledged yet trail likewise."""
-        return (st.reduced and all(i.done or i.skipped for i in st.ins.values() if i.ag or i.nb)
-                and all(o.done or ((o.ag or o.nb) and o.sent == o.n and not o.nretx) for o in st.outs.values())
-                and self.t.tx_backlog() <= 0)
+        """The round may return: its messages are settled (:meth:`Round.settled`: this rank's part
+        is in, every all-gather or neighbour message to it reached its bound or was skipped, its
+        reduce-scatter messages are done, its all-gather or neighbour messages went out whole or
+        were abandoned, no retransmission it was asked for waits) and the transport holds no paced
+        backlog.  Messages not yet acknowledged then trail (see :meth:`finish`)."""
+        return st.settled() and self.t.tx_backlog() <= 0
 
-    def reduce(self, st: Round) -> None:
-        """Owner: estimate the shard's mean (a sharded update: and turn it into the shard's new
-        values) and start the all-gather."""
+    def reduce(self, st: ReduceScatterRound) -> None:
+        """Owner: estimate the shard's mean and, in a round with an all-gather, turn it into what
+        that sends (:meth:`ReduceScatterRound.estimated`) and start it."""
         a, b = st.bounds[st.my_shard]
         st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
-        if st.update is not None:
-            st.own = st.y[a:b].copy()
-            rows = np.arange(a, b) if st.perm is None else st.perm[a:b]
-            st.y[a:b] = st.update(rows, st.own, st.base[a:b])
-        self._start_allgather(st)
-
-    def _start_allgather(self, st: Round) -> None:
-        a, end = st.bounds[st.my_shard]
-        b = a + self._ag_rows(st, end - a)  # (the rest: filled alike on every rank)
-        if self.cfg.fill == "carry" and st.reduce and st.perm is not None:  # (one-row tensors are never cut)
-            self._carry(st, a, end, b - a)
-        st.have[a:b] = True
         st.reduced = True
+        if st.gather:
+            st.estimated(a, b)
+            self._start_allgather(st)
+
+    def _start_allgather(self, st: GatherRound) -> None:
+        """Owner: send its shard of ``y`` to every rank (the rows :meth:`Fill.sent_rows` says)."""
+        a, end = st.bounds[st.my_shard]
+        b = a + self.fill.sent_rows(st, end - a)  # (the rest: filled alike on every rank)
+        self.fill.carry(st, a, end, b - a)
+        st.have[a:b] = True
         prio = self._prio(st, st.y[a:b], a)
         tol8 = 0 if self.cfg.consistent else st.tol8  # consistent: every rank gets what is sent whole
         # a round that repairs, while a reduce-scatter message of mine may still need retransmissions
@@ -651,16 +693,16 @@ class Protocol:
         """NACKs and probes due (every TIMER_TICK), a dead peer (every DEAD_TICK).
 
         Raises CollectiveError for a needed peer silent for ``peer_timeout``, or one alive whose
-        data has not fit this round for as long.  A neighbour round never raises: once its
-        timeout has passed it skips what is missing (:meth:`skip`).
+        data has not fit this round for as long.  A forgiving round (``Round.forgiving``: a
+        neighbour round) never raises: it leaves such peers out at its own deadlines
+        (:meth:`Round.expire`).
         """
         self.nacks(st, now)
         self._probes(st.outs.values(), now)
         if self.trail:
             self._trail_timers(now)
-        if st.peers is not None:
-            if len(st.until) and now >= st.until.min():
-                self.skip(st, now)
+        st.expire(now)
+        if st.forgiving:
             return
         if now - st.t_alive < DEAD_TICK:
             return
@@ -693,21 +735,6 @@ class Protocol:
                     f"rank {self.rank}: rank {q}'s data in round {st.index} does not fit for "
                     f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "
                     f"(chunk_bytes) and call allreduce with tensors of the same size in the same order")
-
-    def skip(self, st: Round, now: float) -> None:
-        """A neighbour round's timeouts: leave out every neighbour past its deadline (``st.until``)
-        whose message is below its bound (its chunks are not used) and abandon this rank's message
-        to it, as well as one that has not gone out whole or waits for retransmissions (no probes,
-        no repair past the timeout).  Once every neighbour is in or left out the round may return."""
-        for k, r in enumerate(st.peers):
-            if now < st.until[k]:
-                continue
-            inn, o = st.ins[(False, r)], st.outs[(False, r)]
-            if not inn.done:
-                inn.skipped = True
-            if not o.done and (inn.skipped or o.sent < o.n or o.nretx):
-                o.done = o.abandoned = True
-            st.until[k] = np.inf
 
     # ---- trailing all-gather messages ------------------------------------
     def _trail_timers(self, now: float) -> None:
@@ -753,78 +780,28 @@ class Protocol:
 
     # ---- round end -------------------------------------------------------
     def finish(self, st: Round) -> RoundRecord:
-        """End round ``st``: fill the result's missing rows (stale or local), keep what late probes
-        and trailing messages need, record it (:attr:`records`, ``Config.on_record``)."""
-        if st.peers is not None:
-            return self._finish_neighbours(st)
-        missing = ~st.have
-        if missing.any():
-            last = self.stale.get(st.tensor)  # (in the tensor's own order)
-            if st.base is not None:
-                st.y[missing] = st.base[missing]  # a sharded update: a row not delivered keeps its value
-            elif st.reduce and self.cfg.fill == "carry":
-                st.y[missing] = 0  # (the owners carry what they cut to the next round)
-            elif st.reduce and self.cfg.fill == "stale" and last is not None and last.shape == st.y.shape:
-                st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
-            else:
-                st.y[missing] = st.x[missing]
+        """End round ``st``: make its result whole (:meth:`Round.conclude`: the fill of missing rows,
+        or a neighbour round's mean), keep what late probes and trailing messages need, record it
+        (:attr:`records`, ``Config.on_record``)."""
+        st.conclude(self.fill)
         self._prev = (st.round, st.ins)
+        self._began = (st.round, st.began())
         self._trail_from(st)  # (copies the rows its messages still need: y may be replaced now)
-        if st.perm is not None:  # back in the tensor's order; the round's messages keep theirs
-            back = np.empty_like(st.y)
-            back[st.perm] = st.y
-            st.y = back
-        if st.reduce and self.cfg.fill == "stale" and st.base is None:  # only the stale fill reads it
-            last = self.stale.get(st.tensor)  # a snapshot: the caller owns st.y and may change it
-            if last is None or last.shape != st.y.shape:
-                last = self.stale[st.tensor] = np.empty_like(st.y)
-            np.copyto(last, st.y)
+        st.reorder()
+        self.fill.keep(st)
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
                           phase=st.phase, latency=self.clock() - st.t0)
-        for (ag, src), inn in st.ins.items():
-            rec.delivered[f"{'ag' if ag else 'rs'}:{src}"] = inn.count / inn.n
-            rec.below_bound |= not inn.done
-        rec.min_delivered = min(rec.delivered.values(), default=1.0)
-        rec.retransmits = sum(o.retransmits for o in st.outs.values())
-        rec.probes = sum(o.probes for o in st.outs.values())
-        rec.nacks = st.nacks
-        rec.below_bound |= not all(o.done or (o.ag and o.sent == o.n) for o in st.outs.values())
-        rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
-        rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
-        self.records.append(rec)
-        self.index += 1
-        if self.cfg.on_record is not None:
-            self.cfg.on_record(rec)
-        return rec
-
-    def _finish_neighbours(self, st: Round) -> RoundRecord:
-        """:meth:`finish` for a neighbour round: the weighted mean over this rank and the neighbours
-        whose message reached its bound (per chunk over the chunks that arrived; the skipped
-        count for nothing), kept state, trailing messages and the record."""
-        taken = np.array([st.ins[(False, r)].done and not st.ins[(False, r)].skipped for r in st.peers], bool)
-        mask = st.rmask & taken[:, None]
-        estimators.neighbour_mean(st.x, 1.0 - float(st.weights.sum()), st.rbuf, mask, st.weights, st.y)
-        self._prev = (st.round, st.ins)
-        self._began = (st.round, {r: i.t_first for (_, r), i in st.ins.items() if i.t_first is not None})
-        self._trail_from(st)
-        s1 = self.t.stats()
-        rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
-                          phase=st.phase, latency=self.clock() - st.t0)
-        for r in st.peers:
-            inn = st.ins[(False, r)]
-            rec.delivered[f"nb:{r}"] = inn.count / inn.n
-            if inn.skipped:
-                rec.left_out.append(r)
-            rec.below_bound |= not inn.done and not inn.skipped  # (a deadline ended it)
+        st.account(rec)
         rec.min_delivered = min(rec.delivered.values(), default=1.0)
         rec.retransmits = sum(o.retransmits for o in st.outs.values())
         rec.probes = sum(o.probes for o in st.outs.values())
         rec.nacks = st.nacks
         rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
         rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
-        for q, (_, what) in st.misfit.items():
-            log.warning("rank %d: neighbour %d's data in round %d did not fit: %s", self.rank, q, st.index, what)
+        if st.forgiving:  # (a misfit fails any other round)
+            for q, (_, what) in st.misfit.items():
+                log.warning("rank %d: neighbour %d's data in round %d did not fit: %s", self.rank, q, st.index, what)
         self.records.append(rec)
         self.index += 1
         if self.cfg.on_record is not None:
@@ -852,3 +829,10 @@ class Protocol:
         for o in pending:
             o.rows, o.trailing, o.t_heard = keep, True, now
             self.trail[(o.rnd, o.ag, o.dst)] = o
+
+
+def _pad(flat: np.ndarray, into: np.ndarray) -> None:
+    """Write ``flat`` into ``into``'s first values and zero the rest (the last chunk's padding)."""
+    v = into.reshape(-1)
+    v[: flat.size] = flat
+    v[flat.size:] = 0

@@ -132,7 +132,7 @@ def test_deadline_ends_below_bound_reported_and_filled(ranks, fill):
     xs = inputs(3, 30_000, rounds=2, seed=3)
     first, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
-    assert bool(rk.cols[0].protocol.stale) == (fill == "stale")  # the local fill keeps no copy of each result
+    assert bool(rk.cols[0].protocol.fill.stale) == (fill == "stale")  # the local fill keeps no copy of each result
     kept = {r: f.copy() for r, f in first.items()}
     for f in first.values():  # the caller owns a result: changing it must not change the stale fill
         f[:] = np.nan
@@ -1119,7 +1119,7 @@ def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode
         out = []
         for i in range(rounds):
             out.append(c.allreduce(xs[i][r]))
-            acc = c.protocol.carried.get(0)
+            acc = c.protocol.fill.carried.get(0)
             held[r][i] = None if acc is None else acc.copy()
         return out
 

@@ -9,7 +9,8 @@ import pytest
 from pydblp import wire
 from pydblp.collective.config import LINGER_MIN, LINGER_WANT, NACK_QUIET, STASH_MAX
 from pydblp.collective.matcher import Matcher
-from pydblp.collective.messages import InMessage, OutMessage, Round
+from pydblp.collective.messages import InMessage, OutMessage
+from pydblp.collective.rounds import AllreduceRound
 
 C = 16  # float32 values per chunk in these tests (64-byte chunks)
 
@@ -175,14 +176,14 @@ def test_due_counts_the_stream_still_flowing_and_the_repair_asked_for():
 
 # ---- Round ----------------------------------------------------------------
 
-def _round(**kw) -> Round:
+def _round(**kw) -> AllreduceRound:
     T = 200
-    args = dict(round=1, tensor=0, index=0, reduce=True, tol=0.0, tol8=0, phase="static", x=np.zeros((T, C)),
+    args = dict(round=1, tensor=0, index=0, tol=0.0, tol8=0, phase="static", x=np.zeros((T, C)),
                 y=np.zeros((T, C)), have=np.zeros(T, bool), bounds=[(0, 100), (100, 200)], my_shard=0,
                 reduced=False, t0=0.0, heard=np.zeros(2), hi=np.zeros((2, 2), np.intp), ag_first=np.zeros(2, np.intp),
                 ag_n=np.full(2, -1, np.int64), foreign0=0, stats0={})
     args.update(kw)
-    return Round(**args)
+    return AllreduceRound(**args)
 
 
 def test_round_expected_counts_only_the_phase_it_is_in_and_bounds_it():
@@ -220,9 +221,7 @@ class Owner:
         T = 200
         st = self.st = _round(round=7, tensor=3, tol8=tol8, x=np.zeros((T, C), np.float32),
                               y=np.zeros((T, C), np.float32))
-        st.rbuf = np.zeros((2, 100, C), np.float32)
-        st.rmask = np.zeros((2, 100), bool)
-        st.rflat, st.rmflat = st.rbuf.reshape(-1, C), st.rmask.reshape(-1)
+        st.open_inbox(np.zeros((2, 100, C), np.float32))
         st.ins[(False, 1)] = InMessage(False, 1, st.rmask[1])
         st.ins[(True, 1)] = InMessage(True, 1, st.have[100:200])
         st.ag_first[1], st.ag_n[1] = 100, 100

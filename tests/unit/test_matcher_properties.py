@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from pydblp import wire
 from pydblp.collective import Collective, Config
 from pydblp.collective.config import AG, DATA, F32, MASK32, NB, RETX, STASH_AHEAD, STASH_MAX, TAG
+from pydblp.collective.rounds import GatherRound, NeighbourRound
 from pydblp.transport.udp import UdpTransport
 
 CB = 64  # chunk_bytes: the smallest allowed, so payloads stay small
@@ -55,7 +56,7 @@ PROFILES = [
 ]
 
 # what the round is: an allreduce, a broadcast of shards, or a neighbour round
-ROUND_KINDS = ("allreduce", "broadcast", "neighbours")
+ROUND_KINDS = ("allreduce", "broadcast", "neighbours", "reduce_scatter", "all_gather")
 
 rounds = st.fixed_dictionaries({
     "world": st.sampled_from([2, 3]),
@@ -98,6 +99,10 @@ class Rank:
         if kind == "neighbours":
             peers = [r for r in range(self.world) if r != self.rank]
             return p.start_neighbours(flat, tensor, peers, [0.5 / len(peers)] * len(peers), [1.0] * len(peers))
+        if kind == "reduce_scatter":  # (chunks rows per rank)
+            return p.start_reduce_scatter(np.arange(self.world * chunks * self.col.C, dtype=np.float32), tensor)
+        if kind == "all_gather":
+            return p.start_all_gather(flat, tensor)
         return p.start(flat, tensor, kind == "allreduce")
 
     def finish(self, st, now: float) -> None:
@@ -116,11 +121,11 @@ def setup(r: dict) -> tuple[Rank, object]:
         rk.p.round = r["before"]
         if r["history"]:
             prev = rk.begin(r["kind"], r["chunks"], r["tensor"])
-            if prev.my_shard is not None and not prev.reduced:
+            if not prev.reduced:
                 rk.p.reduce(prev)
             rk.finish(prev, time.monotonic())
         s = rk.begin(r["kind"], r["chunks"], r["tensor"])
-        if r["reduced"] and s.my_shard is not None and not s.reduced:
+        if r["reduced"] and not s.reduced:
             rk.p.reduce(s)
     except BaseException:
         rk.close()
@@ -208,7 +213,7 @@ def resolve(p, s, sp: dict, tensor: int) -> tuple:
         src = [r for r in range(p.world) if r != me][src[1] % (p.world - 1)]
     ins, outs = messages_of(p, s)
     if sp["flags"] is None:  # the flag of one of the messages to or from it (none: as a round of this kind)
-        nb = s is not None and s.peers is not None
+        nb = isinstance(s, NeighbourRound)
         kinds = sorted({m.flag for (_, r), m in list(ins.items()) + list(outs.items()) if r == src})
         flags = kinds[sp["pick"] % len(kinds)] if kinds else (NB if nb else 0)
     else:
@@ -255,11 +260,13 @@ def _out(o) -> tuple:
 def results(p, s) -> dict:
     """Everything a receive may change but counters, the control packets queued and the stash."""
     r = {"timeouts": list(p.timeouts), "bufs": {k: _b(v) for k, v in p._bufs.items()},
-         "stale": {k: _b(v) for k, v in p.stale.items()}, "carried": {k: _b(v) for k, v in p.carried.items()},
+         "stale": {k: _b(v) for k, v in p.fill.stale.items()},
+         "carried": {k: _b(v) for k, v in p.fill.carried.items()},
          "trail": {k: _out(o) for k, o in p.trail.items()},
          "prev": None if p._prev is None else (p._prev[0], {k: _inn(i) for k, i in p._prev[1].items()})}
     if s is not None:
-        r.update(x=_b(s.x), y=_b(s.y), have=_b(s.have), rbuf=_b(s.rbuf), rmask=_b(s.rmask), hi=_b(s.hi),
+        r.update(x=_b(s.x), y=_b(s.y), have=_b(getattr(s, "have", None)), rbuf=_b(getattr(s, "rbuf", None)),
+                 rmask=_b(getattr(s, "rmask", None)), hi=_b(s.hi),
                  heard=_b(s.heard), misfit=dict(s.misfit), repair=s.repair, reduced=s.reduced,
                  ins={k: _inn(i) for k, i in s.ins.items()}, outs={k: _out(o) for k, o in s.outs.items()})
     return r
@@ -277,7 +284,7 @@ def expected_foreign(p, s, h: np.ndarray) -> int:
         if (job != p.cfg.job or src >= p.world or src == p.rank
                 or (dst != p.rank and not (dst == wire.DST_ALL and kind == DATA and flags & AG))):
             n += 1
-        elif (s is not None and s.peers is not None and rnd == s.round and kind == DATA and tensor == s.tensor
+        elif (isinstance(s, NeighbourRound) and rnd == s.round and kind == DATA and tensor == s.tensor
               and f[wire.F_DTYPE] == F32 and f[wire.F_LEN] == CB and not flags & TAG and flags & NB
               and s.slot[src] < 0):
             n += 1
@@ -305,7 +312,7 @@ def check_writes(before: dict, after: dict, p, s) -> None:
     contribution and result rows, every other scratch buffer, the trailing messages' rows."""
     if s is not None:
         assert after["x"] == before["x"], "the round's input changed"
-        T = len(s.have)
+        T = len(s.x)
         may = np.zeros(T, bool)  # result rows the all-gather messages to this rank may fill
         for (ag, k), inn in s.ins.items():
             if ag:
@@ -313,9 +320,10 @@ def check_writes(before: dict, after: dict, p, s) -> None:
         y0 = np.frombuffer(before["y"], np.uint8).reshape(T, -1)
         y1 = np.frombuffer(after["y"], np.uint8).reshape(T, -1)
         assert (y0[~may] == y1[~may]).all(), "a result row no message to this rank fills changed"
-        h0, h1 = np.frombuffer(before["have"], bool), np.frombuffer(after["have"], bool)
-        assert (h0[~may] == h1[~may]).all() and (h1 >= h0).all()
-        if s.rbuf is not None and s.peers is None:  # (an owner's reduce buffer: its own row stays)
+        if isinstance(s, GatherRound):
+            h0, h1 = np.frombuffer(before["have"], bool), np.frombuffer(after["have"], bool)
+            assert (h0[~may] == h1[~may]).all() and (h1 >= h0).all()
+        if getattr(s, "rbuf", None) is not None and not isinstance(s, NeighbourRound):  # (an owner: its own row stays)
             n = s.rbuf.shape[1]
             r0 = np.frombuffer(before["rbuf"], np.uint8).reshape(p.world, -1)
             r1 = np.frombuffer(after["rbuf"], np.uint8).reshape(p.world, -1)
@@ -324,7 +332,7 @@ def check_writes(before: dict, after: dict, p, s) -> None:
             m1 = np.frombuffer(after["rmask"], bool).reshape(p.world, n)
             assert (m0[p.rank] == m1[p.rank]).all() and (m1 >= m0).all()
         for k, v in after["bufs"].items():
-            if p._bufs[k] is not s.rbuf and p._bufs[k] is not s.x:
+            if p._bufs[k] is not getattr(s, "rbuf", None) and p._bufs[k] is not s.x:
                 assert v == before["bufs"][k], f"scratch buffer {k} changed"
     else:
         assert after["bufs"] == before["bufs"], "a scratch buffer changed between rounds"
@@ -437,7 +445,7 @@ def test_a_genuine_packet_among_junk_arrives(r, junk, at, which, chunk, dst_all,
         same = [f for j, f in enumerate(h.tolist()) if j != i and f[wire.F_KIND] == DATA
                 and f[wire.F_SRC] == src and f[wire.F_CHUNK] == c and f[wire.F_ROUND] == s.round]
         if not same:
-            if s.peers is not None:
+            if isinstance(s, NeighbourRound):
                 got = s.rbuf[s.slot[src], c]
             elif ag:
                 got = s.y[s.ag_first[src] + c]

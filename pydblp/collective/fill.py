@@ -1,0 +1,108 @@
+"""What a result row that did not arrive becomes, for every kind of round: one place.
+
+A round's kind names where its missing rows come from (``missing``, a class attribute of the
+:mod:`~pydblp.collective.rounds` types):
+
+* ``"policy"`` (an allreduce): ``Config.fill``.  ``stale``: the row of the tensor id's previous
+  result (``local`` while there is none of its shape); ``local``: this rank's own input;
+  ``carry``: zero (only rows past a consistent all-gather's bound, ``Config.allgather_bound``;
+  the shard's owner adds them to its next round's estimate, :meth:`Fill.carry`).
+* ``"base"`` (a sharded update): this rank's current value (the parameter server's semantics).
+* ``"local"`` (a shard broadcast): this rank's own value.
+* ``"zero"`` (an all-gather of pieces): zero; this rank has no value of its own for the row.
+
+Kinds whose result is never missing a row (a reduce-scatter: the owner's own estimate; a
+neighbour round: a mean over what arrived) have none.  :class:`Fill` also decides how many rows
+of a shard an all-gather carries (:meth:`Fill.sent_rows`): the rest are filled alike on every
+rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pydblp.collective.config import Config
+
+
+class Fill:
+    """Fills the missing rows of one rank's rounds and keeps what the fills read across rounds.
+
+    Args:
+        config: the collective's knobs (``fill``, ``consistent``, ``allgather_bound``).
+        chunk: values per row (``C``).
+    """
+
+    def __init__(self, config: Config, chunk: int):
+        self.cfg, self.C = config, chunk
+        self.stale: dict[int, np.ndarray] = {}    # tensor id -> its last allreduce result (fill "stale" only)
+        self.carried: dict[int, np.ndarray] = {}  # tensor id -> the rows of my shard cut from its all-gather and
+                                                  # not yet sent (fill "carry"; tensor order, from the shard's start)
+
+    def rule(self, st) -> str | None:
+        """What ``st``'s missing rows become now: "stale", "local", "carry", "base", "zero" or None
+        (a kind that never misses one)."""
+        rule = st.missing
+        if rule != "policy":
+            return rule
+        rule = self.cfg.fill
+        if rule == "stale":
+            last = self.stale.get(st.tensor)
+            return "stale" if last is not None and last.shape == st.y.shape else "local"
+        return rule
+
+    def sent_rows(self, st, n: int) -> int:
+        """How many of a shard's ``n`` rows its all-gather carries (``Config.allgather_bound``): the
+        round's ``need`` when replicas are consistent, the round has a bound, its rows are shuffled
+        and the rest can be filled alike on every rank (fill "carry"; or "stale" once every rank
+        holds the tensor's previous result): all ranks decide alike (same config, agreed bound, same
+        round history); else all ``n``."""
+        cfg = self.cfg
+        if not (cfg.consistent and cfg.allgather_bound and st.tol8) or self.rule(st) not in ("carry", "stale"):
+            return n
+        return n - n * st.tol8 // 255 if st.perm is not None else n
+
+    def carry(self, st, a: int, b: int, need: int) -> None:
+        """Fill "carry" (error feedback), owner of rows ``a..b``: add what earlier rounds cut from
+        this shard's all-gather to its estimate, keep the rows past ``need`` (cut now) for the next
+        round, and zero them in this rank's result as every other rank's fill does.  A shard's
+        rows are the same tensor rows every round (the shuffle stays within shards), so nothing
+        cut is lost: it is applied one or more rounds late.  Nothing to do under another fill or
+        in the tensor's own order (one-row tensors are never cut)."""
+        if self.rule(st) != "carry" or st.perm is None:
+            return
+        rows = st.perm[a:b] - a  # the shard's rows in the tensor's order, relative to a
+        acc = self.carried.get(st.tensor)
+        if acc is None or acc.shape != (b - a, self.C):
+            acc = self.carried[st.tensor] = np.zeros((b - a, self.C), np.float32)
+        y = st.y[a:b]
+        st.own = y.copy()
+        y += acc[rows]
+        acc[rows[:need]] = 0
+        acc[rows[need:]] = y[need:]
+        y[need:] = 0
+
+    def missing_rows(self, st) -> None:
+        """Fill the result rows of ``st`` (in the round's row order) that did not arrive."""
+        missing = ~st.have
+        if not missing.any():
+            return
+        rule = self.rule(st)
+        if rule == "base":
+            st.y[missing] = st.base[missing]
+        elif rule in ("carry", "zero"):
+            st.y[missing] = 0  # (carry: the owners carry what they cut to the next round)
+        elif rule == "stale":
+            last = self.stale[st.tensor]  # (in the tensor's own order)
+            st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
+        else:
+            st.y[missing] = st.x[missing]
+
+    def keep(self, st) -> None:
+        """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill
+        "stale" only: a snapshot, the caller owns ``st.y`` and may change it."""
+        if st.missing != "policy" or self.cfg.fill != "stale":
+            return
+        last = self.stale.get(st.tensor)
+        if last is None or last.shape != st.y.shape:
+            last = self.stale[st.tensor] = np.empty_like(st.y)
+        np.copyto(last, st.y)
