@@ -201,12 +201,12 @@ class Sim:
         more); the others go on.  Raises SimError when ranks wait with nothing that could wake
         them, or virtual time passes ``limit``.
         """
+        for at, r in self._kills:  # first: a kill due at the same moment as a turn comes before it
+            heapq.heappush(self._heap, (at, next(self._seq), r, -1))
         for r, node in enumerate(self.nodes):
             node.thread = threading.Thread(target=self._main, args=(node, program), name=f"sim-{r}", daemon=True)
             node.thread.start()
             self._schedule(node, 0.0)
-        for at, r in self._kills:
-            heapq.heappush(self._heap, (at, next(self._seq), r, -1))
         try:
             self._loop()
         finally:
