@@ -201,8 +201,9 @@ def _forged_data(rnd, n=15, seed=1, key=None):
 @pytest.mark.parametrize("keyed", [True, False])
 def test_forged_data_changes_a_result_only_without_a_key(pair, keyed):
     """The issue's attack: well-formed DATA of the running job's next round, sent to rank 1
-    before it (rank 0 joins 0.3 s later).  Without a key rank 1 takes it as rank 0's data and
-    its result is wrong; with one every forged packet is dropped, counted, and the result exact."""
+    before it (rank 0 joins once rank 1's round has begun).  Without a key rank 1 takes it as rank
+    0's data and its result is wrong; with one every forged packet is dropped, counted, and the
+    result exact."""
     p = pair(keys=(KEY, KEY) if keyed else (None, None))
     forged = _forged_data(1) + _forged_data(1, key=OTHER)
     _spray(p.raw[1].port, forged)
@@ -214,7 +215,8 @@ def test_forged_data_changes_a_result_only_without_a_key(pair, keyed):
     else:
         assert _wait(lambda: c1.counters["stashed"] == len(forged))  # kept for round 1
     xs = xs_of(1)[0]
-    res, errs = p.run(lambda r, c: (time.sleep(0.3 if r == 0 else 0), c.allreduce(xs[r]))[1])
+    # rank 1 cannot end its round without rank 0's all-gather: it is in it until rank 0 joins
+    res, errs = p.run(lambda r, c: (r == 0 and _wait(lambda: c1._running), c.allreduce(xs[r]))[1])
     assert not errs
     exact = np.allclose(res[1], (xs[0] + xs[1]) / 2, atol=1e-6)
     assert exact == keyed
@@ -263,8 +265,8 @@ def test_a_replayed_packet_of_an_earlier_round_changes_nothing(pair):
     verified0 = p.ts[1].stats()["auth_verified"]
 
     def third(r, c):
-        if r == 0:
-            time.sleep(0.05)
+        if r == 0:  # rank 1 is in round 3 until rank 0's data comes: replay into it
+            assert _wait(lambda: p.cols[1]._running)
             _spray(p.raw[1].port, round1)
         return c.allreduce(xs[2][r])
 
