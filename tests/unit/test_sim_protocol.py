@@ -93,6 +93,21 @@ def test_a_dead_peer_fails_the_round_after_peer_timeout_naming_it(dies):
         assert 0.5 <= failed - began < 0.55, (began, failed)
 
 
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+def test_a_dead_peer_fails_a_sharded_round_after_peer_timeout(kind):
+    """As for an allreduce: rank 2 dead from the start fails ranks 0 and 1's reduce-scatter or
+    all-gather ``peer_timeout`` after it began, naming rank 2."""
+    s = sim(3, peer_timeout=0.5)
+    s.kill(2, at=0.0)
+    x = np.ones(3 * 10 * 352, np.float32)  # 10 chunk rows a rank
+    nodes = s.run(lambda node: until_error(node, [lambda: getattr(node.collective, kind)(x)]))
+    for node in nodes[:2]:
+        done, err, began, failed = node.result
+        assert done == [] and isinstance(err, CollectiveError)
+        assert "rank 2" in str(err) and "dead or unreachable" in str(err)
+        assert 0.5 <= failed - began < 0.55, (began, failed)
+
+
 @pytest.mark.parametrize("case", ["size", "tensor"])
 def test_a_peer_whose_data_does_not_fit_fails_the_round_after_peer_timeout(case):
     """Ranks that disagree (another tensor size or tensor id) are alive and keep probing, so no
