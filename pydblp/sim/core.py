@@ -21,14 +21,12 @@ from collections.abc import Callable
 import numpy as np
 
 from pydblp.collective import Collective, Config, RoundRecord
-from pydblp.sim.network import Link, Network
+from pydblp.sim.network import QUANTUM, Link, Network
 from pydblp.sim.transport import GROUP_ADDR, SimTransport, _Arrivals, rank_addr
 
 log = logging.getLogger(__name__)
 
 LIMIT = 3600.0  # virtual s a run may last by default
-QUANTUM = 1e-9  # virtual s a rank waits at least for a timer it was told is due (a timer computed
-                # as due in 0 s, or in less than the clock's resolution, must still let time move)
 
 
 class SimError(RuntimeError):

@@ -26,6 +26,8 @@ import numpy as np
 from pydblp import units, wire
 
 FRAME_OVERHEAD = 14 + 20 + 8 + wire.HEADER_LEN  # Ethernet, IPv4, UDP and DBLP headers on a payload
+QUANTUM = 1e-9  # virtual s a rank waits at least for a moment it was told is due (one computed as
+                # now, or closer than the clock's resolution, must still let time move)
 CAUSES = ("burst", "loss", "ge", "tail", "dead")  # why the network dropped a packet (Network.drops)
 
 
@@ -119,7 +121,7 @@ class Queue:
         if not self.rate:
             return t
         wait = self.free - t
-        if wait > 0 and wait * self.rate / 8 + size > self.cap:
+        if wait > 0 and wait * self.rate / 8 + size > self.cap + 0.5:  # (half a byte: float rounding)
             return None
         self.free = max(self.free, t) + size * 8 / self.rate
         return self.free

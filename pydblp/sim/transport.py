@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from pydblp import wire
-from pydblp.sim.network import FRAME_OVERHEAD
+from pydblp.sim.network import FRAME_OVERHEAD, QUANTUM
 from pydblp.transport.base import Batch, Transport
 
 GROUP_ADDR = "198.19.255.255"  # the simulated broadcast address (Collective's group)
@@ -91,7 +91,7 @@ class SimTransport(Transport):
             if done == k or retry > end:
                 break
             self._c["tx_blocked"] += 1
-            sim.wait(self.rank, retry)
+            sim.wait(self.rank, max(retry, sim.now + QUANTUM))
         self._c["tx_packets"] += done
         self._c["tx_bytes"] += int(batch.lengths[:done].sum()) + done * wire.HEADER_LEN
         return done
