@@ -40,7 +40,8 @@ class SimTransport(Transport):
     """One rank's transport in a :class:`~pydblp.sim.core.Sim` (made by it).
 
     Peers are registered by address: :func:`rank_addr` of a rank, or :data:`GROUP_ADDR`
-    (every other rank: the broadcast all-gather's group).  The receiver never drops (receive
+    (every other rank: the broadcast all-gather's group).  Besides the usual counters,
+    ``stats()["tx_control"]`` counts the control packets sent (STOP, PROBE, BITMAP).  The receiver never drops (receive
     CPU is not simulated; ``Sim(cost=...)`` charges time per packet), so ``rx_dropped`` stays 0.
     """
 
@@ -50,7 +51,7 @@ class SimTransport(Transport):
         self.sim, self.rank = sim, rank
         self.netns, self.ifname, self.queue, self.port = None, f"sim{rank}", 0, wire.DEFAULT_PORT
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid", "rx_truncated",
-                                 "rx_dropped", "rx_errors", "tx_blocked"), 0)
+                                 "rx_dropped", "rx_errors", "tx_blocked", "tx_control"), 0)
         self._dst: list[int] = []                  # peer id -> rank (-1: every other rank)
         self._peer = np.full(sim.world, -1, np.int32)  # rank -> its peer id here (-1: not registered)
         self._rx: collections.deque[_Arrivals] = collections.deque()
@@ -93,6 +94,7 @@ class SimTransport(Transport):
             self._c["tx_blocked"] += 1
             sim.wait(self.rank, max(retry, sim.now + QUANTUM))
         self._c["tx_packets"] += done
+        self._c["tx_control"] += int(np.count_nonzero(batch.headers["kind"][:done] != wire.Kind.DATA))
         self._c["tx_bytes"] += int(batch.lengths[:done].sum()) + done * wire.HEADER_LEN
         return done
 
