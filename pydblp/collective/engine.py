@@ -475,10 +475,16 @@ class Collective:
         computing (or done).  This thread sleeps on an alarm that a round sets
         for IDLE_GRACE as it ends and clears as the next begins: back-to-back
         rounds keep the transport and never wake it (packets wait in the ring
-        meanwhile).  Once the alarm fires it polls the transport and the wake
-        descriptor, takes what arrives (the lock hands the transport over), and
-        leaves when a round begins, which writes the wake descriptor: a round
-        waits at most for one receive that has already begun, never for a poll.
+        meanwhile).  Once the alarm fires it takes what has arrived and polls
+        the transport and the wake descriptor, and leaves when a round begins,
+        which writes the wake descriptor: a round waits at most for one receive
+        that has already begun, never for a poll.
+
+        Hand-offs, none of which rely on the GIL: ``_poll_lock`` owns the
+        transport and the protocol's state (this thread takes it without
+        blocking, serves, reads when it must wake next, and lets go before it
+        polls); ``_state`` guards the flags a round and this thread exchange
+        (``_running``, ``_serving``, ``_idle_done``, ``_close_late``).
         """
         p = self.protocol
         fd, wake = self.t.fileno(), self._wake
@@ -491,22 +497,22 @@ class Collective:
                 self._serving = True
             try:
                 while not self._closing and not self._round_begun():
-                    backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
-                    due = p.trail_due(p.clock())  # a trailing message's probe or retransmissions
+                    if not self._poll_lock.acquire(blocking=False):
+                        continue  # a round has begun
+                    try:  # everything the round's thread also touches is read holding the lock
+                        if self._round_begun():
+                            continue
+                        self._serve()
+                        backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
+                        due = p.trail_due(p.clock())  # a trailing message's probe or retransmissions
+                    finally:
+                        self._poll_lock.release()
                     waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
                              + ([math.ceil(due * 1000)] if due is not None else []))
                     ready = poller.poll(min(waits) if waits else None)
                     if any(f == wake for f, _ in ready):
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(wake)
-                        continue
-                    if not self._poll_lock.acquire(blocking=False):
-                        continue  # a round has begun
-                    try:
-                        if not self._round_begun():
-                            self._serve()
-                    finally:
-                        self._poll_lock.release()
             except Exception as e:  # e.g. TransportError: peers hold another job key
                 log.warning("rank %d: idle responder stopped: %s", self.rank, e)
                 self._idle_error = e

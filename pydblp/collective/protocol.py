@@ -750,8 +750,8 @@ class Protocol:
 
     def trail_due(self, now: float) -> float | None:
         """Seconds until a trailing message needs this rank (a probe due; 0: retransmissions wait),
-        None if none does.  Read by the idle responder before it sleeps, without the lock: a
-        snapshot, at worst a wake-up early or late by one probe."""
+        None if none does.  Read by whoever holds the transport (a round, or the idle responder
+        holding ``Collective._poll_lock``) before it sleeps."""
         due, pt = None, None
         for o in list(self.trail.values()):
             if o.done:
