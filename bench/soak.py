@@ -90,7 +90,7 @@ def train(tb, a, steps: int, key_file: str, spray: bool, timeout: float, logs: s
     W = a.workers
     port = 29500 + random.Random(f"{a.seed}/{spray}").randrange(1000)
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world", str(W),
-                      "--master", f"{tb.addr(0)}:{port}", "--transport", "static", "--p-low", "0",
+                      "--master", f"{tb.addr(0)}:{port}", "--arm", "static", "--p-low", "0",
                       "--net", a.net, "--iface", "eth0", "--steps", str(steps), "--seed", str(a.seed),
                       "--rate", str(tb.rate_bps), "--eval-every", str(max(steps // 10, 1)), "--peer-timeout", "30",
                       "--no-round-records"]

@@ -383,11 +383,11 @@ examples:
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
   dblp experiment --rate 200 --consistency broadcast:10
-  dblp experiment --transports gloo,dblp --net udp --out /tmp/exp
+  dblp experiment --arms gloo,dblp --net udp --out /tmp/exp
   dblp experiment --mode ps --allgather broadcast DBLP's setup: a parameter server, its result broadcast
   dblp experiment --scenario incast --seeds 3     finite switch buffer: priority shedding vs drop-tail
   dblp experiment --scenario incast --priority magnitude,layer,none   the priority rules, each both ways
-  dblp experiment --transports dblp --starve 1:0.3   rank 1 gets 30 % of a core: its host program sheds
+  dblp experiment --arms dblp --starve 1:0.3   rank 1 gets 30 % of a core: its host program sheds
 (docs/experiment.md describes every option and what the table measures)
 """
 
@@ -456,7 +456,7 @@ def _add_experiment(sub):
                    help="mlp (default: digits, 1.1M parameters), digits (CNN, 30k) or text (transformer)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seeds", type=int, help="run N seeds (--seed, --seed+1, ...): mean and spread (default 1)")
-    p.add_argument("--transports",
+    p.add_argument("--arms",
                    help="comma-separated subset of gloo,static,dblp (in this order of runs; default all three, "
                         "incast: gloo,dblp)")
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
@@ -524,12 +524,12 @@ def _experiment_options(args):
     from pydblp.experiment import runner
 
     base = runner.options(args.scenario)
-    transports = base.transports
-    if args.transports is not None:
-        transports = tuple(t for t in args.transports.split(",") if t)
-        bad = [t for t in transports if t not in runner.TRANSPORTS]
-        if bad or not transports:
-            raise UsageError(f"--transports takes gloo, static, dblp (got {args.transports!r})")
+    arms = base.arms
+    if args.arms is not None:
+        arms = tuple(m for m in args.arms.split(",") if m)
+        bad = [m for m in arms if m not in runner.ARMS]
+        if bad or not arms:
+            raise UsageError(f"--arms takes gloo, static, dblp (got {args.arms!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
                                        "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "g_over",
                                        "estimator", "order", "consistency", "mode", "allgather", "target", "seed")}
@@ -550,9 +550,9 @@ def _experiment_options(args):
               (eff["loss_model"] != "ge" or eff["loss"] < eff["ge_bad"],
                f"--loss {eff['loss']:g}: a Gilbert-Elliott mean loss must be below --ge-bad {eff['ge_bad']:g}"),
               (0 <= eff["p_low"] < 1, f"--p-low {eff['p_low']:g}: use [0, 1)"),
-              (eff["k"] >= 0 and (args.k is None or "dblp" not in transports or eff["k"] < k_top),
+              (eff["k"] >= 0 and (args.k is None or "dblp" not in arms or eff["k"] < k_top),
                f"--k {eff['k']:g}: use [0, {k_top:g}) (P_high = p-low + k stays below 1)"),
-              ("dblp" not in transports or eff["p_low"] + eff["k"] < 1,
+              ("dblp" not in arms or eff["p_low"] + eff["k"] < 1,
                f"--p-low {eff['p_low']:g}: use [0, {1 - eff['k']:g}) (DBLP's P_high = p-low + k "
                f"({eff['k']:g}) must stay below 1)"),
               (eff["freq"] >= 1, f"--freq {eff['freq']}: use 1 or more steps"),
@@ -587,7 +587,7 @@ def _experiment_options(args):
         raise UsageError(f"{what} needs a queue: add --queue MBIT (e.g. --queue 1000) or use --scenario incast")
     qports = _ports(args.queue_port, eff["workers"], "--queue-port") if args.queue_port is not None else None
     starve = _starve(args.starve, eff["workers"]) if args.starve is not None else None
-    return runner.options(args.scenario, transports=transports, rate_mbit=args.rate, burst_ratio=ratio,
+    return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio,
                           burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy,
                           queue_mbit=queue, queue_kb=queue_kb, queue_ports=qports, starve=starve, **v)
 
@@ -631,7 +631,7 @@ def _diloco_options(p):
                              "--out apply too (--bursts: one every 3 s from the start of each run); --steps "
                              "and --scenario do not.")
     g.add_argument("--algo", choices=["ddp", "diloco"], default="ddp",
-                   help="ddp: the transports' comparison above (default); diloco: this group's")
+                   help="ddp: the arms' comparison above (default); diloco: this group's")
     d = diloco.Options()
     g.add_argument("--runs", default=",".join(d.runs), help=f"comma-separated subset of {','.join(diloco.RUNS)}")
     g.add_argument("--outer-steps", type=int, default=d.outer_steps, help=f"outer steps (default {d.outer_steps})")

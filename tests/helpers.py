@@ -107,6 +107,23 @@ class Ranks:
             c.close()
 
 
+def lose_sent(t, drop) -> None:
+    """Make transport ``t`` lose, as the wire would, the packets of each batch it sends for which
+    ``drop(headers)`` (a bool per packet) is True."""
+    send = t.send
+
+    def lossy(batch, timeout=1.0):
+        n = batch.n
+        h = batch.headers[:n]
+        keep = ~drop(h)
+        if keep.all():
+            return send(batch, timeout)
+        return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
+                          int(keep.sum())), timeout) + int(n - keep.sum())
+
+    t.send = lossy
+
+
 def run_in_workers(tb, argv_of, env: dict, timeout: float, what: str) -> list[str]:
     """Run ``argv_of(rank)`` in every worker of testbed ``tb`` at once; their outputs, by rank.
 

@@ -57,16 +57,16 @@ def _target_text(rep: dict) -> str:
 
 
 def table(rep: dict) -> str:
-    """The comparison table: one column per transport; mean +- standard deviation over seeds."""
-    s = {tr: dict(v) for tr, v in rep["summary"].items()}
-    spread = {tr: dict(v) for tr, v in rep.get("spread", {}).items()}
+    """The comparison table: one column per arm; mean +- standard deviation over seeds."""
+    s = {arm: dict(v) for arm, v in rep["summary"].items()}
+    spread = {arm: dict(v) for arm, v in rep.get("spread", {}).items()}
     rows = [("", *s.keys())]
 
-    def fmt(tr, key, spec):
-        v = s[tr].get(key)
+    def fmt(arm, key, spec):
+        v = s[arm].get(key)
         if v is None:
             return "-"
-        sd = spread.get(tr, {}).get(key)
+        sd = spread.get(arm, {}).get(key)
         text = format(int(round(v)) if spec == "d" else v, spec)
         return text + (f" +-{format(sd, spec if spec != 'd' else '.0f')}" if sd is not None else "")
 
@@ -96,30 +96,30 @@ def table(rep: dict) -> str:
     ]
     optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "host_shed"}
     lines = [ln for ln in lines if ln[1] not in optional or any(v.get(ln[1]) is not None for v in s.values())]
-    for tr in s:
-        b = s[tr].get("retransmit_bytes")
-        s[tr]["retransmit_mb"] = None if b is None else b / 1e6
-        sd = spread.get(tr, {}).get("retransmit_bytes")
-        spread.setdefault(tr, {})["retransmit_mb"] = None if sd is None else sd / 1e6
+    for arm in s:
+        b = s[arm].get("retransmit_bytes")
+        s[arm]["retransmit_mb"] = None if b is None else b / 1e6
+        sd = spread.get(arm, {}).get("retransmit_bytes")
+        spread.setdefault(arm, {})["retransmit_mb"] = None if sd is None else sd / 1e6
     for label, key, spec in lines:
-        rows.append((label, *(fmt(tr, key, spec) for tr in s)))
+        rows.append((label, *(fmt(arm, key, spec) for arm in s)))
     w0 = max(len(r[0]) for r in rows)
     ws = [max(len(r[i]) for r in rows) for i in range(1, len(rows[0]))]
     text = ["  ".join([r[0].ljust(w0)] + [c.rjust(w) for c, w in zip(r[1:], ws)]) for r in rows]
-    for tr, v in s.items():
+    for arm, v in s.items():
         by = v.get("delivered_by_phase") or {}
-        if by and tr != "gloo":
+        if by and arm != "gloo":
             parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds)" for ph, d in by.items())
             same = {True: "identical on every rank", False: "DIFFER between ranks"}.get(v.get("phase_identical"), "")
-            text.append(f"{tr}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
+            text.append(f"{arm}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
         ge = v.get("grad_error_by_phase") or {}
         if ge:
-            text.append(f"{tr}: gradient error by phase: " + ", ".join(f"{ph} {e:.4f}" for ph, e in ge.items()))
-    for tr, v in s.items():
+            text.append(f"{arm}: gradient error by phase: " + ", ".join(f"{ph} {e:.4f}" for ph, e in ge.items()))
+    for arm, v in s.items():
         for key, what in (("queue_early_by_prio", "queue early drops"), ("host_shed_by_prio", "host sheds")):
             by = v.get(key)
             if by and any(by):
-                text.append(f"{tr}: {what} by priority 0..7: " + " ".join(f"{x:.0f}" for x in by))
+                text.append(f"{arm}: {what} by priority 0..7: " + " ".join(f"{x:.0f}" for x in by))
     for name, r in rep["speedup"].items():
         if name.endswith("_vs_tail"):
             parts = ", ".join(f"{k.replace('_s', '')} {v:.2f}x" if not k.endswith("_gain") else f"{k} {v:+.4f}"
@@ -150,41 +150,41 @@ def plots(rep: dict, out: Path) -> list[Path]:
     runs = rep["runs"]
     made = []
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for tr, r in runs.items():
-        a1.plot([s["t"] for s in r["steps"]], [s["loss"] for s in r["steps"]], label=tr, lw=0.8)
+    for arm, r in runs.items():
+        a1.plot([s["t"] for s in r["steps"]], [s["loss"] for s in r["steps"]], label=arm, lw=0.8)
         if r["evals"]:
-            a2.plot([e["t"] for e in r["evals"]], [e["eval"] for e in r["evals"]], marker="o", ms=3, label=tr)
+            a2.plot([e["t"] for e in r["evals"]], [e["eval"] for e in r["evals"]], marker="o", ms=3, label=arm)
             a2.set_ylabel(r["evals"][0]["metric"])
     a1.set_xlabel("time (s)"), a1.set_ylabel("training loss"), a1.legend()
     a2.set_xlabel("time (s)"), a2.legend()
     made.append(_save(plt, fig, out / "loss_accuracy.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for tr, r in runs.items():
+    for arm, r in runs.items():
         x = np.sort([s["sync"] * 1e3 for s in r["steps"]])
-        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=tr)
+        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=arm)
     ax.set_xscale("log"), ax.set_xlabel("round latency (ms, backward + sync)"), ax.set_ylabel("CDF")
     ax.legend(), ax.grid(alpha=0.3)
     made.append(_save(plt, fig, out / "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for tr, r in runs.items():
+    for arm, r in runs.items():
         rounds = r["final"].get("rounds")
         if rounds:
-            ax.plot([x["tol"] * 100 for x in rounds], label=tr, lw=0.8)
+            ax.plot([x["tol"] * 100 for x in rounds], label=arm, lw=0.8)
     ax.set_xlabel("collective round"), ax.set_ylabel("tolerance (%)"), ax.legend()
     made.append(_save(plt, fig, out / "tolerance.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for tr, r in runs.items():
+    for arm, r in runs.items():
         if r.get("divs"):
             a1.plot([d["step"] for d in r["divs"]], [max(d["div"], 1e-12) for d in r["divs"]], marker="o", ms=3,
-                    label=tr)
+                    label=arm)
         hist = (r["final"].get("phase") or {}).get("history") or []
         if hist:
-            a2.plot([h[0] for h in hist], [h[1] for h in hist], label=f"{tr} G", lw=0.8)
+            a2.plot([h[0] for h in hist], [h[1] for h in hist], label=f"{arm} G", lw=0.8)
             crit = [h for h in hist if h[2]]
-            a2.scatter([h[0] for h in crit], [h[1] for h in crit], s=10, marker="x", label=f"{tr} critical")
+            a2.scatter([h[0] for h in crit], [h[1] for h in crit], s=10, marker="x", label=f"{arm} critical")
     a1.set_yscale("log"), a1.set_xlabel("step"), a1.set_ylabel("max |parameter - rank 0's|")
     a2.set_xlabel("step"), a2.set_ylabel("gradient norm G (x: critical)")
     for a in (a1, a2):

@@ -3,7 +3,7 @@
 Brings up a ``workers``-worker testbed (each worker link rate-limited by a
 TBF, ``rate_mbit``), sets the background loss (random or Gilbert-Elliott) on
 every switch port, and for each seed trains the same model with the same seed
-once per transport, arming microbursts at the same seeded random steps for
+once per arm (Gloo, static tolerance, DBLP), arming microbursts at the same seeded random steps for
 each (drop ratio uniform in ``burst_ratio``, lasting ``burst_ms`` or about
 one Gloo round, on ``burst_ports``).  Writes ``report.json`` (per-seed
 summaries and runs, mean and spread over seeds) and PNG plots to ``out_dir``.
@@ -28,7 +28,7 @@ import numpy as np
 
 from pydblp import wire
 
-TRANSPORTS = ("gloo", "static", "dblp")
+ARMS = ("gloo", "static", "dblp")  # Arm.method: Gloo, static tolerance, DBLP (the worker's --arm)
 LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
@@ -42,14 +42,14 @@ class Options:
     workers: int = 4
     model: str = "mlp"
     steps: int = 200
-    transports: tuple = TRANSPORTS
+    arms: tuple = ARMS              # each pydblp one runs once per (priority, drop policy): arms()
     net: str = "xsk"                # pydblp data plane: xsk (AF_XDP), xsk-ktx (AF_XDP receive, kernel transmit) or udp
     seed: int = 0
     seeds: int = 1                  # runs seed, seed + 1, ... seed + seeds - 1
     rate_mbit: float | None = None  # each worker NIC's TBF rate (None: the testbed's 1 Gbit/s)
     bursts: int = 15                # microbursts over the run (0: none)
     burst_ratio: tuple = (0.6, 0.9)
-    burst_ms: float | None = 8.0    # None: the median clean round of the first transport run (Gloo)
+    burst_ms: float | None = 8.0    # None: the median clean round of the first arm's run (Gloo)
     burst_ports: tuple | str = (1,)   # worker ports a burst hits: "all" or worker indices
     loss: float = 0.10              # background loss: the mean loss rate on every port
     loss_model: str = "random"      # "random" (Bernoulli) or "ge" (Gilbert-Elliott, same mean)
@@ -80,7 +80,7 @@ class Options:
     eval_every: int = 25
     grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
                                     # mean (a Gloo allreduce, left out of the timings) every N steps
-    timeout: float = 600.0          # per transport
+    timeout: float = 600.0          # per arm
     scenario: str = "demo"
 
 
@@ -116,7 +116,7 @@ SCENARIOS = {
     "demo": {},
     "paper": {"steps": 300, "bursts": 30, "eval_every": 20, "consistency": "sharded", "g_over": "window"},
     "incast": {"mode": "ps", "loss": 0.0, "bursts": 0, "queue_mbit": 2000.0, "queue_kb": 128.0,
-               "transports": ("gloo", "dblp"), "drop_policy": DROP_POLICIES},
+               "arms": ("gloo", "dblp"), "drop_policy": DROP_POLICIES},
 }
 
 
@@ -139,25 +139,26 @@ def ge_params(loss: float, length: float, bad: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Arm:
-    """One training run of a seed: a transport, and for pydblp its priority rule and the queue's policy."""
+    """One training run of a seed: how it synchronises (``method``: gloo, static or dblp, the
+    worker's ``--arm``), and for pydblp its priority rule and the queue's policy."""
     name: str
-    transport: str
+    method: str
     priority: str = "magnitude"
     drop_policy: str = "priority"
 
 
 def arms(opt: Options) -> list[Arm]:
-    """The runs of one seed, in order.  A pydblp transport runs once per (priority, drop policy)
-    pair; its name is the transport's alone when there is one pair, else ``dblp/layer/tail``."""
+    """The runs of one seed, in order.  A pydblp arm runs once per (priority, drop policy)
+    pair; its name is the method's alone when there is one pair, else ``dblp/layer/tail``."""
     many = len(opt.priority) * len(opt.drop_policy) > 1
     out = []
-    for tr in opt.transports:
-        if tr == "gloo":  # TCP is not DBLP: never early-dropped, the policy does not apply
+    for m in opt.arms:
+        if m == "gloo":  # TCP is not DBLP: never early-dropped, the policy does not apply
             out.append(Arm("gloo", "gloo", "none", opt.drop_policy[0]))
             continue
         for pr in opt.priority:
             for pol in opt.drop_policy:
-                out.append(Arm(f"{tr}/{pr}/{pol}" if many else tr, tr, pr, pol))
+                out.append(Arm(f"{m}/{pr}/{pol}" if many else m, m, pr, pol))
     return out
 
 
@@ -170,7 +171,7 @@ def queue_ports(opt: Options):
 
 @dataclass
 class Run:
-    transport: str
+    arm: str                                     # the Arm's name
     steps: list = field(default_factory=list)    # rank 0 step records
     evals: list = field(default_factory=list)
     divs: list = field(default_factory=list)     # replica divergence at evaluation points
@@ -178,13 +179,13 @@ class Run:
     calibrate: float | None = None               # s of compute (forward + backward, no sync) a step
     final: dict = field(default_factory=dict)
     bursts: list = field(default_factory=list)   # (start monotonic s, duration s, step)
-    arm: dict = field(default_factory=dict)      # the Arm's fields
+    setup: dict = field(default_factory=dict)    # the Arm's fields
     fabric: dict = field(default_factory=dict)   # this run's drops on the queue ports, by cause
     host: list = field(default_factory=list)     # every rank's host-program counters (AF_XDP)
 
 
 def burst_plan(opt: Options, seed: int) -> list[tuple[int, float]]:
-    """(step, ratio) pairs, seeded: the same steps for every transport."""
+    """(step, ratio) pairs, seeded: the same steps for every arm."""
     if opt.bursts <= 0:
         return []
     rng = random.Random(seed)
@@ -218,17 +219,16 @@ def _exits(p: subprocess.Popen, seconds: float) -> bool:
         return False
 
 
-def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) -> Run:
+def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) -> Run:
     """Train once as ``arm`` says; arm the planned bursts as rank 0 reaches their steps.
 
     ``burst_s[0]`` is the burst duration; if None it is set from this run's
-    clean rounds before the first burst (and kept for the next transports).
+    clean rounds before the first burst (and kept for the next arms).
     """
-    transport = arm.transport
     port = 29500 + random.Random(f"{seed}/{arm.name}").randrange(1000)
     master = f"{tb.addr(0)}:{port}"
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world",
-                      str(opt.workers), "--master", master, "--transport", transport, "--net", opt.net,
+                      str(opt.workers), "--master", master, "--arm", arm.method, "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
                       "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator,
@@ -244,7 +244,7 @@ def run_transport(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: li
     errs = [open(Path(opt.out_dir) / f"{name}.rank{r}.log", "w") for r in range(opt.workers)]
     procs = [tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                       stderr=errs[r], env=env, text=True) for r in range(opt.workers)]
-    run = Run(arm.name, arm=asdict(arm))
+    run = Run(arm.name, setup=asdict(arm))
     pending = dict(plan)
     starved = None
     ports = None if opt.burst_ports == "all" else list(opt.burst_ports)
@@ -356,7 +356,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     ph = run.final.get("phase") or {}
     hist = ph.get("history") or []
     return {
-        "transport": run.transport,
+        "arm": run.arm,
         "wall_s": run.final.get("wall"),
         "time_to_target_s": reached,
         "final_metric": run.evals[-1]["eval"] if run.evals else None,
@@ -457,10 +457,10 @@ def queue_drops(tb, opt: Options) -> dict:
 
 
 def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
-    """(mean, standard deviation) over seeds of every numeric summary field, per transport."""
+    """(mean, standard deviation) over seeds of every numeric summary field, per arm."""
     mean, spread = {}, {}
-    for tr in per_seed[0]:
-        rows = [s[tr] for s in per_seed if tr in s]
+    for name in per_seed[0]:
+        rows = [s[name] for s in per_seed if name in s]
         m, sd = dict(rows[0]), {}
         for key, v0 in rows[0].items():
             if isinstance(v0, list) and all(isinstance(r.get(key), list) and len(r[key]) == len(v0)
@@ -480,7 +480,7 @@ def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
             m[key] = float(np.mean(vals)) if vals else None
             sd[key] = float(np.std(vals)) if len(vals) > 1 else None
             m[key + "_n"] = len(vals)
-        mean[tr], spread[tr] = m, sd
+        mean[name], spread[name] = m, sd
     return mean, spread
 
 
@@ -506,16 +506,16 @@ def run(opt: Options) -> dict:
             for arm in arms(opt):  # the first (Gloo by default) sizes the bursts
                 set_queue(tb, opt, arm)
                 queue_drops(tb, opt)  # (resets the counters: each run's own)
-                runs[arm.name] = run_transport(tb, opt, arm, seed, plan, burst_s)
+                runs[arm.name] = run_arm(tb, opt, arm, seed, plan, burst_s)
                 runs[arm.name].fabric = queue_drops(tb, opt)
             target = opt.target
             if target is None:
                 target = gloo_target(runs["gloo"], opt) if "gloo" in runs else None
-            summary = {tr: summarize(r, opt, target) for tr, r in runs.items()}
+            summary = {name: summarize(r, opt, target) for name, r in runs.items()}
             seeds.append({"seed": seed, "target": target, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
                           "burst_plan": plan, "summary": summary,
                           "speedup": {**report.speedups(summary), **report.policy_ratios(summary)},
-                          "runs": {tr: asdict(r) for tr, r in runs.items()}})
+                          "runs": {name: asdict(r) for name, r in runs.items()}})
         fabric_stats = tb.stats()
     mean, spread = aggregate([s["summary"] for s in seeds])
     speed = {}

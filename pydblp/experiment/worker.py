@@ -39,7 +39,8 @@ def parse(argv=None):
     p.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     p.add_argument("--master", default=f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
                                        f"{os.environ.get('MASTER_PORT', '29500')}")
-    p.add_argument("--transport", choices=["gloo", "static", "dblp"], default="dblp")
+    p.add_argument("--arm", choices=["gloo", "static", "dblp"], default="dblp",
+                   help="Gloo, or pydblp with a static tolerance or DBLP's")
     p.add_argument("--net", choices=["udp", "xsk", "xsk-ktx"], default="udp", help="pydblp data plane")
     p.add_argument("--iface", help="data-plane interface (pydblp)")
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
@@ -145,7 +146,7 @@ def phase_report(controller) -> dict:
 def main(argv=None) -> int:
     a = parse(argv)
     knobs, every, sharded = consistency(a.consistency)
-    sharded = sharded and a.transport != "gloo"
+    sharded = sharded and a.arm != "gloo"
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -165,12 +166,12 @@ def main(argv=None) -> int:
             lr = a.lr or 3e-3
         ddp = DDP(model)
         broadcaster = None
-        if a.transport != "gloo":
+        if a.arm != "gloo":
             import pydblp.torch as ptorch
             from pydblp.collective import Config, Dblp, Static
 
-            phase = Static(a.p_low) if a.transport == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
-                                                                                 g_over=a.g_over)
+            phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
+                                                                           g_over=a.g_over)
             cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(

@@ -54,7 +54,7 @@ class State:
         self._owned = list(owned)
         self._jobs: _queue.Queue = _queue.Queue()
         self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="pydblp-transport", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="pydblp-rounds", daemon=True)
         self._thread.start()
 
     @classmethod

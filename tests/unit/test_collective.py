@@ -23,7 +23,7 @@ from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedul
 from pydblp.collective.protocol import Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import Ranks
+from tests.helpers import Ranks, lose_sent
 
 
 def inputs(world, n, rounds=1, seed=0):
@@ -453,23 +453,6 @@ def test_an_owner_sends_its_whole_allgather_in_a_clean_round(rank0):
     rank0.col.reduce(rank0.st)
     rank0.col.send_some(rank0.st, time.monotonic())
     assert rank0.st.outs[(True, 1)].sent == 100
-
-
-def _drop_sent(t, drop):
-    """Make transport ``t`` lose, as the wire would, the packets of each batch it sends for which
-    ``drop(headers)`` (a bool per packet) is True."""
-    send = t.send
-
-    def lossy(batch, timeout=1.0):
-        n = len(batch)
-        h = batch.headers[:n]
-        keep = ~drop(h)
-        if keep.all():
-            return send(batch, timeout)
-        return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
-                          int(keep.sum())), timeout) + int(n - keep.sum())
-
-    t.send = lossy
 
 
 def test_a_probe_for_a_round_finished_before_the_last_one_gets_a_stop(rank0):
@@ -919,7 +902,7 @@ def test_a_bound_cut_falls_on_other_rows_each_round_when_shuffled(ranks, order):
     mean never includes the other rank.  Shuffled, the lost positions hold other rows each round,
     so over 8 rounds every row gets an exact mean in some round."""
     rk = ranks(2, phase="static:0.3", order=order)
-    _drop_sent(rk.ts[0], lambda h: ((h["kind"] == wire.Kind.DATA) & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == 0)
+    lose_sent(rk.ts[0], lambda h: ((h["kind"] == wire.Kind.DATA) & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == 0)
                                     & (h["chunk"].astype(np.int64) * 5 >= h["nchunks"].astype(np.int64) * 4)))
     xs = inputs(2, 60_000, rounds=8, seed=5)
     res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(8)])
@@ -1137,7 +1120,7 @@ def test_a_parameter_the_sharded_allgather_loses_keeps_its_value_until_delivered
     two; rank 0's own shard is always current; and the shard rank 1 owns is the same on both."""
     world, n, steps = 2, 60_000, 6
     rk = ranks(world, phase="static:0.3", consistent=False)
-    _drop_sent(rk.ts[0], lambda h: ((h["kind"] == wire.Kind.DATA)
+    lose_sent(rk.ts[0], lambda h: ((h["kind"] == wire.Kind.DATA)
                                     & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == wire.Flag.ALLGATHER)
                                     & (h["chunk"].astype(np.int64) * 5 >= h["nchunks"].astype(np.int64) * 4)))
     xs = inputs(world, n, rounds=steps, seed=23)

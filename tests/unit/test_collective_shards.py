@@ -60,6 +60,12 @@ def test_each_rank_gets_its_piece_in_the_tensor_s_order_whatever_the_mode(ranks,
         np.testing.assert_allclose(res[r], want, rtol=1e-6)
 
 
+def scatter_then_gather(c, x):
+    """This rank's reduce-scatter piece of ``x``, and the all-gather of every rank's piece."""
+    mine = c.reduce_scatter(x)
+    return mine, c.all_gather(mine)
+
+
 def test_loss_is_repaired_to_the_exact_result_at_bound_zero(ranks):
     world, s = 4, 20 * C
     rk = ranks(world)
@@ -67,11 +73,7 @@ def test_loss_is_repaired_to_the_exact_result_at_bound_zero(ranks):
         seeded_loss(t, 0.05, seed=40 + r)
     xs = pieces(world, s, seed=4)
 
-    def run(r, c):
-        mine = c.reduce_scatter(xs[r])
-        return mine, c.all_gather(mine)
-
-    res, errs = rk.run(run)
+    res, errs = rk.run(lambda r, c: scatter_then_gather(c, xs[r]))
     assert not errs, errs
     mean = np.mean(np.float64(xs), axis=0)
     for r in range(world):
@@ -90,11 +92,7 @@ def test_loss_within_the_bound_is_tolerated_and_a_missing_value_is_zero(ranks):
         seeded_loss(t, 0.05, seed=70 + r)
     xs = pieces(world, s, seed=7)
 
-    def run(r, c):
-        mine = c.reduce_scatter(xs[r])
-        return mine, c.all_gather(mine)
-
-    res, errs = rk.run(run)
+    res, errs = rk.run(lambda r, c: scatter_then_gather(c, xs[r]))
     assert not errs, errs
     mean = np.mean(np.float64(xs), axis=0)
     for r in range(world):

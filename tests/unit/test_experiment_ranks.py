@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pydblp.experiment.runner import Arm, Options, run_transport
+from pydblp.experiment.runner import Arm, Options, run_arm
 
 STEP = '{"step": 0, "t": 0.1, "t0": 0.0, "loss": 1.0, "sync": 0.01}'
 FINAL = '{"final": true, "host": []}'
@@ -23,6 +23,7 @@ class Ranks:
 
     def __init__(self, scripts):
         self.scripts = scripts
+        self.argv = {}  # rank -> the worker command line it would have run
 
     def addr(self, r):
         return "198.18.0.1"
@@ -31,12 +32,25 @@ class Ranks:
         return []
 
     def popen(self, r, argv, **kw):
+        self.argv[r] = argv
         return subprocess.Popen([sys.executable, "-c", self.scripts[r]], **kw)
 
 
-def run(tmp_path, scripts):
+def run(tmp_path, scripts, ranks=None):
     opt = Options(workers=len(scripts), steps=1, out_dir=str(tmp_path), timeout=60)
-    return run_transport(Ranks(scripts), opt, Arm("gloo", "gloo"), 0, [], [0.01])
+    return run_arm(ranks or Ranks(scripts), opt, Arm("gloo", "gloo"), 0, [], [0.01])
+
+
+def test_each_rank_is_told_its_arm(tmp_path):
+    from pydblp.experiment import worker
+
+    ranks = Ranks([f"print({STEP!r}); print({FINAL!r})"] * 2)
+    got = run(tmp_path, ranks.scripts, ranks)
+    assert got.arm == "gloo" and got.setup["method"] == "gloo"
+    for r, argv in ranks.argv.items():
+        assert argv[1:3] == ["-m", "pydblp.experiment.worker"]
+        a = worker.parse(argv[3:])
+        assert (a.arm, a.rank) == ("gloo", r)
 
 
 def test_a_crash_while_closing_after_the_result_keeps_it(tmp_path, caplog):

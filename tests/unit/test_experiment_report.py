@@ -28,8 +28,8 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--workers", "1"], "--workers 1"), (["--workers", "300"], "--workers 300"),
     (["--steps", "5"], "--steps 5"), (["--loss", "1.5"], "--loss 1.5"), (["--bursts", "-3"], "--bursts -3"),
     (["--burst-ms", "0"], "--burst-ms 0"), (["--p-low", "0.7"], "--p-low 0.7"),
-    (["--p-low", "1", "--transports", "static"], "--p-low 1"), (["--target", "-1"], "--target -1"),
-    (["--transports", "gloo,tcp"], "--transports"),
+    (["--p-low", "1", "--arms", "static"], "--p-low 1"), (["--target", "-1"], "--target -1"),
+    (["--arms", "gloo,tcp"], "--arms"),
     # the regime's knobs
     (["--rate", "0"], "--rate 0"), (["--rate", "20000"], "--rate 20000"),
     (["--burst-ratio", "0.9,0.6"], "--burst-ratio 0.9,0.6"), (["--burst-ratio", "1.2,1.5"], "--burst-ratio"),
@@ -71,7 +71,7 @@ def test_experiment_arguments_refused_in_one_line_before_anything_runs(argv, fla
     assert err.startswith(f"dblp experiment: {flag}") and "\n" not in err, err
 
 
-def test_experiment_tol_bound_follows_the_transports(capsys, monkeypatch):
+def test_experiment_tol_bound_follows_the_arms(capsys, monkeypatch):
     """DBLP's P_high = tol + DBLP_K must stay below 1; without dblp any tol in [0, 1) is a static one."""
     import signal
 
@@ -88,7 +88,7 @@ def test_experiment_tol_bound_follows_the_transports(capsys, monkeypatch):
     assert Dblp().k == DBLP_K
     old = signal.getsignal(signal.SIGTERM)
     try:
-        assert cli.main(["experiment", "--p-low", "0.7", "--transports", "gloo,static"]) == 2
+        assert cli.main(["experiment", "--p-low", "0.7", "--arms", "gloo,static"]) == 2
     finally:
         signal.signal(signal.SIGTERM, old)
     assert [o.p_low for o in seen] == [0.7] and "stopped by the test" in capsys.readouterr().err
@@ -129,8 +129,8 @@ def test_ge_params_give_the_asked_mean_loss_and_run_length():
         assert 1 / r == pytest.approx(length) and p * bad / (p + r) == pytest.approx(loss)
 
 
-def _summary(tr, wall, ttt, div):
-    return {"transport": tr, "wall_s": wall, "time_to_target_s": ttt, "final_metric": 0.9, "metric": "accuracy",
+def _summary(arm, wall, ttt, div):
+    return {"arm": arm, "wall_s": wall, "time_to_target_s": ttt, "final_metric": 0.9, "metric": "accuracy",
             "retransmit_bytes": 2816, "divergence_max": div, "phase_identical": True,
             "delivered_by_phase": {"critical": 0.99}, "rounds_by_phase": {"critical": 10}}
 
@@ -179,10 +179,10 @@ def test_incast_scenario_runs_each_pydblp_rule_with_both_queue_policies(monkeypa
                      "dblp/layer/tail"]
     assert {(a.priority, a.drop_policy) for a in runner.arms(opt)[1:]} == {
         (p, d) for p in ("magnitude", "layer") for d in ("priority", "tail")}
-    # one rule, one policy: the run keeps the transport's own name (the demo's table is unchanged)
+    # one rule, one policy: the run keeps the arm's own name (the demo's table is unchanged)
     demo = _options(monkeypatch)
     assert [a.name for a in runner.arms(demo)] == ["gloo", "static", "dblp"] and demo.queue_mbit is None
-    given = _options(monkeypatch, "--queue", "500", "--queue-port", "1,2", "--starve", "2", "--transports", "dblp")
+    given = _options(monkeypatch, "--queue", "500", "--queue-port", "1,2", "--starve", "2", "--arms", "dblp")
     assert (given.queue_mbit, given.queue_ports, given.starve) == (500.0, (1, 2), (2, 0.3))
 
 

@@ -19,7 +19,7 @@ from pydblp import wire
 from pydblp.collective import CollectiveError, Config
 from pydblp.sim import Link, Sim
 from pydblp.torch.exchange import neighbours
-from pydblp.transport.base import Batch
+from tests.helpers import lose_sent
 
 LINK = Link("1gbit", latency=25e-6)
 
@@ -31,23 +31,6 @@ def inputs(world, n, rounds=1, seed=0):
 
 def sim(world, seed=1, **cfg) -> Sim:
     return Sim(world, Config(**cfg), link=LINK, seed=seed)
-
-
-def lose_sent(t, drop):
-    """Make transport ``t`` lose, as the wire would, the packets of each batch it sends for which
-    ``drop(headers)`` (a bool per packet) is True."""
-    send = t.send
-
-    def lossy(batch, timeout=1.0):
-        n = batch.n
-        h = batch.headers[:n]
-        keep = ~drop(h)
-        if keep.all():
-            return send(batch, timeout)
-        return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
-                          int(keep.sum())), timeout) + int(n - keep.sum())
-
-    t.send = lossy
 
 
 def until_error(node, rounds):
