@@ -162,7 +162,7 @@ N = 100_000  # packets per direction of the bit-exact transport tests
 
 
 def make_pair(mtu: int = 1500):
-    """Namespaces joined by veth va <-> vb with IPv4 + IPv6 benchmarking addresses and static neighbours."""
+    """Namespaces joined by veth va <-> vb with IPv4 + IPv6 benchmarking addresses and static ARP/ND entries."""
     a, b = unique_name("xa"), unique_name("xb")
     net.netns_add(a)
     net.netns_add(b)

@@ -11,7 +11,7 @@ Topology of a testbed ``NAME`` with N workers::
 
 Everything is built with pyroute2 netlink.  Addresses come from 198.18.0.0/15
 (RFC 2544 benchmarking) and exist only inside the testbed's namespaces; there
-is no default route.  Neighbours are static (no ARP on the fabric), IPv6 is
+is no default route.  ARP entries are static (no ARP on the fabric), IPv6 is
 off (no ND/MLD chatter in the counters), RPS is on for every veth (veth
 reorders otherwise), and each worker NIC has a TBF rate limit (1 Gbit/s by
 default: with XDP on the veths two vCPUs cannot keep up with raw veth speed,

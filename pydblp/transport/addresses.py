@@ -2,7 +2,7 @@
 
 A transport that writes whole Ethernet frames (AF_XDP) needs what the kernel's
 stack would otherwise fill in: a source IP address on the interface and the
-next hop's MAC from the neighbour table, resolved on demand.
+next hop's MAC from the kernel's ARP/ND table, resolved on demand.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ def local_addr(ifindex: int, ifname: str, dst, netns: str | None = None):
     return cands[0].ip
 
 
-def neighbour(ifindex: int, dst, netns: str | None = None) -> bytes | None:
-    """``dst``'s MAC from the neighbour table of ``ifindex`` (None: no usable entry)."""
+def lookup_mac(ifindex: int, dst, netns: str | None = None) -> bytes | None:
+    """``dst``'s MAC from the kernel's ARP/ND table on ``ifindex`` (None: no usable entry).
+
+    Reads the table (pyroute2's ``get_neighbours``, the kernel's neighbour table); sends nothing.
+    """
     with net.ipr(netns) as ip:
         for r in ip.get_neighbours(ifindex=ifindex, dst=str(dst)):
             mac = r.get_attr("NDA_LLADDR")
@@ -55,25 +58,25 @@ def neighbour(ifindex: int, dst, netns: str | None = None) -> bytes | None:
     return None
 
 
-def resolve(ifindex: int, ifname: str, dst, netns: str | None = None, timeout: float = 2.0) -> bytes:
-    """``dst``'s MAC, making the kernel resolve it if the table has none.
+def resolve_mac(ifindex: int, ifname: str, dst, netns: str | None = None, timeout: float = 2.0) -> bytes:
+    """``dst``'s MAC, making the kernel resolve it (ARP or ND) if its table has none.
 
     Sends empty datagrams to ``dst``'s discard port until the entry appears;
     raises :class:`TransportError` (EHOSTUNREACH) after ``timeout`` seconds.
     """
-    mac = neighbour(ifindex, dst, netns)
+    mac = lookup_mac(ifindex, dst, netns)
     if mac:
         return mac
     fam = socket.AF_INET if dst.version == 4 else socket.AF_INET6
     with net.in_netns(netns), socket.socket(fam, socket.SOCK_DGRAM) as s:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:  # any datagram makes the kernel resolve the neighbour (discard port)
+            try:  # any datagram makes the kernel resolve dst's MAC (discard port)
                 s.sendto(b"", (str(dst), 9))
             except OSError:
                 pass
             time.sleep(0.05)
-            mac = neighbour(ifindex, dst, netns)
+            mac = lookup_mac(ifindex, dst, netns)
             if mac:
                 return mac
     raise TransportError(errno.EHOSTUNREACH, f"cannot resolve the MAC of {dst} on {ifname}; pass mac=")

@@ -246,12 +246,13 @@ class XskTransport(XskReceive, Transport):
     # ---- peers ---------------------------------------------------------
 
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None, src=None) -> int:
-        """Register ``addr`` (IPv4 or IPv6); the MAC comes from the neighbour table
-        (resolved on demand) unless given; ``src`` overrides the local address."""
+        """Register ``addr`` (IPv4 or IPv6); the MAC comes from the kernel's ARP/ND
+        table (resolved on demand) unless given; ``src`` overrides the local address."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
         src = parse_ip(src) if src is not None else addresses.local_addr(self.ifindex, self.ifname, dst, self.netns)
-        dmac = frames.mac_bytes(mac) if mac is not None else addresses.resolve(self.ifindex, self.ifname, dst, self.netns)
+        dmac = (frames.mac_bytes(mac) if mac is not None
+                else addresses.resolve_mac(self.ifindex, self.ifname, dst, self.netns))
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
         self._sources.add(dst)

@@ -27,7 +27,7 @@ JOB = 21
 
 @pytest.fixture
 def pair(bpf_xdp, netns):
-    """Namespaces joined by veth va <-> vb, addressed, with static neighbours."""
+    """Namespaces joined by veth va <-> vb, addressed, with static ARP entries."""
     a, b = netns("da"), netns("db")
     with net.ipr(a) as ip:
         ip.link("add", ifname="va", kind="veth", peer={"ifname": "vb", "net_ns_fd": b})

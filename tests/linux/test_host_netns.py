@@ -28,7 +28,7 @@ def pair(netns, bpf_xdp):
             ip.addr("add", index=idx, address=addr, prefixlen=24)
             ip.link("set", index=idx, state="up")
             ip.link("set", index=ip.link_lookup(ifname="lo")[0], state="up")
-    # static neighbours: a burst must not wait on (and overflow) ARP resolution
+    # static ARP entries: a burst must not wait on (and overflow) ARP resolution
     macs = {}
     for ns, ifname in ((a, "va"), (b, "vb")):
         with net.ipr(ns) as ip:

@@ -323,7 +323,7 @@ def test_a_control_packet_ends_a_linger(pair):
 
 
 def test_add_peer_resolves_the_mac_on_demand(pair):
-    """No static neighbour for a third address: add_peer makes the kernel ARP for it."""
+    """No static ARP entry for a third address: add_peer makes the kernel ARP for it."""
     a, b = pair["ns"]
     extra = "198.18.8.3"
     with net.ipr(b) as ip:
