@@ -18,9 +18,7 @@ DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, w
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 NB = int(wire.Flag.NEIGHBOUR)
-DST_ALL = wire.DST_ALL
 RETX = int(wire.Flag.RETX)
-TAG = wire.FLAG_TAG
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
 MASK32 = 0xFFFFFFFF
 REAL_CLOCK = time.monotonic  # the one place the collective reads the real clock (Protocol's clock=)

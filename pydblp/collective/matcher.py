@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pydblp import wire
-from pydblp.collective.config import (AG, DATA, DST_ALL, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD,
-                                      STASH_MAX, TAG)
+from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD, STASH_MAX
 from pydblp.collective.messages import InMessage
 from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
-from pydblp.wire import F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR
+from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR,
+                         FLAG_TAG)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Matcher:
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
             if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
                 m[f] = np.iinfo(wire.HEADER_DTYPE[f]).max
-        m["flags"] = TAG | NB  # (NB: a neighbour round's DATA never matches an allreduce round, nor the reverse)
+        m["flags"] = FLAG_TAG | NB  # (NB: a neighbour round's DATA never matches an allreduce round, nor the reverse)
         self._mask = np.tile(m.view(np.uint64), RECV_BATCH)
         self._tmp = np.empty_like(self._mask)
         v = self._rec = np.zeros(1, wire.HEADER_DTYPE)
@@ -155,7 +155,7 @@ class Matcher:
                 if kind != DATA:
                     ctrl.append((f, i, True))
                 elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
-                      and not f[F_FLAGS] & TAG and (f[F_FLAGS] & NB) == st.flag):
+                      and not f[F_FLAGS] & FLAG_TAG and (f[F_FLAGS] & NB) == st.flag):
                     data.append(i)
                 else:
                     bad += 1
@@ -164,7 +164,7 @@ class Matcher:
                         nb = "neighbour" if f[F_FLAGS] & NB else "allreduce"
                         mine = "neighbour" if st.flag & NB else "allreduce"
                         st.misfit[src] = (now, f"{nb} round, tensor {f[F_TENSOR]}, {f[F_LEN]}-byte chunks{kind}"
-                                               f"{', tagged' if f[F_FLAGS] & TAG else ''} where this rank is in a "
+                                               f"{', tagged' if f[F_FLAGS] & FLAG_TAG else ''} where this rank is in a "
                                                f"{mine} round at tensor {st.tensor} with {width}-byte float32 chunks")
             elif kind != DATA:  # of an earlier round: a late probe, a STOP or BITMAP for a trailing message
                 if rnd == prev:

@@ -27,7 +27,7 @@ import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
-from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DST_ALL, F32, LINGER,
+from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
@@ -445,7 +445,7 @@ class Protocol:
                 members.append(o)
         first = members
         if self._gid >= 0 and members:  # one first pass to the group; each member only follows it
-            bc = st.bcast = OutMessage(True, DST_ALL, st.y[a:b], prio, tol8, st.round, st.tensor)
+            bc = st.bcast = OutMessage(True, wire.DST_ALL, st.y[a:b], prio, tol8, st.round, st.tensor)
             bc.members = members
             for o in members:
                 o.avail = 0
@@ -580,7 +580,7 @@ class Protocol:
                 lo = int(idx[0])
                 rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
                 payload[i:j] = rows.view(np.uint8)
-                peer[i:j] = self._gid if o.dst == DST_ALL else self._pid[o.dst]
+                peer[i:j] = self._gid if o.dst == wire.DST_ALL else self._pid[o.dst]
                 i = j
         sent = self.t.send(Batch(h, payload, lens, peer, k), timeout=1.0)
         if sent < k:  # the ring or socket stayed full: the loss machinery repairs it

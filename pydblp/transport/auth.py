@@ -59,9 +59,8 @@ import numpy as np
 from pydblp import wire
 from pydblp.mac import Macs
 from pydblp.transport.base import DEFAULT_MAXLEN, Batch, Transport, TransportError
+from pydblp.wire import EPOCH_LEN, FLAG_TAG, TAG_LEN
 
-TAG = wire.FLAG_TAG
-TAG_LEN, EPOCH_LEN, MAC_LEN = wire.TAG_LEN, wire.EPOCH_LEN, wire.MAC_LEN
 FAIL_AFTER = 1.0  # s of nothing but failing packets from a rank before recv raises
 FAIL_MIN = 8      # failing packets at least, too (a live rank sends more in its first round's burst or probes)
 REASONS = ("untagged", "epoch", "bad_tag", "truncated")
@@ -159,7 +158,7 @@ class AuthTransport(Transport):
             self._txp = np.empty((len(self._txh), max(w + TAG_LEN, self._txp.shape[1])), np.uint8)
         h, p = self._txh[:n], self._txp[:n]
         wire.put(h, batch.headers[:n])
-        h["flags"] |= TAG
+        h["flags"] |= FLAG_TAG
         h["len"] = lens
         p[:, :w] = batch.payload[:n, :w]
         trailer = np.empty((n, TAG_LEN), np.uint8)
@@ -208,7 +207,7 @@ class AuthTransport(Transport):
         n = got.n
         h, pay, lens = got.headers[:n], got.payload[:n], got.lengths[:n].astype(np.int64)
         body = h["len"].astype(np.int64)
-        good = ((h["flags"] & TAG) != 0) & (lens == body + TAG_LEN)
+        good = ((h["flags"] & FLAG_TAG) != 0) & (lens == body + TAG_LEN)
         allgood = bool(good.all())
         lo = int(lens.min())
         if allgood and lo == int(lens.max()):  # one size: the trailers are a column block
@@ -235,7 +234,7 @@ class AuthTransport(Transport):
         sel = None if k == n else np.flatnonzero(ok)
         hk = into.headers[:k]
         wire.put(hk, h if sel is None else wire.take(h, sel))
-        hk["flags"] &= ~TAG & 0xFF
+        hk["flags"] &= ~FLAG_TAG & 0xFF
         b = body if sel is None else body[sel]
         into.peer[:k] = got.peer[:n] if sel is None else got.peer[:n][sel]
         if copy or sel is not None:
@@ -254,7 +253,7 @@ class AuthTransport(Transport):
 
     def _count_bad(self, h, ok, good, epoch_ok, lens, body, trail, peer) -> None:
         """Count the packets that failed, by reason; track ranks whose packets only fail."""
-        tagged = (h["flags"] & TAG) != 0
+        tagged = (h["flags"] & FLAG_TAG) != 0
         untagged = ~tagged
         truncated = tagged & (lens != body + TAG_LEN)
         epoch = good & ~epoch_ok

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from pydblp import wire
 from pydblp.collective import Collective, Config
-from pydblp.collective.config import AG, DATA, F32, MASK32, NB, RETX, STASH_AHEAD, STASH_MAX, TAG
+from pydblp.collective.config import AG, DATA, F32, MASK32, NB, RETX, STASH_AHEAD, STASH_MAX
 from pydblp.collective.rounds import GatherRound, NeighbourRound
 from pydblp.transport.udp import UdpTransport
 
@@ -138,7 +138,7 @@ def setup(r: dict) -> tuple[Rank, object]:
 # Each field is drawn as a value or as None, "the round's own" (resolved against the round), the
 # round's own more often than not: most packets then get past the first checks to the later ones.
 ROUND_OFFSETS = [0, 0, 0, 1, 2, -1, -2, STASH_AHEAD, STASH_AHEAD + 1, 1 << 31, (1 << 31) - 1, -(1 << 31)]
-FLAG_VALUES = [0, AG, NB, RETX, AG | RETX, NB | RETX, TAG, AG | TAG, AG | NB, 0xF0, 0xFF]
+FLAG_VALUES = [0, AG, NB, RETX, AG | RETX, NB | RETX, wire.FLAG_TAG, AG | wire.FLAG_TAG, AG | NB, 0xF0, 0xFF]
 MINE = st.none()
 peer = st.tuples(st.just("peer"), st.integers(0, 3))  # a rank other than this one (k-th, mod world - 1)
 
@@ -231,7 +231,7 @@ def build(p, s, specs: list, extra: int, tensor: int | None = None):
     round's, between rounds)."""
     tensor = s.tensor if s is not None else tensor
     h = np.array([resolve(p, s, sp, tensor) for sp in specs], wire.HEADER_DTYPE)
-    lens = (h["len"].astype(np.int32) + np.where(h["flags"] & TAG, wire.TAG_LEN, 0)).astype(np.int32)
+    lens = (h["len"].astype(np.int32) + np.where(h["flags"] & wire.FLAG_TAG, wire.TAG_LEN, 0)).astype(np.int32)
     width = int(lens.max()) + extra if int(lens.max()) else extra  # (0 wide: every packet header-only)
     pay = np.full((len(h), width), 0xA5, np.uint8)  # bytes past a packet's length: undefined
     for i, sp in enumerate(specs):
@@ -285,7 +285,7 @@ def expected_foreign(p, s, h: np.ndarray) -> int:
                 or (dst != p.rank and not (dst == wire.DST_ALL and kind == DATA and flags & AG))):
             n += 1
         elif (isinstance(s, NeighbourRound) and rnd == s.round and kind == DATA and tensor == s.tensor
-              and f[wire.F_DTYPE] == F32 and f[wire.F_LEN] == CB and not flags & TAG and flags & NB
+              and f[wire.F_DTYPE] == F32 and f[wire.F_LEN] == CB and not flags & wire.FLAG_TAG and flags & NB
               and s.slot[src] < 0):
             n += 1
     return n
