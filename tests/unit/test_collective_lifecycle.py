@@ -7,11 +7,13 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from pydblp import wire
-from pydblp.collective import Collective, Config
+from pydblp.collective import Collective, CollectiveError, Config
 from pydblp.collective import engine
 from pydblp.transport.base import Batch, Transport
+from pydblp.transport.udp import UdpTransport
 
 
 class Stuck(Transport):
@@ -85,7 +87,6 @@ def test_close_of_an_idle_collective_closes_at_once():
 def test_the_protocol_reads_the_clock_it_is_given():
     """Every "now" of a round comes from ``clock=``: a clock that advances 1 us a call makes a
     round's latency a whole number of its ticks, and the round still completes, exact."""
-    from pydblp.transport.udp import UdpTransport
     from tests.helpers import run_threads
 
     lock, ticks = threading.Lock(), [0]
@@ -110,3 +111,23 @@ def test_the_protocol_reads_the_clock_it_is_given():
     finally:
         for c in cols:
             c.close()
+
+
+def test_serve_is_for_a_collective_without_an_idle_thread():
+    """serve() answers peers from the owner's thread only when the collective has no thread of
+    its own doing it; after close() it raises as a round would."""
+    peers = [("127.0.0.1", 9), ("127.0.0.1", 9)]
+    threaded = Collective(UdpTransport(port=0), 0, 2, peers, Config())
+    try:
+        with pytest.raises(RuntimeError, match="idle_thread=False"):
+            threaded.serve()
+    finally:
+        threaded.close()
+    before = {t.name for t in threading.enumerate()}
+    owned = Collective(UdpTransport(port=0), 0, 2, peers, Config(), idle_thread=False)
+    assert {t.name for t in threading.enumerate()} == before  # no thread of its own
+    assert owned.serve() is None  # nothing trailing: only a packet needs it next
+    owned.close()
+    assert owned.t.closed
+    with pytest.raises(CollectiveError, match="closed"):
+        owned.serve()
