@@ -6,6 +6,7 @@ Each rank runs the unchanged :class:`~pydblp.collective.Collective` over a simul
 fabric's Bernoulli, Gilbert-Elliott and burst loss, dead ranks).  Nothing reads the real clock:
 a seed gives byte-identical round records on every run.  docs/simulator.md describes it.
 
+>>> import numpy as np
 >>> from pydblp.sim import Sim, Link
 >>> sim = Sim(4, link=Link("1gbit"), seed=1)
 >>> sim.network.loss(0.1)

@@ -109,9 +109,9 @@ class Sim:
             of ``tick`` after one arrives, with all that arrived by then (0, the default: at
             each arrival).  A rank's turn costs CPU here in proportion to its messages, so
             at hundreds of ranks a tick of tens of microseconds keeps a run to minutes.
-        group: give the collectives a broadcast group (``Config.allgather="broadcast"``).
 
-    The faults are the network's: ``sim.network.loss(0.1)``, ``.ge(...)``, ``.burst(...)``
+    With ``Config(allgather="broadcast")`` the collectives get the simulated group address
+    (a copy to every other rank at the switch).  The faults are the network's: ``sim.network.loss(0.1)``, ``.ge(...)``, ``.burst(...)``
     (:class:`~pydblp.sim.network.Network`); :meth:`kill` ends a rank.
     """
 

@@ -172,3 +172,41 @@ def test_sim_transport_counts_like_a_real_one():
     assert dataclasses.asdict(nodes[0].records[0])["bytes_sent"] > 0
     assert json.dumps(sim.network.drops)  # plain ints
     assert wire.HEADER_LEN < FRAME_OVERHEAD
+
+
+def test_a_tick_coalesces_wake_ups_and_changes_no_result():
+    """Sim(tick=): a rank waiting for packets wakes only at multiples of the tick; the result is
+    the same, the round no shorter, the simulator's turns fewer."""
+    xs = [np.arange(20_000, dtype=np.float32) * (r + 1) for r in range(4)]
+
+    def once(tick):
+        sim = Sim(4, Config(job=4), seed=0, tick=tick)
+        turns = [0]
+        turn = sim._turn
+
+        def counted(node):
+            turns[0] += 1
+            turn(node)
+
+        sim._turn = counted
+        nodes = sim.run(lambda node: node.collective.allreduce(xs[node.rank]))
+        return nodes, turns[0], max(r.latency for n in nodes for r in n.records)
+
+    exact, turns0, lat0 = once(0.0)
+    coarse, turns1, lat1 = once(200e-6)
+    for a, b in zip(exact, coarse):
+        np.testing.assert_array_equal(a.result, b.result)
+    assert lat1 >= lat0 and turns1 < turns0
+    with pytest.raises(ValueError, match="tick"):
+        Sim(2, tick=-1)
+
+
+def test_a_broadcast_allgather_reaches_every_rank_through_the_switch():
+    sim = Sim(4, Config(job=4, mode="ps", allgather="broadcast"), seed=0)
+    xs = [np.full(30_000, r + 1, np.float32) for r in range(4)]
+    nodes = sim.run(lambda node: node.collective.allreduce(xs[node.rank]))
+    for n in nodes:
+        np.testing.assert_allclose(n.result, 2.5)
+    # the server sent its all-gather once, not once per client
+    sent = nodes[0].records[0].bytes_sent / (4 * 30_000)
+    assert sent < 1.1, sent
