@@ -29,11 +29,12 @@ def rank_addr(rank: int) -> str:
 class _Arrivals:
     """Packets on their way to one rank, in arrival order: ``times`` non-decreasing."""
 
-    __slots__ = ("times", "headers", "payload", "lengths", "src", "at")
+    __slots__ = ("times", "headers", "payload", "lengths", "src", "at", "ctrl")
 
     def __init__(self, times, headers, payload, lengths, src):
         self.times, self.headers, self.payload, self.lengths, self.src = times, headers, payload, lengths, src
         self.at = 0  # the first not taken yet
+        self.ctrl = np.flatnonzero(headers["kind"] != wire.Kind.DATA)  # the control packets, by index
 
 
 class SimTransport(Transport):
@@ -162,14 +163,18 @@ class SimTransport(Transport):
         """When ``want`` packets will have arrived, or the first control packet (inf: not yet known)."""
         n = 0
         for a in self._rx:
-            t, kinds = a.times[a.at:], a.headers["kind"][a.at:]
-            ctrl = np.flatnonzero(kinds != wire.Kind.DATA)
-            if n + len(t) >= want:
-                first = t[want - n - 1]
-                return float(min(first, t[ctrl[0]])) if len(ctrl) else float(first)
-            if len(ctrl):
-                return float(t[ctrl[0]])
-            n += len(t)
+            left = len(a.times) - a.at
+            c = a.ctrl
+            if len(c) and c[-1] >= a.at:  # the first control packet not taken yet
+                c = c[int(np.searchsorted(c, a.at))]
+            else:
+                c = -1
+            if n + left >= want:
+                first = a.times[a.at + want - n - 1]
+                return float(min(first, a.times[c])) if c >= 0 else float(first)
+            if c >= 0:
+                return float(a.times[c])
+            n += left
         return math.inf
 
     def _take(self, into: Batch, cap: int, now: float) -> int:
