@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -77,14 +76,17 @@ def one(kind: str, world: int, rounds: int, loss: float, chunks: int, seed: int,
 
     def program(node):
         col = node.collective
-        for _ in range(rounds):
+        for i in range(rounds):
             if kind == "gossip":
                 p = peers[node.rank]
                 col.neighbours(x, p, [1.0 / (len(p) + 1)] * len(p), timeout=30.0)
             else:
                 col.allreduce(x)
+            if node.rank == 0:  # progress, on stderr: a 1,024-rank round can take many minutes
+                print(f"  {kind} {world} ranks: rank 0 ended round {i + 1}/{rounds} at {node.now * 1e3:.2f} "
+                      f"virtual ms, {time.process_time() - cpu0:.0f} s CPU", file=sys.stderr, flush=True)
 
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    cpu0, wall0 = time.process_time(), time.perf_counter()  # (read by program's progress lines too)
     nodes = sim.run(program)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     errors = [repr(n.error) for n in nodes if n.error]
@@ -146,9 +148,9 @@ def main() -> int:
             argv = [sys.executable, __file__, "--one", kind, str(world), "--rounds", str(a.rounds),
                     "--loss", str(a.loss), "--chunks", str(a.chunks), "--ps-chunks", str(a.ps_chunks),
                     "--gossip-chunks", str(a.gossip_chunks), "--seed", str(a.seed), "--tick", str(a.tick)]
-            out = subprocess.run(argv, capture_output=True, text=True)
+            out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # (its progress: on stderr)
             if out.returncode:
-                print(f"{kind} {world}: failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+                print(f"{kind} {world}: failed (exit status {out.returncode}; its error is above)", flush=True)
                 continue
             r = json.loads(out.stdout)
             rows.append(r)
