@@ -26,7 +26,9 @@ minute a round at 256 and more than 49 minutes a round at 1,024 (give allreduce
 
 Example::
 
-    bench/scale.py --ranks 4,16,64,256,1024 --json /tmp/scale.json
+    bench/scale.py                                         # 4, 16, 64 ranks: about a minute
+    bench/scale.py --ranks 256,1024 --kinds ps,gossip      # about 5 minutes
+    bench/scale.py --ranks 256 --kinds allreduce --json /tmp/scale.json
 """
 
 from __future__ import annotations
@@ -113,9 +115,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="example: bench/scale.py --ranks 4,16,64 --kinds allreduce",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="4,16,64,256,1024", help="rank counts (default %(default)s)")
+    ap.add_argument("--ranks", default="4,16,64", help="rank counts, up to 4096 (default %(default)s: about a minute)")
     ap.add_argument("--kinds", default="allreduce,ps,gossip", help="allreduce, ps, gossip (default all)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per configuration (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per configuration (default %(default)s)")
     ap.add_argument("--loss", type=float, default=0.01, help="Bernoulli loss per port (default %(default)s)")
     ap.add_argument("--chunks", type=int, default=2, help="allreduce: chunks per shard (default %(default)s)")
     ap.add_argument("--ps-chunks", type=int, default=64, help="ps: chunks in the tensor (default %(default)s)")
