@@ -6,8 +6,6 @@ testbed in tests/linux/test_sim_agreement.py.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-from pydblp import wire
 from pydblp.collective import CollectiveError, Config
 from pydblp.sim import Link, Network, Sim, SimError
 from pydblp.sim.network import FRAME_OVERHEAD, Queue
@@ -169,9 +166,9 @@ def test_sim_transport_counts_like_a_real_one():
     assert a["tx_packets"] == b["rx_packets"] and b["tx_packets"] == a["rx_packets"]
     assert a["tx_bytes"] == b["rx_bytes"] > 0
     assert nodes[0].collective.t.closed
-    assert dataclasses.asdict(nodes[0].records[0])["bytes_sent"] > 0
-    assert json.dumps(sim.network.drops)  # plain ints
-    assert wire.HEADER_LEN < FRAME_OVERHEAD
+    rec = nodes[0].records[0]
+    assert rec.bytes_sent == a["tx_bytes"] and rec.bytes_received == a["rx_bytes"]  # one round: all of it
+    assert a["tx_control"] > 0 and b["tx_control"] > 0  # STOPs, counted apart from data
 
 
 def test_a_tick_coalesces_wake_ups_and_changes_no_result():
