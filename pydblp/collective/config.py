@@ -29,6 +29,7 @@ TENSOR_BROADCAST = 0xFFFF  # pydblp.torch.ParameterBroadcaster's shard broadcast
 TENSOR_AGREE = 0xFFFE      # Collective.end_step: the ranks' partial gradient norms summed
 TENSOR_SHARDED = 0xFFFD    # pydblp.torch.ShardedSGD / ShardedAdam: the step's round
 TENSOR_DILOCO = 0xFFFC     # pydblp.torch.PydblpExchange: DiLoCo's outer rounds
+TENSOR_BACKEND = (0x8000, 0x7000)  # pydblp.torch.backend: ids first .. first + count - 1, one per round shape
 RESERVED_TENSORS = {TENSOR_BROADCAST: "ParameterBroadcaster", TENSOR_AGREE: "Collective.end_step",
                     TENSOR_SHARDED: "sharded optimizers", TENSOR_DILOCO: "PydblpExchange (DiLoCo)"}
 STASH_MAX = 65536  # packets of the next rounds kept before they start

@@ -146,14 +146,19 @@ class Collective:
         """All-gather messages of finished rounds still waiting for their STOP (a snapshot)."""
         return sum(not o.done for o in list(self.protocol.trail.values()))
 
-    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
+    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False) -> np.ndarray:
         """Return the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
 
-        Same shape as ``x``, float32.  Raises :class:`CollectiveError` when a
-        needed peer is silent for ``peer_timeout``.
+        Same shape as ``x``, float32.  ``exact``: the round's bound is 0 whatever the phase
+        controller says (every message is repaired whole) and the controller is not shown it:
+        for values that are not gradients.  Raises :class:`CollectiveError` when a needed peer is
+        silent for ``peer_timeout``.
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
+        if exact:
+            out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True, exact=True))
+            return out * np.float32(self.world) if op == "sum" else out
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
@@ -279,7 +284,7 @@ class Collective:
         """
         return self._round(x, start=lambda p, flat: p.start(flat, tensor, False))
 
-    def reduce_scatter(self, x: np.ndarray, tensor: int = 0, op: str = "mean") -> np.ndarray:
+    def reduce_scatter(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False) -> np.ndarray:
         """This rank's piece of the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
 
         ``x`` (any shape, float32, ``world * s`` values on every rank) is cut in ``world`` pieces
@@ -295,6 +300,8 @@ class Collective:
         the configured estimator over the contributions that arrived, so no value is missing from
         the result; the phase controller is not shown it.  Every rank must call it in the same
         order as the other collectives, with the same size.
+
+        ``exact``: the round's bound is 0 whatever the phase controller says.
 
         Raises ValueError for a size not divisible by the world or a bad ``op``;
         :class:`CollectiveError` as :meth:`allreduce` (a needed peer silent for ``peer_timeout``,
@@ -312,10 +319,10 @@ class Collective:
             a, b = st.bounds[st.my_shard]
             piece.append(st.y[a:b].reshape(-1)[:s].copy())
 
-        self._round(x, start=lambda p, flat: p.start_reduce_scatter(flat, tensor), done=done)
+        self._round(x, start=lambda p, flat: p.start_reduce_scatter(flat, tensor, exact), done=done)
         return piece[0] * np.float32(self.world) if op == "sum" else piece[0]
 
-    def all_gather(self, shard: np.ndarray, tensor: int = 0) -> np.ndarray:
+    def all_gather(self, shard: np.ndarray, tensor: int = 0, exact: bool = False) -> np.ndarray:
         """The concatenation of every rank's ``shard``, rank 0's first: flat, float32,
         ``world * shard.size`` values (``torch.distributed.all_gather_into_tensor``'s layout).
 
@@ -327,7 +334,9 @@ class Collective:
         without it loss within the round's bound is tolerated and a value that does not arrive
         is 0 (this rank has no value of its own for it).  A piece's owner always has its own.
         Every rank must call it in the same order as the other collectives, with the same size (a
-        piece of another number of chunk rows fails the round as data that does not fit).
+        piece of another number of chunk rows fails the round as data that does not fit).  Values
+        are copied, never computed on: any bit pattern arrives as it was sent.  ``exact``: the
+        round's bound is 0 whatever the phase controller says (every message repaired whole).
 
         Raises :class:`CollectiveError` as :meth:`allreduce` (a needed peer silent for
         ``peer_timeout``, data that does not fit).
@@ -338,7 +347,7 @@ class Collective:
         def done(st):  # rank k's rows are rows k * R .. (k + 1) * R - 1; its piece their first s values
             out.append(st.y.reshape(self.world, -1)[:, :s].reshape(-1).copy())
 
-        self._round(shard, start=lambda p, flat: p.start_all_gather(flat, tensor), done=done)
+        self._round(shard, start=lambda p, flat: p.start_all_gather(flat, tensor, exact), done=done)
         return out[0]
 
     def neighbours(self, x: np.ndarray, peers: list[int], weights: list[float], tensor: int = 0,

@@ -133,7 +133,7 @@ class Protocol:
 
     # ---- round set-up ----------------------------------------------------
     def start(self, flat: np.ndarray, tensor: int, reduce: bool = True, base: np.ndarray | None = None,
-              update=None) -> ShardRound:
+              update=None, exact: bool = False) -> ShardRound:
         """Begin a round on ``flat`` (float32, this rank's input) for tensor id ``tensor``: an
         allreduce (:class:`~pydblp.collective.rounds.AllreduceRound`), or with ``reduce`` False a
         broadcast of shards (:class:`~pydblp.collective.rounds.BroadcastRound`).  A sharded update
@@ -142,18 +142,19 @@ class Protocol:
         arrive keeps) and ``update(rows, mean, values)`` (an owner's new values for its shard's
         chunk rows, in the tensor's order, from their estimated mean and current values).  Shards:
         one per rank (``Config.mode`` "tar") or one, rank 0's ("ps").  Takes in the packets of it
-        that were stashed; sends nothing yet."""
+        that were stashed; sends nothing yet.  ``exact``: the round's bound is 0 whatever the
+        controller says (every message repaired whole)."""
         T = max(1, -(-flat.size // self.C))
         nsh = self.world if self.cfg.mode == "tar" else 1
         put = functools.partial(_pad, flat)
         if not reduce:
-            return self._start_gather(BroadcastRound, tensor, T, nsh, put)
+            return self._start_gather(BroadcastRound, tensor, T, nsh, put, exact)
         if update is None:
-            return self._start_reduce(AllreduceRound, tensor, T, nsh, put)
+            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact)
         return self._start_reduce(ShardedRound, tensor, T, nsh, put, base=functools.partial(_pad, base),
-                                  update=update)
+                                  update=update, exact=exact)
 
-    def start_reduce_scatter(self, flat: np.ndarray, tensor: int) -> ReduceScatterRound:
+    def start_reduce_scatter(self, flat: np.ndarray, tensor: int, exact: bool = False) -> ReduceScatterRound:
         """Begin a reduce-scatter (:class:`~pydblp.collective.rounds.ReduceScatterRound`) of ``flat``
         (float32, ``world * s`` values): piece k (values ``k * s .. (k + 1) * s - 1``) goes to rank
         k, which estimates the pieces' mean.  Each piece is a shard of ``R = max(1, ceil(s / C))``
@@ -167,9 +168,9 @@ class Protocol:
             v[:, :s] = flat.reshape(self.world, s)
             v[:, s:] = 0
 
-        return self._start_reduce(ReduceScatterRound, tensor, self.world * R, self.world, put)
+        return self._start_reduce(ReduceScatterRound, tensor, self.world * R, self.world, put, exact=exact)
 
-    def start_all_gather(self, flat: np.ndarray, tensor: int) -> AllGatherRound:
+    def start_all_gather(self, flat: np.ndarray, tensor: int, exact: bool = False) -> AllGatherRound:
         """Begin an all-gather (:class:`~pydblp.collective.rounds.AllGatherRound`) of ``flat``
         (float32, this rank's piece of ``s`` values; every rank gives the same size): rank k's
         piece is the shard of rows ``k * R .. (k + 1) * R - 1`` (``R = max(1, ceil(s / C))``, its
@@ -177,11 +178,11 @@ class Protocol:
         R = max(1, -(-flat.size // self.C))
         me = self.rank
         return self._start_gather(AllGatherRound, tensor, self.world * R, self.world,
-                                  lambda into: _pad(flat, into[me * R: (me + 1) * R]))
+                                  lambda into: _pad(flat, into[me * R: (me + 1) * R]), exact)
 
     def _start_reduce(self, kind: type[ReduceScatterRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], base: Callable | None = None,
-                      update: Callable | None = None) -> ReduceScatterRound:
+                      update: Callable | None = None, exact: bool = False) -> ReduceScatterRound:
         """Begin a round of ``kind`` (a reduce-scatter, alone or followed by an all-gather) on ``T``
         rows cut into ``nsh`` shards; ``put(rows)`` writes this rank's input into ``rows`` (T, C)
         in the tensor's order (``base`` likewise its values, for a sharded update)."""
@@ -204,7 +205,7 @@ class Protocol:
             more.update(self._gather_fields(T))
         me = self.rank
         my = me if me < nsh else None
-        st = kind(**self._fields(rnd, tensor, x), bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
+        st = kind(**self._fields(rnd, tensor, x, exact), bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
         if my is not None:
             a, b = bounds[my]
             st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk
@@ -222,14 +223,14 @@ class Protocol:
         return self._begin(st)
 
     def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
-                      put: Callable[[np.ndarray], None]) -> GatherRound:
+                      put: Callable[[np.ndarray], None], exact: bool = False) -> GatherRound:
         """Begin a round of ``kind`` (an all-gather alone) on ``T`` rows cut into ``nsh`` shards;
         ``put(rows)`` writes this rank's input into ``rows`` (T, C): its own shard goes out at once."""
         rnd = self._next_round()
         x = self._scratch("x", tensor, (T, self.C))
         put(x)
         me = self.rank
-        st = kind(**self._fields(rnd, tensor, x), bounds=self._bounds(T, nsh), my_shard=me if me < nsh else None,
+        st = kind(**self._fields(rnd, tensor, x, exact), bounds=self._bounds(T, nsh), my_shard=me if me < nsh else None,
                   **self._gather_fields(T))
         if st.my_shard is not None:  # my shard is my own values
             a, b = st.bounds[st.my_shard]
@@ -276,10 +277,10 @@ class Protocol:
         self.round = (self.round + 1) & MASK32
         return self.round
 
-    def _fields(self, rnd: int, tensor: int, x: np.ndarray) -> dict:
+    def _fields(self, rnd: int, tensor: int, x: np.ndarray, exact: bool = False) -> dict:
         """What every round begins with (:class:`~pydblp.collective.rounds.Round`'s fields): round
-        ``rnd`` of ``tensor`` on input ``x``, at the controller's bound, from now."""
-        tol = self.controller.tol(self.index)
+        ``rnd`` of ``tensor`` on input ``x``, at the controller's bound (0 if ``exact``), from now."""
+        tol = 0.0 if exact else self.controller.tol(self.index)
         t0 = self.clock()
         return dict(round=rnd, tensor=tensor, index=self.index, tol=tol, tol8=min(254, int(tol * 255)),
                     phase=self.controller.phase(), x=x,

@@ -42,7 +42,7 @@ from pydblp.torch._flat import assign, flatten
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
 
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo", "Exchange", "GlooExchange",
-           "PydblpExchange", "ShardedSGD", "ShardedAdam"]
+           "PydblpExchange", "ShardedSGD", "ShardedAdam", "BackendOptions", "ProcessGroupDblp"]
 
 
 class State:
@@ -101,13 +101,25 @@ class State:
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group('gloo') first")
+        return cls.open(store or dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                        dist.get_world_size(), transport=transport, iface=iface, netns=netns, port=port,
+                        queue=queue, addr=addr, config=config, spin=spin, rate=rate, group=group,
+                        key_file=key_file)
+
+    @classmethod
+    def open(cls, store, rank: int, world: int, transport: str = "udp", iface: str | None = None,
+             netns: str | None = None, port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
+             config: Config | None = None, spin: float = 0.0, rate: float = 0, group: tuple | None = None,
+             key_file: str | None = None) -> "State":
+        """:meth:`from_process_group` with the rendezvous given: ``store`` (a torch.distributed
+        ``Store`` every rank shares), this ``rank`` and the ``world``; what the ``dblp`` backend
+        (:mod:`pydblp.torch.backend`) calls before any process group exists.  Same arguments and
+        errors otherwise."""
         cfg = config or Config()
         by_link = cfg.chunk_bytes is None  # the links decide, once every rank's MTU is known
         # before anything is opened or published
         (dataclasses.replace(cfg, chunk_bytes=DEFAULT_CHUNK) if by_link else cfg).check()
         cfg.check_group(group)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        store = store or dist.distributed_c10d._get_default_store()
         check_kind(transport, iface)
         key = load_key(key_file)  # (KeyLoadError, one line, before anything opens)
         # every rank learns the run's epoch, keyed or not, so a rank without the key fails on its
@@ -284,3 +296,7 @@ from pydblp.torch.diloco import DiLoCo  # noqa: E402
 from pydblp.torch.exchange import Exchange, GlooExchange, PydblpExchange  # noqa: E402
 # sharded optimizers (parameters all-gathered): pydblp.torch.sharded
 from pydblp.torch.sharded import ShardedAdam, ShardedSGD  # noqa: E402
+# the torch.distributed backend "dblp", registered on import: pydblp.torch.backend
+from pydblp.torch.backend import BackendOptions, ProcessGroupDblp, register  # noqa: E402
+
+register()

@@ -1,0 +1,500 @@
+"""The ``dblp`` torch.distributed backend: ``init_process_group("dblp")`` is the whole integration.
+
+Importing :mod:`pydblp.torch` registers it (``torch.distributed.Backend.register_backend``,
+devices ``cpu`` and ``cuda``).  DDP, FSDP2 (``fully_shard``) and plain ``dist.all_reduce`` then
+run over pydblp's bounded-loss collective::
+
+    import pydblp.torch
+    dist.init_process_group("dblp")                   # options from DBLP_* variables (torchrun)
+    dist.init_process_group("dblp", pg_options=pydblp.torch.BackendOptions(
+        transport="xsk", iface="eth0", config=Config(phase="dblp")))
+
+What tolerates loss and what is exact (``BackendOptions.tolerate``):
+
+* ``"backward"`` (default): a floating-point (float32, float16, bfloat16) SUM or AVG
+  ``allreduce`` or ``reduce_scatter`` issued while autograd runs a backward pass is a gradient
+  round: it tolerates the round's loss bound (the phase controller's), and the controller counts
+  training steps by backward pass.  DDP's gradient buckets and FSDP2's gradient reduce-scatter
+  are such rounds.
+* Everything else is exact: the initial broadcast, barriers, object collectives, all-gathers
+  (FSDP2's parameters), a user's ``all_reduce`` outside backward, any other dtype or op.  A
+  float SUM/AVG is then a round with bound 0 (every message repaired whole); other dtypes and
+  ops (int, float64, MIN, MAX, PRODUCT, bitwise) gather every rank's bytes exactly and reduce
+  them locally, in the tensor's own dtype, in rank order (identical on every rank).
+* ``"none"``: everything exact.
+
+Failure semantics: a round whose peer stays silent for ``Config.peer_timeout`` fails its
+``Work`` (``wait()`` raises, the future completes with the error) with a
+:class:`~pydblp.collective.CollectiveError` naming the silent rank.  Every later operation on
+the group then fails at once with an error naming the first failure; ``destroy_process_group``
+closes the data plane.  An unsupported dtype or op raises ``ValueError`` at the call, before
+anything is sent.
+
+Mixed use follows torch's rules: ``"cpu:dblp,cuda:nccl"`` is not possible for a Python backend
+(torch lets a Python process group stand for every device of the group), so the ``dblp``
+group takes CUDA tensors too: they are staged through pinned host buffers with asynchronous
+copies on a side stream (:class:`_Staging`), and the result is on the tensor's device when the
+``Work`` completes.  Create an NCCL group beside it (``dist.new_group(backend="nccl")``) for
+traffic that should stay on the GPU fabric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import logging
+import operator
+import os
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from pydblp import wire
+from pydblp.collective import Config
+from pydblp.collective.config import TENSOR_BACKEND
+
+log = logging.getLogger(__name__)
+
+BACKEND = "dblp"
+TOLERATE = ("backward", "none")
+GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_R = dist.ReduceOp
+# local reductions of the exact path: gathered (world, ...) tensors -> one
+_LOCAL = {
+    _R.SUM: lambda g: g.sum(0, dtype=g.dtype) if g.dtype != torch.bool else g.any(0),
+    _R.PRODUCT: lambda g: g.prod(0, dtype=g.dtype) if g.dtype != torch.bool else g.all(0),
+    _R.MIN: lambda g: g.min(0).values,
+    _R.MAX: lambda g: g.max(0).values,
+    _R.BAND: lambda g: functools.reduce(operator.and_, g.unbind(0)),
+    _R.BOR: lambda g: functools.reduce(operator.or_, g.unbind(0)),
+    _R.BXOR: lambda g: functools.reduce(operator.xor, g.unbind(0)),
+}
+
+__all__ = ["BACKEND", "BackendOptions", "ProcessGroupDblp", "register"]
+
+
+@dataclasses.dataclass
+class BackendOptions:
+    """The ``dblp`` backend's options: ``init_process_group("dblp", pg_options=BackendOptions(...))``.
+
+    Without ``pg_options`` they come from the environment (:meth:`from_env`), which is how
+    ``torchrun`` jobs set them.
+
+    Args:
+        transport: the data-plane kind: ``udp`` (any user), ``xsk`` or ``xsk-ktx`` (AF_XDP, root;
+            ``iface`` required).  ``DBLP_TRANSPORT``.
+        iface: the data-plane interface (None: ``udp`` on any address, published as 127.0.0.1).
+            ``DBLP_IFACE``.
+        port: the UDP port (0: ``udp`` picks a free one; the AF_XDP kinds need the host
+            program's, ``wire.DEFAULT_PORT`` unless ``dblp load --port`` said otherwise).
+            ``DBLP_PORT``.
+        addr: the address published to peers (default: ``iface``'s first IPv4 address).
+            ``DBLP_ADDR``.
+        netns: the interface's network namespace.
+        queue: the receive queue the AF_XDP socket binds.
+        config: the collective's knobs (:class:`~pydblp.collective.Config`); ``DBLP_PHASE``
+            (``static:TOL`` or ``dblp[:P_LOW]``), ``DBLP_JOB`` and ``DBLP_PEER_TIMEOUT`` set its
+            phase controller, job and peer timeout.  ``job`` must differ between groups that
+            share an interface and port; each ``new_group`` gets ``job + its group number``.
+        rate: bits/s the ``xsk`` transport paces at (0: unpaced).  ``DBLP_RATE`` (e.g. ``10g``).
+        key_file: the job key (docs/authentication.md); None: ``DBLP_KEY_FILE`` / ``DBLP_KEY``.
+        tolerate: ``"backward"`` (gradient rounds tolerate the bound, see the module docstring)
+            or ``"none"`` (every operation exact).  ``DBLP_TOLERATE``.
+    """
+
+    transport: str = "udp"
+    iface: str | None = None
+    port: int | None = None
+    addr: str | None = None
+    netns: str | None = None
+    queue: int = 0
+    config: Config | None = None
+    rate: float = 0
+    key_file: str | None = None
+    tolerate: str = "backward"
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "BackendOptions":
+        """Options from ``DBLP_*`` environment variables (see the class's Args); unset ones keep
+        their defaults.  Raises ValueError naming the variable whose value is wrong."""
+        from pydblp import units
+
+        env = os.environ if env is None else env
+        kw: dict = {}
+        for var, name in (("DBLP_TRANSPORT", "transport"), ("DBLP_IFACE", "iface"), ("DBLP_ADDR", "addr"),
+                          ("DBLP_TOLERATE", "tolerate")):
+            if env.get(var):
+                kw[name] = env[var]
+        cfg: dict = {}
+        try:
+            if env.get("DBLP_PORT"):
+                kw["port"] = int(env["DBLP_PORT"])
+            if env.get("DBLP_RATE"):
+                kw["rate"] = units.parse_rate(env["DBLP_RATE"])
+            if env.get("DBLP_PHASE"):
+                cfg["phase"] = env["DBLP_PHASE"]
+            if env.get("DBLP_JOB"):
+                cfg["job"] = int(env["DBLP_JOB"])
+            if env.get("DBLP_PEER_TIMEOUT"):
+                cfg["peer_timeout"] = float(env["DBLP_PEER_TIMEOUT"])
+        except ValueError as e:
+            raise ValueError(f"DBLP_* environment: {e}") from None
+        if cfg:
+            kw["config"] = Config(**cfg)
+        return cls(**kw)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option that is wrong and how to fix it."""
+        from pydblp.dataplane import check_kind
+
+        check_kind(self.transport, self.iface)
+        if self.tolerate not in TOLERATE:
+            raise ValueError(f"tolerate {self.tolerate!r}: use {' or '.join(TOLERATE)}")
+        if self.port is not None and not 0 <= self.port <= 0xFFFF:
+            raise ValueError(f"port {self.port}: use 0..65535 (0: udp picks a free one)")
+        if not self.rate >= 0:
+            raise ValueError(f"rate {self.rate}: use bits/s >= 0 (0: unpaced)")
+        (self.config or Config()).check()
+
+
+class _Staging:
+    """CUDA tensors to and from pinned host buffers, copied on a side stream.
+
+    The copy down waits for the producer's stream (an event), not for the device: the caller
+    returns at once and the transport thread waits for the copy's own event, so bucket k+1's copy
+    overlaps bucket k's round.  Pinned buffers are kept per (dtype, size) and reused.
+    """
+
+    def __init__(self):
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._pinned: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            free = self._pinned.get((t.dtype, t.numel()))
+            if free:
+                return free.pop()
+        return torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+
+    def release(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self._pinned.setdefault((host.dtype, host.numel()), []).append(host)
+
+    def down(self, t: torch.Tensor):
+        """Start copying ``t`` (CUDA) to a pinned host buffer; ``(host, event)``, the event
+        recorded once the copy is done (wait on it before reading ``host``)."""
+        s = self._stream(t.device)
+        s.wait_stream(torch.cuda.current_stream(t.device))
+        host = self._buffer(t)
+        with torch.cuda.stream(s):
+            host.copy_(t.reshape(-1), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(s)
+        t.record_stream(s)  # the caller's allocator must not reuse t's memory before the copy ran
+        return host, done
+
+    def up(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        """Copy ``host`` into ``t`` (CUDA) on the side stream and wait for it (called on the
+        transport thread: the Work completes with ``t`` current)."""
+        s = self._stream(t.device)
+        with torch.cuda.stream(s):
+            t.reshape(-1).copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(s)
+        done.synchronize()
+
+
+class ProcessGroupDblp(dist.ProcessGroup):
+    """A torch.distributed process group over pydblp's bounded-loss collective.
+
+    Made by ``init_process_group("dblp")`` / ``new_group(backend="dblp")`` (:func:`register`);
+    not constructed directly.  Operations run in submission order on the group's
+    :class:`~pydblp.torch.State` thread; each returns a ``Work`` whose future completes when its
+    round has (``async_op=False`` waits for it).  :attr:`state` is the group's
+    :class:`~pydblp.torch.State` (its collective's records, counters, host counters), usable with
+    :class:`~pydblp.torch.ShardedSGD` and the DiLoCo exchange as with ``State.from_process_group``.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, options: BackendOptions,
+                 group_id: int = 0):
+        super().__init__(rank, size)
+        from pydblp.torch import State
+
+        self.options = options
+        cfg = options.config or Config()
+        if group_id:  # groups sharing an interface and port: a job each
+            cfg = dataclasses.replace(cfg, job=(cfg.job + group_id - 1) % 0xFFFFFFFF + 1)
+        port = options.port if options.port is not None else (0 if options.transport == "udp"
+                                                              else wire.DEFAULT_PORT)
+        self.state = State.open(store, rank, size, transport=options.transport, iface=options.iface,
+                                netns=options.netns, port=port, queue=options.queue, addr=options.addr,
+                                config=cfg, rate=options.rate, key_file=options.key_file)
+        self._timeout = timeout
+        self._ids: dict[tuple, int] = {}
+        self._step_task: int | None = None  # the backward pass whose step the controller counts
+        self._staging: _Staging | None = None
+        self._closed = False
+
+    # ---- torch.distributed's interface -------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # torch keeps a group's name on its C++ backends, and a Python group has none: kept here
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        if getattr(self, "_group_name", None) is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "undefined")
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts)
+        for t in tensors:
+            _check_reduce(t, op)
+        tolerant = self._tolerant(tensors, op, step=True)
+        return self._run(tensors, lambda col, t, x: self._allreduce(col, t, x, op, tolerant))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        return self._run(tensors, lambda col, t, x: self._gather_bytes(col, x)[root])
+
+    def barrier(self, opts=None):
+        return self._run([torch.zeros(1)], lambda col, t, x: self._gather_bytes(col, x)[self.rank()])
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        outs, inp = output_tensors[0], input_tensors[0]
+        if len(outs) != self.size():
+            raise ValueError(f"allgather: give {self.size()} output tensors (one per rank), not {len(outs)}")
+        return self._gather_into(inp, lambda got: [o.copy_(g.view_as(o)) for o, g in zip(outs, got)], outs)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        works = [self.allgather([o], [i]) for o, i in zip(output_lists, input_tensors)]
+        return works[-1]
+
+    def all_gather_single(self, output, input, opts=None):
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, "
+                             f"give world x input = {input.numel() * self.size()}")
+        return self._gather_into(input, lambda got: output.copy_(torch.cat([g.reshape(-1) for g in got])
+                                                                  .view_as(output)), [output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1]
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = _op(opts)
+        _check_reduce(input, op)
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
+                             f"give world x output = {output.numel() * self.size()}")
+        if output.dtype != input.dtype:
+            raise ValueError(f"reduce_scatter_tensor: output {output.dtype} and input {input.dtype}: use one dtype")
+        tolerant = self._tolerant([input], op, step=False)
+        return self._run([input], lambda col, t, x: self._reduce_scatter(col, t, x, op, tolerant), outputs=[output])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        out, pieces = output_tensors[0], input_tensors[0]
+        return self.reduce_scatter_single(out, torch.cat([p.reshape(-1) for p in pieces]), opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1]
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        self.close(barrier=False)
+
+    def close(self, barrier: bool = False) -> None:
+        """Stop the group's thread and close its data plane.  Idempotent.  ``barrier``: first wait,
+        over this group, until every rank closes (:meth:`State.close`'s reason); off by default, as
+        torch calls it from ``destroy_process_group``, where peers may already be gone."""
+        if self._closed:
+            return
+        self._closed = True
+        self.state.close(barrier=False)
+        del barrier
+
+    # ---- rounds --------------------------------------------------------------
+    def _tolerant(self, tensors, op, step: bool) -> bool:
+        """A gradient round: floating SUM/AVG issued during a backward pass (BackendOptions.tolerate).
+        ``step``: the phase controller sees the round (an allreduce): the backward pass is its step,
+        closed as the pass ends.  (A reduce-scatter's result is shown to no controller.)"""
+        if self.options.tolerate != "backward" or op not in (_R.SUM, _R.AVG):
+            return False
+        if not all(t.dtype in GRADIENT_DTYPES for t in tensors):
+            return False
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False
+        if step and task != self._step_task:  # the step's first gradient round: close the step at its end
+            self._step_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+        return True
+
+    def _end_step(self) -> None:
+        """(The autograd engine calls it as a backward pass ends.)  Close the controller's step
+        after the step's rounds, on the group's thread, in order with them."""
+        self._step_task = None
+        self.state.submit(lambda col: col.end_step())
+
+    def _id(self, kind: str, numel: int) -> int:
+        """The collective's tensor id for rounds of ``kind`` on ``numel`` values: one id per shape
+        (its buffers are kept across rounds), the same on every rank (ranks make the same calls)."""
+        key = (kind, numel)
+        if key not in self._ids:
+            self._ids[key] = len(self._ids) % TENSOR_BACKEND[1] + TENSOR_BACKEND[0]
+        return self._ids[key]
+
+    def _allreduce(self, col, t, x, op, tolerant: bool) -> np.ndarray | torch.Tensor:
+        if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
+            if tolerant:
+                col.controller.count_steps()
+            return col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()),
+                                 op="sum" if op == _R.SUM else "mean", exact=not tolerant)
+        return _LOCAL[op](torch.stack(self._gather_bytes(col, x)))
+
+    def _reduce_scatter(self, col, t, x, op, tolerant) -> np.ndarray | torch.Tensor:
+        n = t.numel() // self.size()
+        if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
+            return col.reduce_scatter(x.float().numpy(), tensor=self._id("rs", t.numel()),
+                                      op="sum" if op == _R.SUM else "mean", exact=not tolerant)
+        whole = _LOCAL[op](torch.stack(self._gather_bytes(col, x)))
+        return whole.reshape(-1)[self.rank() * n: (self.rank() + 1) * n]
+
+    def _gather_bytes(self, col, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same dtype and size on all), exactly: its bytes all-gathered as
+        float32 words (copied, never computed on); rank order."""
+        raw = x.reshape(-1).contiguous().view(torch.uint8).numpy()
+        n = raw.size
+        words = np.zeros(-(-n // 4), np.float32)
+        words.view(np.uint8)[:n] = raw
+        got = col.all_gather(words, tensor=self._id("bytes", words.size), exact=True)
+        rows = got.view(np.uint8).reshape(self.size(), -1)[:, :n]
+        return [torch.from_numpy(rows[r].copy()).view(x.dtype).view_as(x) for r in range(self.size())]
+
+    def _gather_into(self, inp, place, outputs):
+        def job(col, t, x):
+            place(self._gather_bytes(col, x))
+            return None
+
+        return self._run([inp], job, outputs=outputs, write=False)
+
+    def _run(self, tensors, fn, outputs=None, write: bool = True):
+        """Submit ``fn(col, tensor, host_copy) -> result`` for each tensor on the group's thread;
+        the result is written into ``outputs`` (default: the tensors, in place).  A Work of it."""
+        if self._closed:
+            raise RuntimeError("the dblp process group is closed")
+        outputs = tensors if outputs is None else outputs
+        staged = [self._down(t) for t in tensors]
+
+        def job(col):
+            for (host, ev), t, out in zip(staged, tensors, outputs):
+                if ev is not None:
+                    ev.synchronize()
+                res = fn(col, t, host)
+                if write:
+                    self._write(res, out)
+                if ev is not None:
+                    self._staging.release(host)
+            return list(outputs)
+
+        return _create_work_from_future(self.state.submit(job))
+
+    def _down(self, t: torch.Tensor):
+        """``t``'s values where the transport thread can read them: ``(cpu tensor, event)``."""
+        if t.device.type == "cuda":
+            if self._staging is None:
+                self._staging = _Staging()
+            host, ev = self._staging.down(t)
+            return host.view(t.dtype), ev
+        if t.device.type != "cpu":
+            raise ValueError(f"dblp: tensors on {t.device.type} are not supported: use cpu or cuda tensors")
+        return t.detach().reshape(-1).contiguous(), None
+
+    def _write(self, res, out: torch.Tensor) -> None:
+        res = torch.from_numpy(res) if isinstance(res, np.ndarray) else res
+        if out.device.type == "cuda":
+            host = res.to(out.dtype).reshape(-1).pin_memory()
+            self._staging.up(host, out)
+        else:
+            with torch.no_grad():
+                out.copy_(res.reshape(out.shape).to(out.dtype))
+
+
+def _op(opts):
+    op = getattr(opts, "reduceOp", _R.SUM)
+    op = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType
+    return op
+
+
+def _check_reduce(t: torch.Tensor, op) -> None:
+    """Raise ValueError for a reduction the backend cannot make exactly or without loss of meaning."""
+    if op == _R.AVG:
+        if not t.is_floating_point():
+            raise ValueError(f"dblp: ReduceOp.AVG of {t.dtype}: use a floating-point tensor, or SUM and divide")
+        return
+    if op not in _LOCAL:
+        raise ValueError(f"dblp: {op} is not supported: use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+    if op in (_R.BAND, _R.BOR, _R.BXOR) and (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"dblp: bitwise {op} of {t.dtype}: use an integer or bool tensor")
+    if op in (_R.MIN, _R.MAX) and t.is_complex():
+        raise ValueError(f"dblp: {op} of {t.dtype}: complex numbers have no order")
+
+
+def _create(store, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupDblp:
+    """The creator torch calls for a ``dblp`` group (non-extended API: options from the environment)."""
+    return _create_with(store, rank, size, timeout, None)
+
+
+def _create_extended(backend_opts, options) -> ProcessGroupDblp:
+    """The creator torch calls for a ``dblp`` group: ``options`` is ``init_process_group``'s
+    ``pg_options`` (a :class:`BackendOptions`, or None for the environment's)."""
+    gid = backend_opts.group_id
+    try:
+        number = int(str(gid)) if str(gid).isdigit() else 0
+    except ValueError:
+        number = 0
+    return _create_with(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+                        backend_opts.timeout, options, number)
+
+
+def _create_with(store, rank, size, timeout, options, group_id: int = 0) -> ProcessGroupDblp:
+    if options is not None and not isinstance(options, BackendOptions):
+        raise ValueError(f"pg_options {type(options).__name__}: give pydblp.torch.BackendOptions(...) for 'dblp'")
+    options = options if options is not None else BackendOptions.from_env()
+    options.check()
+    return ProcessGroupDblp(store, rank, size, timeout, options, group_id)
+
+
+def register() -> None:
+    """Register the ``dblp`` backend with torch.distributed (idempotent; importing
+    :mod:`pydblp.torch` does it)."""
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create_extended, extended_api=True, devices=["cpu", "cuda"])
