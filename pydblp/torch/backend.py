@@ -40,6 +40,7 @@ traffic that should stay on the GPU fabric.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import functools
@@ -47,6 +48,7 @@ import logging
 import operator
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from pydblp import wire
-from pydblp.collective import Config
+from pydblp.collective import CollectiveError, Config
 from pydblp.collective.config import TENSOR_BACKEND
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,9 @@ class BackendOptions:
         key_file: the job key (docs/authentication.md); None: ``DBLP_KEY_FILE`` / ``DBLP_KEY``.
         tolerate: ``"backward"`` (gradient rounds tolerate the bound, see the module docstring)
             or ``"none"`` (every operation exact).  ``DBLP_TOLERATE``.
+        survive: keep the survivors training when a rank dies (``ProcessGroupDblp``'s failure
+            semantics): each backward pass ends with one exact one-value round that every rank
+            must complete, so a failed step is dropped on every survivor alike.  ``DBLP_SURVIVE=1``.
     """
 
     transport: str = "udp"
@@ -116,6 +121,7 @@ class BackendOptions:
     rate: float = 0
     key_file: str | None = None
     tolerate: str = "backward"
+    survive: bool = False
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "BackendOptions":
@@ -131,6 +137,8 @@ class BackendOptions:
                 kw[name] = env[var]
         cfg: dict = {}
         try:
+            if env.get("DBLP_SURVIVE"):
+                kw["survive"] = {"1": True, "0": False}[env["DBLP_SURVIVE"]]
             if env.get("DBLP_PORT"):
                 kw["port"] = int(env["DBLP_PORT"])
             if env.get("DBLP_RATE"):
@@ -141,6 +149,8 @@ class BackendOptions:
                 cfg["job"] = int(env["DBLP_JOB"])
             if env.get("DBLP_PEER_TIMEOUT"):
                 cfg["peer_timeout"] = float(env["DBLP_PEER_TIMEOUT"])
+        except KeyError:
+            raise ValueError(f"DBLP_SURVIVE={env['DBLP_SURVIVE']!r}: use 1 or 0") from None
         except ValueError as e:
             raise ValueError(f"DBLP_* environment: {e}") from None
         if cfg:
@@ -156,6 +166,8 @@ class BackendOptions:
             raise ValueError(f"tolerate {self.tolerate!r}: use {' or '.join(TOLERATE)}")
         if self.port is not None and not 0 <= self.port <= 0xFFFF:
             raise ValueError(f"port {self.port}: use 0..65535 (0: udp picks a free one)")
+        if not isinstance(self.survive, bool):
+            raise ValueError(f"survive {self.survive!r}: use True or False")
         if not self.rate >= 0:
             raise ValueError(f"rate {self.rate}: use bits/s >= 0 (0: unpaced)")
         (self.config or Config()).check()
@@ -215,6 +227,15 @@ class _Staging:
         done.synchronize()
 
 
+class _Step:
+    """The backward pass now running on this group: what closes it (:meth:`ProcessGroupDblp._end_backward`)."""
+
+    def __init__(self, task: int):
+        self.task = task
+        self.counted = False          # an allreduce counted the controller's step
+        self.outputs: list = []       # the gradient rounds' outputs (zeroed if the step is dropped)
+
+
 class ProcessGroupDblp(dist.ProcessGroup):
     """A torch.distributed process group over pydblp's bounded-loss collective.
 
@@ -224,27 +245,40 @@ class ProcessGroupDblp(dist.ProcessGroup):
     round has (``async_op=False`` waits for it).  :attr:`state` is the group's
     :class:`~pydblp.torch.State` (its collective's records, counters, host counters), usable with
     :class:`~pydblp.torch.ShardedSGD` and the DiLoCo exchange as with ``State.from_process_group``.
+
+    Failure (a peer silent for ``Config.peer_timeout``; see the module docstring): an operation
+    issued during a backward pass never fails its ``Work`` (DDP's reducer cannot take a failed
+    future: torch aborts the process), it completes with its input unchanged and the error is
+    raised as the backward pass ends (``loss.backward()`` raises it), or, with
+    ``BackendOptions.survive``, the step is dropped on every survivor and the group goes on
+    without the dead rank (:meth:`_reform`).  Other operations fail their ``Work``.
     """
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, options: BackendOptions,
                  group_id: int = 0):
         super().__init__(rank, size)
-        from pydblp.torch import State
-
         self.options = options
         cfg = options.config or Config()
         if group_id:  # groups sharing an interface and port: a job each
             cfg = dataclasses.replace(cfg, job=(cfg.job + group_id - 1) % 0xFFFFFFFF + 1)
-        port = options.port if options.port is not None else (0 if options.transport == "udp"
-                                                              else wire.DEFAULT_PORT)
-        self.state = State.open(store, rank, size, transport=options.transport, iface=options.iface,
-                                netns=options.netns, port=port, queue=options.queue, addr=options.addr,
-                                config=cfg, rate=options.rate, key_file=options.key_file)
-        self._timeout = timeout
+        self._cfg, self._store, self._timeout = cfg, store, timeout
+        self.members = list(range(size))  # the torch ranks still in the group (all, until one dies)
+        self.generation = 0               # times the group re-formed without a dead rank
+        self.state = self._open(store, rank, size, cfg)
         self._ids: dict[tuple, int] = {}
-        self._step_task: int | None = None  # the backward pass whose step the controller counts
+        self._step: _Step | None = None   # the backward pass running, if an operation came from one
+        self._failure: BaseException | None = None  # the first round that failed (until re-formed)
         self._staging: _Staging | None = None
         self._closed = False
+        _OPEN.add(self)
+
+    def _open(self, store, rank: int, world: int, cfg: Config):
+        from pydblp.torch import State
+
+        o = self.options
+        port = o.port if o.port is not None else (0 if o.transport == "udp" else wire.DEFAULT_PORT)
+        return State.open(store, rank, world, transport=o.transport, iface=o.iface, netns=o.netns, port=port,
+                          queue=o.queue, addr=o.addr, config=cfg, rate=o.rate, key_file=o.key_file)
 
     # ---- torch.distributed's interface -------------------------------------
     def getBackendName(self) -> str:
@@ -272,14 +306,14 @@ class ProcessGroupDblp(dist.ProcessGroup):
         for t in tensors:
             _check_reduce(t, op)
         tolerant = self._tolerant(tensors, op, step=True)
-        return self._run(tensors, lambda col, t, x: self._allreduce(col, t, x, op, tolerant))
+        return self._run(tensors, lambda col, t, x: self._allreduce(col, t, x, op, tolerant), gradient=tolerant)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        return self._run(tensors, lambda col, t, x: self._gather_bytes(col, x)[root])
+        return self._run(tensors, lambda col, t, x: self._gather_bytes(col, x, root=root)[root])
 
     def barrier(self, opts=None):
         return self._run([torch.zeros(1)], lambda col, t, x: self._gather_bytes(col, x)[self.rank()])
@@ -314,7 +348,8 @@ class ProcessGroupDblp(dist.ProcessGroup):
         if output.dtype != input.dtype:
             raise ValueError(f"reduce_scatter_tensor: output {output.dtype} and input {input.dtype}: use one dtype")
         tolerant = self._tolerant([input], op, step=False)
-        return self._run([input], lambda col, t, x: self._reduce_scatter(col, t, x, op, tolerant), outputs=[output])
+        return self._run([input], lambda col, t, x: self._reduce_scatter(col, t, x, op, tolerant), outputs=[output],
+                         gradient=tolerant)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, pieces = output_tensors[0], input_tensors[0]
@@ -328,41 +363,101 @@ class ProcessGroupDblp(dist.ProcessGroup):
         self.close()
 
     def abort(self) -> None:
-        self.close(barrier=False)
+        self.close()
 
-    def close(self, barrier: bool = False) -> None:
-        """Stop the group's thread and close its data plane.  Idempotent.  ``barrier``: first wait,
-        over this group, until every rank closes (:meth:`State.close`'s reason); off by default, as
-        torch calls it from ``destroy_process_group``, where peers may already be gone."""
+    def close(self) -> None:
+        """Stop the group's thread and close its data plane (torch calls it from
+        ``destroy_process_group``).  Idempotent.  No barrier: peers may already be gone."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self.state.close(barrier=False)
-        del barrier
 
-    # ---- rounds --------------------------------------------------------------
+    # ---- steps and failures --------------------------------------------------
+    def _backward(self) -> _Step | None:
+        """The backward pass this call comes from (None: not from one); the first call of a pass
+        asks autograd to run :meth:`_end_backward` as the pass ends."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return None
+        if self._step is None or self._step.task != task:
+            step = self._step = _Step(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(step))
+        return self._step
+
     def _tolerant(self, tensors, op, step: bool) -> bool:
         """A gradient round: floating SUM/AVG issued during a backward pass (BackendOptions.tolerate).
         ``step``: the phase controller sees the round (an allreduce): the backward pass is its step,
         closed as the pass ends.  (A reduce-scatter's result is shown to no controller.)"""
-        if self.options.tolerate != "backward" or op not in (_R.SUM, _R.AVG):
+        bw = self._backward()
+        if bw is None or self.options.tolerate != "backward" or op not in (_R.SUM, _R.AVG):
             return False
         if not all(t.dtype in GRADIENT_DTYPES for t in tensors):
             return False
-        task = torch._C._current_graph_task_id()
-        if task == -1:
-            return False
-        if step and task != self._step_task:  # the step's first gradient round: close the step at its end
-            self._step_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+        bw.counted |= step
         return True
 
-    def _end_step(self) -> None:
-        """(The autograd engine calls it as a backward pass ends.)  Close the controller's step
-        after the step's rounds, on the group's thread, in order with them."""
-        self._step_task = None
-        self.state.submit(lambda col: col.end_step())
+    def _end_backward(self, step: _Step) -> None:
+        """(Autograd calls it as a backward pass that used this group ends, after the pass's rounds
+        were submitted.)  Close the controller's step; settle a failure: raise it, or with
+        ``survive`` agree on it with every rank (one exact round), drop the step's gradients on
+        every survivor and re-form the group without the dead."""
+        if self._step is step:
+            self._step = None
+        if step.counted:
+            self.state.submit(lambda col: None if self._failure else col.end_step())
+        if not self.options.survive:
+            if self._failure is not None:
+                raise self._failure
+            return
 
+        def commit(col):  # every rank's verdict on the step: it stands only if all ranks kept it
+            try:
+                return float(col.allreduce(np.array([self._failure is not None], np.float32), op="sum",
+                                           tensor=self._id("commit", 1), exact=True)[0])
+            except CollectiveError as e:
+                self._failure = self._failure or e
+                return 1.0
+
+        if self.state.submit(commit).wait() == 0 and self._failure is None:
+            return
+        for out in step.outputs:  # the step's gradients: zero on every survivor
+            with torch.no_grad():
+                out.zero_()
+        log.warning("dblp: rank %d drops this step: %s", self.rank(), self._failure or "another rank failed it")
+        self._reform()
+
+    def _reform(self) -> None:
+        """Re-form the group with the ranks still alive: each survivor posts itself under the next
+        generation in the store and waits (up to ``2 * peer_timeout``) for every other member;
+        those that posted are the group from now on, over a new data plane and a job of their own
+        (packets of the old generation are another job's).  The torch rank and size do not change:
+        a sum is scaled by ``size / survivors`` (the full group's sum, estimated), an average is
+        the survivors', a dead rank's all-gather slot is zeros, a broadcast from it fails."""
+        gen = self.generation + 1
+        me = self.rank()
+        store = self._store
+        store.set(f"pydblp/reform/{gen}/{me}", "1")
+        wait = datetime.timedelta(seconds=2 * self._cfg.peer_timeout)
+        alive = []
+        for r in self.members:
+            try:
+                store.wait([f"pydblp/reform/{gen}/{r}"], wait if r != me else datetime.timedelta(seconds=1))
+                alive.append(r)
+            except (RuntimeError, dist.DistError):
+                wait = datetime.timedelta(seconds=1)  # the wait is spent: the rest posted by now or never
+        old, self._failure = self.state, None
+        old.close(barrier=False)
+        cfg = dataclasses.replace(self._cfg, job=(self._cfg.job + gen * 0x10000 - 1) % 0xFFFFFFFF + 1)
+        sub = dist.PrefixStore(f"pydblp/gen{gen}/", store)
+        self.members, self.generation = alive, gen
+        self.state = self._open(sub, alive.index(me), len(alive), cfg)
+        self._ids.clear()
+        log.warning("dblp: rank %d goes on with %d of %d ranks (left out: %s)", me, len(alive), self.size(),
+                    sorted(set(range(self.size())) - set(alive)))
+
+    # ---- rounds --------------------------------------------------------------
     def _id(self, kind: str, numel: int) -> int:
         """The collective's tensor id for rounds of ``kind`` on ``numel`` values: one id per shape
         (its buffers are kept across rounds), the same on every rank (ranks make the same calls)."""
@@ -371,32 +466,49 @@ class ProcessGroupDblp(dist.ProcessGroup):
             self._ids[key] = len(self._ids) % TENSOR_BACKEND[1] + TENSOR_BACKEND[0]
         return self._ids[key]
 
+    def _scale(self) -> np.float32:
+        """A sum over the survivors, scaled to the full group's (1 until a rank died)."""
+        return np.float32(self.size() / len(self.members))
+
     def _allreduce(self, col, t, x, op, tolerant: bool) -> np.ndarray | torch.Tensor:
         if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
             if tolerant:
                 col.controller.count_steps()
-            return col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()),
-                                 op="sum" if op == _R.SUM else "mean", exact=not tolerant)
-        return _LOCAL[op](torch.stack(self._gather_bytes(col, x)))
+            out = col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()), op="mean", exact=not tolerant)
+            return out * np.float32(self.size()) if op == _R.SUM else out
+        return _LOCAL[op](torch.stack(self._gather_bytes(col, x, alive_only=True)))
 
     def _reduce_scatter(self, col, t, x, op, tolerant) -> np.ndarray | torch.Tensor:
         n = t.numel() // self.size()
+        me = self.rank()
         if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
-            return col.reduce_scatter(x.float().numpy(), tensor=self._id("rs", t.numel()),
-                                      op="sum" if op == _R.SUM else "mean", exact=not tolerant)
-        whole = _LOCAL[op](torch.stack(self._gather_bytes(col, x)))
-        return whole.reshape(-1)[self.rank() * n: (self.rank() + 1) * n]
+            scale = np.float32(self.size()) if op == _R.SUM else np.float32(1)
+            if len(self.members) == self.size():
+                return col.reduce_scatter(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean",
+                                          exact=not tolerant) * scale
+            # survivors: the dead ranks' pieces have no owner; reduce the whole tensor, keep mine
+            whole = col.allreduce(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean", exact=not tolerant)
+            return whole[me * n: (me + 1) * n] * scale
+        whole = _LOCAL[op](torch.stack(self._gather_bytes(col, x, alive_only=True)))
+        return whole.reshape(-1)[me * n: (me + 1) * n]
 
-    def _gather_bytes(self, col, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather_bytes(self, col, x: torch.Tensor, root: int | None = None,
+                      alive_only: bool = False) -> list[torch.Tensor]:
         """Every rank's ``x`` (same dtype and size on all), exactly: its bytes all-gathered as
-        float32 words (copied, never computed on); rank order."""
+        float32 words (copied, never computed on); torch rank order, a dead rank's zeros (or,
+        ``alive_only``, left out).  Raises CollectiveError if ``root`` is a dead rank."""
+        if root is not None and root not in self.members:
+            raise CollectiveError(f"broadcast from rank {root}, which died: the group goes on without it")
         raw = x.reshape(-1).contiguous().view(torch.uint8).numpy()
         n = raw.size
         words = np.zeros(-(-n // 4), np.float32)
         words.view(np.uint8)[:n] = raw
         got = col.all_gather(words, tensor=self._id("bytes", words.size), exact=True)
-        rows = got.view(np.uint8).reshape(self.size(), -1)[:, :n]
-        return [torch.from_numpy(rows[r].copy()).view(x.dtype).view_as(x) for r in range(self.size())]
+        rows = got.view(np.uint8).reshape(len(self.members), -1)[:, :n]
+        by_rank = {r: torch.from_numpy(rows[i].copy()).view(x.dtype).view_as(x) for i, r in enumerate(self.members)}
+        if alive_only:
+            return list(by_rank.values())
+        return [by_rank[r] if r in by_rank else torch.zeros_like(x) for r in range(self.size())]
 
     def _gather_into(self, inp, place, outputs):
         def job(col, t, x):
@@ -405,23 +517,39 @@ class ProcessGroupDblp(dist.ProcessGroup):
 
         return self._run([inp], job, outputs=outputs, write=False)
 
-    def _run(self, tensors, fn, outputs=None, write: bool = True):
+    def _run(self, tensors, fn, outputs=None, write: bool = True, gradient: bool = False):
         """Submit ``fn(col, tensor, host_copy) -> result`` for each tensor on the group's thread;
-        the result is written into ``outputs`` (default: the tensors, in place).  A Work of it."""
+        the result is written into ``outputs`` (default: the tensors, in place).  A Work of it.
+
+        A round that fails during a backward pass leaves its outputs as they are and completes
+        (:meth:`_end_backward` settles it); otherwise the Work fails.  After a failure every
+        operation fails at once (during backward: completes unchanged) until the group re-forms."""
         if self._closed:
             raise RuntimeError("the dblp process group is closed")
         outputs = tensors if outputs is None else outputs
+        bw = self._backward()
+        if gradient and bw is not None:
+            bw.outputs.extend(outputs)
         staged = [self._down(t) for t in tensors]
 
         def job(col):
-            for (host, ev), t, out in zip(staged, tensors, outputs):
-                if ev is not None:
-                    ev.synchronize()
-                res = fn(col, t, host)
-                if write:
-                    self._write(res, out)
-                if ev is not None:
-                    self._staging.release(host)
+            try:
+                if self._failure is not None:
+                    raise CollectiveError(f"an earlier round failed: {self._failure}")
+                for (host, ev), t, out in zip(staged, tensors, outputs):
+                    if ev is not None:
+                        ev.synchronize()
+                    res = fn(col, t, host)
+                    if write:
+                        self._write(res, out)
+                    if ev is not None:
+                        self._staging.release(host)
+            except CollectiveError as e:
+                if self._failure is None:
+                    self._failure = e
+                    log.error("dblp: %s", e)
+                if bw is None:
+                    raise
             return list(outputs)
 
         return _create_work_from_future(self.state.submit(job))
@@ -490,6 +618,17 @@ def _create_with(store, rank, size, timeout, options, group_id: int = 0) -> Proc
     options = options if options is not None else BackendOptions.from_env()
     options.check()
     return ProcessGroupDblp(store, rank, size, timeout, options, group_id)
+
+
+_OPEN: "weakref.WeakSet[ProcessGroupDblp]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """A script that exits without ``destroy_process_group`` (an error raised from training) still
+    closes its groups' threads and data planes before the interpreter tears torch down."""
+    for pg in list(_OPEN):
+        pg.close()
 
 
 def register() -> None:
