@@ -408,6 +408,7 @@ class ProcessGroupDblp(dist.ProcessGroup):
         if step.counted:
             self.state.submit(lambda col: None if self._failure else col.end_step())
         if not self.options.survive:
+            self.state.submit(lambda col: None).wait()  # the step's rounds have run (failed or not)
             if self._failure is not None:
                 raise self._failure
             return

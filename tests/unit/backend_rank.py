@@ -1,0 +1,191 @@
+"""One rank of a tests/unit/test_backend.py job: ``python -m tests.unit.backend_rank CASE BACKEND RANK WORLD DIR``.
+
+Ranks rendezvous through a FileStore in DIR (no port to collide on) and write what the test
+checks to ``DIR/<case>.<backend>.<rank>.pt``.  The ``dblp`` backend takes its options from
+``DBLP_*`` variables, as under torchrun.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import pydblp.torch  # noqa: F401  (registers "dblp")
+
+CASE, BACKEND, RANK, WORLD, DIR = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+
+
+def out(name: str, value) -> None:
+    torch.save(value, os.path.join(DIR, f"{name}.{BACKEND}.{RANK}.pt"))
+
+
+def model(width: int = 64) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(20, width), torch.nn.ReLU(), torch.nn.Linear(width, 5))
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(100 + RANK)
+    for _ in range(steps):
+        yield torch.randn(32, 20, generator=g), torch.randint(0, 5, (32,), generator=g)
+
+
+def ddp(steps: int) -> None:
+    """DDP, unmodified: rank-dependent initial values that its broadcast must replace."""
+    torch.manual_seed(RANK)
+    m = model()
+    net = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    out("params", [p.detach() for p in m.parameters()])
+
+
+def fsdp(steps: int) -> None:
+    """FSDP2 (fully_shard per layer and at the root) on CPU."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = model()
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    out("params", [p.full_tensor().detach() for p in m.parameters()])
+
+
+def ops() -> None:
+    """Every collective the backend serves, each checked here against its definition."""
+    W, r = WORLD, RANK
+    res = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32):
+        t = torch.arange(5, dtype=dt) + r
+        dist.all_reduce(t)
+        res[f"sum.{dt}"] = t
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        t = torch.tensor([r + 1, -r, 7], dtype=torch.int64)
+        dist.all_reduce(t, op=op)
+        res[f"{op}"] = t
+    t = torch.tensor([r == 1, False, True])
+    dist.all_reduce(t, op=dist.ReduceOp.BOR)
+    res["bor"] = t
+    t = torch.full((3,), float(r))
+    w = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    w.wait()
+    res["avg"] = t
+    res["avg.future"] = w.get_future().value()[0].clone()
+    inp = torch.arange(W * 3, dtype=torch.float32) * (r + 1)
+    o = torch.empty(3)
+    dist.reduce_scatter_tensor(o, inp)
+    res["rs.sum"] = o
+    o = torch.empty(3, dtype=torch.int64)
+    dist.reduce_scatter_tensor(o, torch.arange(W * 3, dtype=torch.int64) + r)
+    res["rs.int"] = o
+    piece = torch.arange(3, dtype=torch.int8) + 10 * r
+    big = torch.empty(W * 3, dtype=torch.int8)
+    dist.all_gather_into_tensor(big, piece)
+    res["ag.int8"] = big
+    lst = [torch.empty(2, 3) for _ in range(W)]
+    dist.all_gather(lst, torch.full((2, 3), float(r)))
+    res["ag.list"] = torch.stack(lst)
+    b = torch.arange(7, dtype=torch.int16) * (r + 1)
+    dist.broadcast(b, src=W - 1)
+    res["bcast"] = b
+    f = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")]) if r == 0 else torch.zeros(4)
+    dist.broadcast(f, src=0)
+    res["bcast.bits"] = f.view(torch.int32)
+    objs = [None] * W
+    dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"})
+    res["objects"] = [o["rank"] for o in objs]
+    lst = [{"k": "v"} if r == 0 else None]
+    dist.broadcast_object_list(lst, src=0)
+    res["bobj"] = lst[0]
+    dist.barrier()
+    errs = {}
+    for name, call in (("premul", lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
+                       ("avg.int", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
+                       ("band.float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
+                       ("meta", lambda: dist.all_reduce(torch.ones(2, device="meta")))):
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            errs[name] = f"{type(e).__name__}: {e}"
+    res["errors"] = errs
+    pg = dist.group.WORLD
+    res["tols"] = sorted({rec.tol for rec in pg.state.collective.records})
+    dist.barrier()  # every rank is done before any closes
+    out("ops", res)
+
+
+def tolerant(steps: int) -> None:
+    """DDP under seeded loss with a bound: its gradient rounds tolerate it, what is not a gradient
+    stays exact, the controller counts one step per backward pass."""
+    from tests.helpers import seeded_loss
+
+    pg = dist.group.WORLD
+    seeded_loss(pg.state.collective.t, float(os.environ["LOSS"]), seed=500 + RANK)
+    torch.manual_seed(0)
+    m = model(2048)  # 53k values: ~37 chunk rows a shard, so a bound of 20 % spares rows
+    net = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    first = pg.state.collective.index
+    for x, y in batches(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    grads = {i for (kind, _), i in pg._ids.items() if kind == "ar"}  # (DDP's bucket rebuild broadcasts between)
+    recs = [r for r in pg.state.collective.records if r.index >= first and r.tensor in grads]
+    exact = torch.arange(100_000, dtype=torch.float32) * (RANK + 1)
+    dist.all_reduce(exact)
+    out("tolerant", {"grad_tols": sorted({r.tol for r in recs}), "grad_delivered": [r.min_delivered for r in recs],
+                     "steps": pg.state.collective.controller.steps, "exact": exact,
+                     "exact_rec": pg.state.collective.records[-1].tol,
+                     "params": [p.detach() for p in m.parameters()]})
+    dist.barrier()
+
+
+def death(steps: int) -> None:
+    """DDP where the last rank exits at step 5: the others see it as DBLP_SURVIVE says."""
+    torch.manual_seed(0)
+    m = model()
+    net = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    done = 0
+    try:
+        for i, (x, y) in enumerate(batches(steps)):
+            if i == 5 and RANK == WORLD - 1:
+                os._exit(0)  # dies without a word
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            done += 1
+        out("death", {"done": done, "members": dist.group.WORLD.members,
+                      "params": [p.detach() for p in m.parameters()]})
+    except Exception as e:
+        out("death", {"done": done, "error": f"{type(e).__name__}: {e}"})
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(BACKEND, init_method=f"file://{DIR}/store.{BACKEND}", rank=RANK, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
+         "death": lambda: death(15)}[CASE]()
+    finally:
+        if CASE != "death":
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
