@@ -146,6 +146,47 @@ class Collective:
         """All-gather messages of finished rounds still waiting for their STOP (a snapshot)."""
         return sum(not o.done for o in list(self.protocol.trail.values()))
 
+    def state_dict(self) -> dict:
+        """What a collective resuming this one's run needs to go on as it would: the round counter
+        and number (the shuffle's permutation, ``Config.order``, is drawn from the round number;
+        ``Schedule`` and a ``Dblp`` that observes every round decide on the index), the phase
+        controller's state (:meth:`PhaseController.state_dict`) and what the fills carry across
+        rounds (fill "stale": each tensor's last result; fill "carry": the rows cut from an owner's
+        all-gather, applied in its next round).  Numbers, dicts and numpy arrays (copies); no
+        torch (``pydblp.torch.State.state_dict`` gives tensors, for ``torch.save``).
+
+        Call it between rounds, from the thread that runs them.  Not kept: round records,
+        counters, the probe timeout estimate (learned again within a few rounds) and trailing
+        all-gather messages (they belong to this transport's peers).
+        """
+        p = self.protocol
+        return {"rank": self.rank, "world": self.world, "round": p.round, "index": p.index,
+                "controller": self.controller.state_dict(), "fill": p.fill.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` (:meth:`state_dict` of this rank's collective in an earlier run of
+        the job): the next round takes the round number after the saved one's.
+
+        Only before this collective's first round; every rank loads its own before any rank begins
+        a round (e.g. load, then a barrier): a peer's packets of a round past this rank's counter
+        by more than ``STASH_AHEAD`` are not kept, and a round that misses them repairs (or, within
+        its bound, tolerates) their loss.  The controller must be of the saved one's kind.
+
+        Raises:
+            RuntimeError: a round has begun.
+            ValueError: ``state`` is another rank's or world's, or another controller kind's.
+        """
+        if (state["rank"], state["world"]) != (self.rank, self.world):
+            raise ValueError(f"the state of rank {state['rank']} of {state['world']} given to rank {self.rank} "
+                             f"of {self.world}: each rank loads its own")
+        with self._poll_lock:  # (the idle responder reads the round number)
+            p = self.protocol
+            if p.index or p.round or self._round_begun():
+                raise RuntimeError("load_state_dict after a round began: load before the first round")
+            self.controller.load_state_dict(state["controller"])
+            p.fill.load_state_dict(state["fill"])
+            p.round, p.index = int(state["round"]), int(state["index"])
+
     def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False) -> np.ndarray:
         """Return the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
 

@@ -38,6 +38,18 @@ class Fill:
         self.carried: dict[int, np.ndarray] = {}  # tensor id -> the rows of my shard cut from its all-gather and
                                                   # not yet sent (fill "carry"; tensor order, from the shard's start)
 
+    def state_dict(self) -> dict:
+        """What the fills read across rounds (copies): per tensor id, the last result (fill
+        "stale") and the rows carried to the next round (fill "carry")."""
+        return {"stale": {t: a.copy() for t, a in self.stale.items()},
+                "carried": {t: a.copy() for t, a in self.carried.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state`` (:meth:`state_dict`'s).  An array whose shape does not fit its
+        tensor id's next round is not used: the fills check shapes, as they do between rounds."""
+        self.stale = {int(t): np.array(a, np.float32) for t, a in state["stale"].items()}
+        self.carried = {int(t): np.array(a, np.float32) for t, a in state["carried"].items()}
+
     def rule(self, st) -> str | None:
         """What ``st``'s missing rows become now: "stale", "local", "carry", "base", "zero" or None
         (a kind that never misses one)."""

@@ -22,6 +22,13 @@ fills; the collective then hands the controller only the shard this rank owns
 (its exact reduce-scatter estimate) and, at the end of a measured step, the
 squared norms summed over ranks (:meth:`Collective.end_step`): G from data
 every rank holds identically.
+
+Checkpoints: :meth:`PhaseController.state_dict` is what a controller has learned (``Dblp``: its
+regime, the last G, the step counter and the partial sums of a step or window under way), as
+numpy arrays, numbers and lists; :meth:`PhaseController.load_state_dict` puts it into a fresh
+controller of the same kind, which then decides as the saved one would have.  The knobs
+(``p_low``, ``freq``, ...) are the constructor's, not the state's.  ``Collective.state_dict``
+includes its controller's.
 """
 
 from __future__ import annotations
@@ -61,6 +68,21 @@ class PhaseController:
     def measuring(self) -> float | None:
         """The squared norm observed so far in a step that will be measured, else None."""
         return None
+
+    def state_dict(self) -> dict:
+        """What this controller has learned, for :meth:`load_state_dict` (a new dict; arrays copied).
+        A controller whose decisions depend only on its knobs and the round index (``Static``,
+        ``Schedule``) has nothing to keep but its kind."""
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of a controller of the same kind and knobs).
+
+        Raises:
+            ValueError: ``state`` is another kind's.
+        """
+        if state.get("name") != self.name:
+            raise ValueError(f"a {state.get('name')!r} controller's state given to a {self.name!r} one")
 
 
 class Static(PhaseController):
@@ -165,6 +187,23 @@ class Dblp(PhaseController):
             self._decide(step, math.sqrt(max(0.0, own if total is None else total)))
             self._acc, self._n = [], 0
         self._sq = 0.0
+
+    def state_dict(self) -> dict:
+        """The regime, the last G and the measurements kept (``history``), the step counter, and
+        what a step or window under way has summed so far (a checkpoint may fall between a step's
+        rounds: its rounds so far are counted once)."""
+        return {"name": self.name, "critical": self.critical, "g_prev": self.g_prev,
+                "history": [list(h) for h in self.history], "steps": self.steps, "sq": self._sq,
+                "acc": [a.copy() for a in self._acc], "k": self._k, "n": self._n}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.critical, self.g_prev = bool(state["critical"]), state["g_prev"]
+        self.history.clear()
+        self.history.extend((int(i), float(g), bool(c)) for i, g, c in state["history"])
+        self.steps, self._sq = state["steps"], float(state["sq"])
+        self._acc = [np.array(a, np.float64) for a in state["acc"]]
+        self._k, self._n = int(state["k"]), int(state["n"])
 
     def _decide(self, index: int, g: float) -> None:
         if self.g_prev is not None and self.g_prev > 0 and math.isfinite(g):

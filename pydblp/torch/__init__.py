@@ -166,6 +166,24 @@ class State:
         host = next((o.host for o in self._owned if getattr(o, "host", None) is not None), None)
         return None if host is None else host.counters()
 
+    def state_dict(self) -> dict:
+        """The collective's state (:meth:`pydblp.collective.Collective.state_dict`: round counter,
+        phase controller, fills), its arrays as CPU tensors: ``torch.save`` holds it and
+        ``torch.load(weights_only=True)`` reads it back.  Taken on the transport thread after the
+        rounds submitted so far; blocks for them.  Each rank saves its own.
+
+        Raises:
+            CollectiveError: a round failed (the state is unusable).
+        """
+        return _tensors(self.submit(lambda col: col.state_dict()).wait())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the collective from ``state`` (:meth:`state_dict` of this rank's, in an earlier run):
+        only before the first round, on every rank before any rank begins one (e.g. before a
+        barrier).  Raises what :meth:`pydblp.collective.Collective.load_state_dict` raises; the
+        state stays usable."""
+        self.collective.load_state_dict(_arrays(state))
+
     def submit(self, fn, *args) -> torch.futures.Future:
         """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
         fut: torch.futures.Future = torch.futures.Future()
@@ -209,6 +227,29 @@ class State:
         for o in self._owned:
             o.close()
         self._owned = []
+
+
+def _tensors(obj):
+    """``obj`` with every numpy array in it (through dicts, lists and tuples) a CPU tensor (on the
+    array's memory)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors(v) for v in obj)
+    return obj
+
+
+def _arrays(obj):
+    """``obj`` with every tensor in it a numpy array (a copy): :func:`_tensors` undone."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _arrays(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_arrays(v) for v in obj)
+    return obj
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

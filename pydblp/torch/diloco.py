@@ -44,10 +44,24 @@ silent past the exchange's timeout out of that round, re-admits it when its
 tensors arrive again, and records it (:attr:`DiLoCo.records`: per outer step,
 which ranks were missing from which rounds).  An error in a background
 mixing round is raised at the next boundary.
+
+Checkpoints: :meth:`DiLoCo.state_dict` holds what the outer loop carries
+(the anchor, the step and mixing-round counters, a mixing result not applied
+yet, the outer optimizer's state and the exchange's suspects); the model's
+parameters and the inner optimizer's state are the caller's to save with it,
+and over :class:`~pydblp.torch.PydblpExchange` the collective's
+(:meth:`pydblp.torch.State.state_dict`)::
+
+    torch.save({"model": model.state_dict(), "inner": inner.state_dict(),
+                "diloco": diloco.state_dict(), "pydblp": state.state_dict()}, f"ckpt-{rank}.pt")
+
+A fresh ``DiLoCo`` over a fresh exchange, its model, inner optimizer (and
+collective) loaded from it, then takes the steps the saved one would have.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,8 +131,8 @@ class DiLoCo:
         self.records: list[OuterRecord] = []
         self._round = 0                      # mixing rounds so far (names them; the same on every rank)
         self._anchor = flatten(self.params)
-        self._mix: threading.Thread | None = None
-        self._mix_out: dict = {}
+        self._mix: threading.Thread | None = None   # the background mixing rounds, while they run
+        self._mix_out: dict | None = None             # their result (or error), until the next boundary applies it
         self._hook = None
 
     # ---- context manager ------------------------------------------------
@@ -131,11 +145,11 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._mix is not None and exc[0] is None:
+        if self._mix_out is not None and exc[0] is None:
             self._apply_overlap()
-        elif self._mix is not None:
-            self._mix.join()
-            self._mix = None
+        elif self._mix_out is not None:
+            self._wait_overlap()
+            self._mix_out = None
 
     def _after_inner_step(self) -> None:
         self.local_step += 1
@@ -149,7 +163,7 @@ class DiLoCo:
         t0 = time.monotonic()
         sent0 = self.exchange.bytes_sent
         rec = OuterRecord(self.outer_steps, 0.0, 0.0)
-        if self._mix is not None:
+        if self._mix_out is not None:
             w0 = time.monotonic()
             rec.overlap_s, missing = self._apply_overlap()
             rec.overlap_wait_s = time.monotonic() - w0
@@ -204,11 +218,16 @@ class DiLoCo:
         self._mix = threading.Thread(target=run, name="diloco-overlap", daemon=True)
         self._mix.start()
 
+    def _wait_overlap(self) -> None:
+        """Wait for the background rounds, if they run (their result stays in ``_mix_out``)."""
+        if self._mix is not None:
+            self._mix.join()
+            self._mix = None
+
     def _apply_overlap(self) -> tuple[float, dict]:
         """Wait for the background rounds; shift anchor and parameters by (mixed - anchor)."""
-        self._mix.join()
-        self._mix = None
-        out = self._mix_out
+        self._wait_overlap()
+        out, self._mix_out = self._mix_out, None
         if "error" in out:
             raise out["error"]
         shift = out["result"] - self._anchor
@@ -216,6 +235,55 @@ class DiLoCo:
         with torch.no_grad():
             assign(self.params, flatten(self.params) + shift)
         return out["seconds"], out["missing"]
+
+    # ---- checkpoints ------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What the outer loop carries, for :meth:`load_state_dict`: the inner-step, outer-step
+        and mixing-round counters, the anchor, the background mixing's result not applied yet
+        (``overlap``: None, or its mixed anchor, its missing neighbours and seconds), the outer
+        optimizer's state and the exchange's (its suspects: :meth:`Exchange.state_dict`).
+        Tensors are copies; ``torch.load(weights_only=True)`` reads it.  Not kept:
+        :attr:`records` (the resumed run's go on from ``outer_steps``).
+
+        Call it between inner steps (each rank at the same step: the overlap's rounds are the
+        same on every rank); it waits for the mixing rounds running in the background.
+
+        Raises:
+            What those rounds raised (as the next outer step would).
+        """
+        self._wait_overlap()
+        out = self._mix_out
+        if out is not None and "error" in out:
+            raise out["error"]
+        overlap = None if out is None else {"result": out["result"].clone(), "seconds": out["seconds"],
+                                            "missing": {r: list(ps) for r, ps in out["missing"].items()}}
+        return {"local_step": self.local_step, "outer_steps": self.outer_steps, "round": self._round,
+                "anchor": self._anchor.clone(), "overlap": overlap,
+                "outer": copy.deepcopy(self.outer.state_dict()), "exchange": self.exchange.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of this rank's DiLoCo, built alike over the
+        same number of ranks, in an earlier run): with the model and inner optimizer loaded too,
+        the next inner steps and outer steps are the saved one's next.  Load it before this
+        DiLoCo's first outer step (inside its context or before it).
+
+        Raises:
+            RuntimeError: background mixing rounds are pending.
+            ValueError: an anchor of another size (another model).
+        """
+        if self._mix_out is not None:
+            raise RuntimeError("load_state_dict with mixing rounds pending: load before the first outer step")
+        anchor = state["anchor"].detach().to("cpu", torch.float32)
+        if anchor.numel() != self._anchor.numel():
+            raise ValueError(f"an anchor of {anchor.numel()} values given to a model of {self._anchor.numel()}")
+        self.outer.load_state_dict(state["outer"])
+        self.exchange.load_state_dict(state["exchange"])
+        self.local_step, self.outer_steps, self._round = (int(state[k]) for k in ("local_step", "outer_steps", "round"))
+        self._anchor = anchor.clone()
+        ov = state["overlap"]
+        self._mix_out = None if ov is None else {
+            "result": ov["result"].detach().to("cpu", torch.float32).clone(), "seconds": float(ov["seconds"]),
+            "missing": {int(r): [int(p) for p in ps] for r, ps in ov["missing"].items()}}
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, [p.numel() for p in self.params]))

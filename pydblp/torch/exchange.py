@@ -91,13 +91,15 @@ class Exchange:
     """What DiLoCo needs from the network.
 
     ``bytes_sent`` counts the payload bytes this rank has handed to the
-    network (tensor bytes, no protocol headers).
+    network (tensor bytes, no protocol headers).  An exchange with neighbour
+    averages keeps ``suspects``: peer -> rounds since it was last waited for.
     """
 
     rank: int
     world: int
     bytes_sent: int = 0
     supports_neighbours: bool = False
+    suspects: dict[int, int]
 
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The exact mean of ``tensor`` over all ranks (a new tensor); raises if a rank is gone."""
@@ -115,6 +117,18 @@ class Exchange:
             round: the mixing round; the same sequence on every rank (names the messages).
         """
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """What a resumed exchange needs to treat its neighbours as this one would: its suspects
+        (a new dict; empty for an exchange without neighbour averages)."""
+        return {"suspects": dict(self.suspects)} if self.supports_neighbours else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state`` (:meth:`state_dict` of this rank's exchange in an earlier run): a
+        neighbour suspect then is suspect now, waited for in the same rounds (and re-admitted
+        when its tensor arrives, as any suspect)."""
+        if self.supports_neighbours:
+            self.suspects = {int(p): int(n) for p, n in state["suspects"].items()}
 
     def close(self) -> None:
         """Release what the exchange opened."""
