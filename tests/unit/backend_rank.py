@@ -3,6 +3,13 @@
 Ranks rendezvous through a FileStore in DIR (no port to collide on) and write what the test
 checks to ``DIR/<case>.<backend>.<rank>.pt``.  The ``dblp`` backend takes its options from
 ``DBLP_*`` variables, as under torchrun.
+
+Under torchrun (tests/linux/test_backend_testbed.py) give RANK and WORLD as ``env``: they come
+from torchrun's ``RANK`` and ``WORLD_SIZE``, and the ranks rendezvous at its ``MASTER_ADDR`` and
+``MASTER_PORT`` (``init_method="env://"``)::
+
+    python -m torch.distributed.run --nnodes 4 --nproc-per-node 1 --node-rank R \
+        --master-addr A --master-port P tests/unit/backend_rank.py ddp dblp env env DIR
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import torch.distributed as dist
 
 import pydblp.torch  # noqa: F401  (registers "dblp")
 
-CASE, BACKEND, RANK, WORLD, DIR = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+CASE, BACKEND, DIR = sys.argv[1], sys.argv[2], sys.argv[5]
+ENV = sys.argv[3] == "env"  # torchrun's environment gives the rank, the world and the rendezvous
+RANK = int(os.environ["RANK"] if ENV else sys.argv[3])
+WORLD = int(os.environ["WORLD_SIZE"] if sys.argv[4] == "env" else sys.argv[4])
 
 
 def out(name: str, value) -> None:
@@ -175,16 +185,34 @@ def death(steps: int) -> None:
         out("death", {"done": done, "error": f"{type(e).__name__}: {e}"})
 
 
+def group() -> dict:
+    """What the default group ran on (written under torchrun, for the testbed test to check)."""
+    pg = dist.group.WORLD
+    res = {"backend": dist.get_backend()}
+    if isinstance(pg, pydblp.torch.ProcessGroupDblp):
+        col = pg.state.collective
+        res.update(transport=f"{type(col.t).__name__}:{getattr(col.t, 'tx', '-')}",
+                   rounds=len(col.records), tols=sorted({r.tol for r in col.records}),
+                   delivered=min((r.min_delivered for r in col.records), default=None))
+    return res
+
+
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(BACKEND, init_method=f"file://{DIR}/store.{BACKEND}", rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    if ENV:
+        dist.init_process_group(BACKEND, init_method="env://", timeout=datetime.timedelta(seconds=60))
+    else:
+        dist.init_process_group(BACKEND, init_method=f"file://{DIR}/store.{BACKEND}", rank=RANK, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
          "death": lambda: death(15)}[CASE]()
+        if ENV:
+            out("group", group())
     finally:
         if CASE != "death":
             dist.destroy_process_group()
+    print(f"ok {RANK}", flush=True)  # (tests.helpers.run_in_workers looks for it)
 
 
 if __name__ == "__main__":
