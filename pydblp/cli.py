@@ -379,6 +379,7 @@ examples:
   dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 10 % loss, bursts
   dblp experiment --scenario paper --seeds 3      longer, more bursts, sharded optimizer, 3 seeds (~18 minutes)
   dblp experiment --scenario paper --consistency allgather --g-over step   the same, identical replicas
+  dblp experiment --algo fsdp --scenario paper --consistency allgather   FSDP2 over a 'dblp' process group
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -587,7 +588,12 @@ def _experiment_options(args):
         raise UsageError(f"{what} needs a queue: add --queue MBIT (e.g. --queue 1000) or use --scenario incast")
     qports = _ports(args.queue_port, eff["workers"], "--queue-port") if args.queue_port is not None else None
     starve = _starve(args.starve, eff["workers"]) if args.starve is not None else None
-    return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio,
+    if args.via == "backend" and (args.algo != "ddp" or eff["consistency"] not in ("allgather", "none")):
+        raise UsageError("--via backend: DDP over a 'dblp' group takes --algo ddp and --consistency allgather or none")
+    if args.algo == "fsdp" and eff["consistency"] not in ("allgather", "none"):
+        raise UsageError(f"--algo fsdp shards the model itself: --consistency {eff['consistency']} does not apply "
+                         f"(add --consistency allgather)")
+    return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
                           burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy,
                           queue_mbit=queue, queue_kb=queue_kb, queue_ports=qports, starve=starve, **v)
 
@@ -630,8 +636,12 @@ def _diloco_options(p):
                              "--workers, --model, --rate (default 20 here), --loss, --bursts, --burst-ms, --seed and "
                              "--out apply too (--bursts: one every 3 s from the start of each run); --steps "
                              "and --scenario do not.")
-    g.add_argument("--algo", choices=["ddp", "diloco"], default="ddp",
-                   help="ddp: the arms' comparison above (default); diloco: this group's")
+    g.add_argument("--algo", choices=["ddp", "fsdp", "diloco"], default="ddp",
+                   help="ddp: the arms' comparison above (default); fsdp: the same with FSDP2 (fully_shard) over "
+                        "a 'dblp' process group; diloco: this group's")
+    g.add_argument("--via", choices=["hook", "backend"], default="hook",
+                   help="--algo ddp's pydblp runs: DDP's comm hook (default) or DDP over a 'dblp' process group "
+                        "(the torch.distributed backend, no hook)")
     d = diloco.Options()
     g.add_argument("--runs", default=",".join(d.runs), help=f"comma-separated subset of {','.join(diloco.RUNS)}")
     g.add_argument("--outer-steps", type=int, default=d.outer_steps, help=f"outer steps (default {d.outer_steps})")

@@ -83,6 +83,7 @@ class Collective:
         self.counters: dict[str, int] = p.counters
         self._closing = False
         self._sharded = False                # sharded_update ran: results are parameters, G is the owners'
+        self._partial_g = False              # a reduce-scatter was observed: G is the ranks' pieces'
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._state = threading.Lock()       # guards the hand-off's flags below (no reliance on the GIL)
         self._running = False                # a round runs or is about to take the lock
@@ -299,7 +300,7 @@ class Collective:
 
     def _shared_g(self) -> bool:
         """Every rank measures G on the same vector (the result, or the rows a round delivered)."""
-        return self.cfg.consistent and self.cfg.fill != "carry" and not self._sharded
+        return self.cfg.consistent and self.cfg.fill != "carry" and not self._sharded and not self._partial_g
 
     def end_step(self) -> None:
         """Close a training step for a controller that counts steps (``pydblp.torch``'s hook calls
@@ -325,7 +326,8 @@ class Collective:
         """
         return self._round(x, start=lambda p, flat: p.start(flat, tensor, False))
 
-    def reduce_scatter(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False) -> np.ndarray:
+    def reduce_scatter(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False,
+                       observe: bool = False) -> np.ndarray:
         """This rank's piece of the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
 
         ``x`` (any shape, float32, ``world * s`` values on every rank) is cut in ``world`` pieces
@@ -339,10 +341,13 @@ class Collective:
         It is an allreduce's first half (:class:`~pydblp.collective.rounds.ReduceScatterRound`):
         messages with flag 0, the round's loss bound, STOP/PROBE/BITMAP/NACK repair above it and
         the configured estimator over the contributions that arrived, so no value is missing from
-        the result; the phase controller is not shown it.  Every rank must call it in the same
-        order as the other collectives, with the same size.
+        the result.  Every rank must call it in the same order as the other collectives, with the
+        same size.
 
-        ``exact``: the round's bound is 0 whatever the phase controller says.
+        ``exact``: the round's bound is 0 whatever the phase controller says.  ``observe``: the
+        phase controller is shown this rank's piece (a gradient's, e.g. FSDP's reduce-scatter):
+        each rank sees only its own, so a step's G is summed over ranks in :meth:`end_step` (the
+        caller counts steps).  Without it the controller is not shown the round.
 
         Raises ValueError for a size not divisible by the world or a bad ``op``;
         :class:`CollectiveError` as :meth:`allreduce` (a needed peer silent for ``peer_timeout``,
@@ -361,6 +366,9 @@ class Collective:
             piece.append(st.y[a:b].reshape(-1)[:s].copy())
 
         self._round(x, start=lambda p, flat: p.start_reduce_scatter(flat, tensor, exact), done=done)
+        if observe:
+            self._partial_g = True
+            self.controller.observe(self.index - 1, piece[0])
         return piece[0] * np.float32(self.world) if op == "sum" else piece[0]
 
     def all_gather(self, shard: np.ndarray, tensor: int = 0, exact: bool = False) -> np.ndarray:

@@ -40,6 +40,9 @@ TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fracti
 @dataclass
 class Options:
     workers: int = 4
+    algo: str = "ddp"               # the worker's --algo: ddp (pydblp through DDP's hook) or fsdp (FSDP2
+                                    # over a "dblp" process group; Gloo's for the gloo arm)
+    via: str = "hook"               # ddp's pydblp runs: DDP's comm hook, or a "dblp" group DDP runs over
     model: str = "mlp"
     steps: int = 200
     arms: tuple = ARMS              # each pydblp one runs once per (priority, drop policy): arms()
@@ -228,7 +231,8 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
     port = 29500 + random.Random(f"{seed}/{arm.name}").randrange(1000)
     master = f"{tb.addr(0)}:{port}"
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world",
-                      str(opt.workers), "--master", master, "--arm", arm.method, "--net", opt.net,
+                      str(opt.workers), "--master", master, "--arm", arm.method, "--algo", opt.algo, "--via", opt.via,
+                      "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
                       "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator,

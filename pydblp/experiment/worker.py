@@ -41,6 +41,12 @@ def parse(argv=None):
                                        f"{os.environ.get('MASTER_PORT', '29500')}")
     p.add_argument("--arm", choices=["gloo", "static", "dblp"], default="dblp",
                    help="Gloo, or pydblp with a static tolerance or DBLP's")
+    p.add_argument("--algo", choices=ALGOS, default="ddp",
+                   help="ddp (DDP, pydblp through its comm hook) or fsdp (FSDP2's fully_shard over a "
+                        "'dblp' process group; gloo's for the gloo arm)")
+    p.add_argument("--via", choices=VIAS, default="hook",
+                   help="ddp's pydblp runs: DDP's comm hook on a State (default), or a 'dblp' process group "
+                        "DDP runs over as over any backend, no hook")
     p.add_argument("--net", choices=["udp", "xsk", "xsk-ktx"], default="udp", help="pydblp data plane")
     p.add_argument("--iface", help="data-plane interface (pydblp)")
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
@@ -72,6 +78,10 @@ def parse(argv=None):
     p.add_argument("--rate", type=float, default=0.0,
                    help="the link's bits/s: the xsk transport paces at it (AF_XDP bypasses the TBF)")
     return p.parse_args(argv)
+
+
+VIAS = ("hook", "backend")
+ALGOS = ("ddp", "fsdp")  # (the experiment's third, diloco, has a worker of its own)
 
 
 def tcp_retransmits() -> int:
@@ -128,6 +138,43 @@ def divergence(model: torch.nn.Module) -> tuple[float, float]:
     return float(out[0]), float(out[1])
 
 
+def shard_model(model: torch.nn.Module, group) -> None:
+    """FSDP2 over ``group`` (None: the default group): each child module holding parameters is
+    sharded on its own (its all-gather and reduce-scatter are its own rounds), then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
+    for m in list(model.modules())[1:]:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def no_sync(ddp, model):
+    """A context without gradient synchronisation: DDP's ``no_sync``, or FSDP2's switch."""
+    import contextlib
+
+    if ddp is not None:
+        return ddp.no_sync()
+
+    @contextlib.contextmanager
+    def off():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return off()
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values on this rank (an FSDP parameter's local shard)."""
+    p = p.detach()
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def phase_report(controller) -> dict:
     """Every rank's phase decisions, gathered over Gloo: rank 0's series, each rank's hash, agreement."""
     hist = [[int(i), float(g), bool(c)] for i, g, c in getattr(controller, "history", [])]
@@ -147,6 +194,14 @@ def main(argv=None) -> int:
     a = parse(argv)
     knobs, every, sharded = consistency(a.consistency)
     sharded = sharded and a.arm != "gloo"
+    fsdp = a.algo == "fsdp"
+    backend = (fsdp or a.via == "backend") and a.arm != "gloo"  # pydblp as a torch.distributed group
+    if a.via == "backend" and (sharded or every or a.priority == "layer"):
+        raise SystemExit("--via backend: the hook's extras (--consistency sharded/broadcast:N, --priority layer) "
+                         "need --via hook")
+    if fsdp and (sharded or every):
+        raise SystemExit(f"--algo fsdp shards the model itself: use --consistency allgather or none, "
+                         f"not {a.consistency}")
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
@@ -164,8 +219,10 @@ def main(argv=None) -> int:
             tr, te, vocab = data.text()
             model = models.make(a.model, vocab)
             lr = a.lr or 3e-3
-        ddp = DDP(model)
+        ddp = DDP(model) if not fsdp and not backend else None
         broadcaster = None
+        if fsdp and a.arm == "gloo":
+            shard_model(model, None)
         if a.arm != "gloo":
             import pydblp.torch as ptorch
             from pydblp.collective import Config, Dblp, Static
@@ -178,11 +235,20 @@ def main(argv=None) -> int:
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
-            state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
-                                                    group=group)
+            if backend:  # the bounded-loss collective as a torch.distributed group: DDP or FSDP2 over it
+                pg = dist.new_group(backend="dblp", pg_options=ptorch.BackendOptions(
+                    transport=a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate))
+                if fsdp:
+                    shard_model(model, pg)
+                else:
+                    ddp = DDP(model, process_group=pg)
+                state = pg.state
+            else:
+                state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
+                                                        group=group)
             if a.priority == "layer":
                 state.register_model(model)
-            if not sharded:
+            if not sharded and not backend:
                 ddp.register_comm_hook(state, ptorch.hook)
             if every:
                 broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
@@ -190,8 +256,8 @@ def main(argv=None) -> int:
             opt = (ptorch.ShardedSGD(state, model, lr=lr, momentum=0.9) if digits
                    else ptorch.ShardedAdam(state, model, lr=lr))
         else:
-            opt = (torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9) if digits
-                   else torch.optim.Adam(ddp.parameters(), lr=lr))
+            opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if digits
+                   else torch.optim.Adam(model.parameters(), lr=lr))
         gen = torch.Generator().manual_seed(a.seed * 1000 + a.rank)
 
         def draw():
@@ -200,7 +266,7 @@ def main(argv=None) -> int:
                 return xtr[idx], ytr[idx]
             return models.text_batch(tr, a.batch, model.context, gen)
 
-        net = model if sharded else ddp  # (a sharded optimizer synchronises; DDP's reducer must not)
+        net = model if sharded or fsdp else ddp  # (a sharded optimizer synchronises; DDP's reducer must not)
 
         def loss_of(batch):
             x, y = batch
@@ -227,7 +293,7 @@ def main(argv=None) -> int:
         calib = []
         for _ in range(6):
             t0 = time.monotonic()
-            with ddp.no_sync():
+            with no_sync(ddp, model):
                 batch_loss().backward()
             calib.append(time.monotonic() - t0)
             opt.zero_grad()
@@ -240,7 +306,7 @@ def main(argv=None) -> int:
         for step in range(a.steps):
             batch, exact = draw(), None
             # (a sharded optimizer's averaged gradient exists only in pieces, at the shards' owners)
-            if state is not None and a.grad_error_every and not sharded and step % a.grad_error_every == 0:
+            if state is not None and a.grad_error_every and not sharded and not fsdp and step % a.grad_error_every == 0:
                 te0 = time.monotonic()
                 exact = exact_mean(batch)
                 paused += time.monotonic() - te0
@@ -265,21 +331,22 @@ def main(argv=None) -> int:
                   "dt": t3 - ts, "opt": t2 - t1})
             if step % a.eval_every == a.eval_every - 1 or step == a.steps - 1 or step + 1 in eval_at:
                 te0 = time.monotonic()
-                if a.rank == 0:
-                    ddp.eval()
+                if a.rank == 0 or fsdp:  # (FSDP: every rank's forward gathers the parameters)
+                    model.eval()
                     metric = (models.accuracy(model, xte, yte) if digits
                               else models.perplexity(model, te, model.context))
-                    ddp.train()
-                    emit({"eval": metric, "metric": "accuracy" if digits else "perplexity",
-                          "step": step, "t": te0 - t_start - paused})
-                div, div_rel = divergence(model)
+                    model.train()
+                    if a.rank == 0:
+                        emit({"eval": metric, "metric": "accuracy" if digits else "perplexity",
+                              "step": step, "t": te0 - t_start - paused})
+                div, div_rel = divergence(model) if not fsdp else (0.0, 0.0)  # (FSDP: one copy, sharded)
                 if a.rank == 0:
                     emit({"div": div, "div_rel": div_rel, "step": step})
                 paused += time.monotonic() - te0
         final = {"final": True, "wall": time.monotonic() - t_start - paused,
                  "tcp_retransmits": tcp_retransmits() - retrans0,
                  # this rank's parameters, bit for bit: two runs that must be identical compare it
-                 "params_sha256": hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                 "params_sha256": hashlib.sha256(b"".join(local(p).numpy().tobytes()
                                                           for p in model.parameters())).hexdigest()}
         if state is not None:
             final["rounds"] = rounds  # every round's (Collective.records keeps only the latest)
@@ -299,7 +366,7 @@ def main(argv=None) -> int:
             emit(final)
         return 0
     finally:
-        if state is not None:
+        if state is not None and not backend:  # (a group's state is closed with the group)
             state.close()
         dist.destroy_process_group()
 

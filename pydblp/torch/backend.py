@@ -347,7 +347,7 @@ class ProcessGroupDblp(dist.ProcessGroup):
                              f"give world x output = {output.numel() * self.size()}")
         if output.dtype != input.dtype:
             raise ValueError(f"reduce_scatter_tensor: output {output.dtype} and input {input.dtype}: use one dtype")
-        tolerant = self._tolerant([input], op, step=False)
+        tolerant = self._tolerant([input], op, step=True)
         return self._run([input], lambda col, t, x: self._reduce_scatter(col, t, x, op, tolerant), outputs=[output],
                          gradient=tolerant)
 
@@ -388,8 +388,8 @@ class ProcessGroupDblp(dist.ProcessGroup):
 
     def _tolerant(self, tensors, op, step: bool) -> bool:
         """A gradient round: floating SUM/AVG issued during a backward pass (BackendOptions.tolerate).
-        ``step``: the phase controller sees the round (an allreduce): the backward pass is its step,
-        closed as the pass ends.  (A reduce-scatter's result is shown to no controller.)"""
+        ``step``: the phase controller sees the round: the backward pass is its step, closed as
+        the pass ends."""
         bw = self._backward()
         if bw is None or self.options.tolerate != "backward" or op not in (_R.SUM, _R.AVG):
             return False
@@ -484,9 +484,11 @@ class ProcessGroupDblp(dist.ProcessGroup):
         me = self.rank()
         if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
             scale = np.float32(self.size()) if op == _R.SUM else np.float32(1)
+            if tolerant:
+                col.controller.count_steps()
             if len(self.members) == self.size():
                 return col.reduce_scatter(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean",
-                                          exact=not tolerant) * scale
+                                          exact=not tolerant, observe=tolerant) * scale
             # survivors: the dead ranks' pieces have no owner; reduce the whole tensor, keep mine
             whole = col.allreduce(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean", exact=not tolerant)
             return whole[me * n: (me + 1) * n] * scale
