@@ -254,14 +254,13 @@ class ProcessGroupDblp(dist.ProcessGroup):
     without the dead rank (:meth:`_reform`).  Other operations fail their ``Work``.
     """
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, options: BackendOptions,
-                 group_id: int = 0):
+    def __init__(self, store, rank: int, size: int, options: BackendOptions, group_id: int = 0):
         super().__init__(rank, size)
         self.options = options
         cfg = options.config or Config()
         if group_id:  # groups sharing an interface and port: a job each
             cfg = dataclasses.replace(cfg, job=(cfg.job + group_id - 1) % 0xFFFFFFFF + 1)
-        self._cfg, self._store, self._timeout = cfg, store, timeout
+        self._cfg, self._store = cfg, store
         self.members = list(range(size))  # the torch ranks still in the group (all, until one dies)
         self.generation = 0               # times the group re-formed without a dead rank
         self.state = self._open(store, rank, size, cfg)
@@ -598,29 +597,18 @@ def _check_reduce(t: torch.Tensor, op) -> None:
         raise ValueError(f"dblp: {op} of {t.dtype}: complex numbers have no order")
 
 
-def _create(store, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupDblp:
-    """The creator torch calls for a ``dblp`` group (non-extended API: options from the environment)."""
-    return _create_with(store, rank, size, timeout, None)
-
-
-def _create_extended(backend_opts, options) -> ProcessGroupDblp:
-    """The creator torch calls for a ``dblp`` group: ``options`` is ``init_process_group``'s
-    ``pg_options`` (a :class:`BackendOptions`, or None for the environment's)."""
-    gid = backend_opts.group_id
-    try:
-        number = int(str(gid)) if str(gid).isdigit() else 0
-    except ValueError:
-        number = 0
-    return _create_with(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
-                        backend_opts.timeout, options, number)
-
-
-def _create_with(store, rank, size, timeout, options, group_id: int = 0) -> ProcessGroupDblp:
+def _create(backend_opts, options) -> ProcessGroupDblp:
+    """What torch calls to make a ``dblp`` group (its extended API): ``backend_opts`` holds the
+    group's store, rank and size; ``options`` is ``init_process_group``'s / ``new_group``'s
+    ``pg_options`` (a :class:`BackendOptions`; None: the environment's).  Raises ValueError (or
+    the key's ``KeyLoadError``) in one line before anything is opened."""
     if options is not None and not isinstance(options, BackendOptions):
         raise ValueError(f"pg_options {type(options).__name__}: give pydblp.torch.BackendOptions(...) for 'dblp'")
     options = options if options is not None else BackendOptions.from_env()
     options.check()
-    return ProcessGroupDblp(store, rank, size, timeout, options, group_id)
+    gid = str(backend_opts.group_id)
+    number = int(gid) if gid.isdigit() else 0  # (a hashed group name: the same job, another socket)
+    return ProcessGroupDblp(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, options, number)
 
 
 _OPEN: "weakref.WeakSet[ProcessGroupDblp]" = weakref.WeakSet()
@@ -639,4 +627,4 @@ def register() -> None:
     :mod:`pydblp.torch` does it)."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND, _create_extended, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
