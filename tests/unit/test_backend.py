@@ -21,6 +21,7 @@ import torch.distributed as dist
 import pydblp.torch
 from pydblp.collective import Config
 from pydblp.jobkey import KeyLoadError
+from pydblp.net import NetError
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -139,6 +140,7 @@ def test_a_dead_rank(tmp_path, survive):
 @pytest.mark.parametrize("options, env, says", [
     (pydblp.torch.BackendOptions(transport="bogus"), {}, "transport 'bogus': use udp, xsk or xsk-ktx"),
     (pydblp.torch.BackendOptions(transport="xsk"), {}, "the xsk transport needs iface="),
+    (pydblp.torch.BackendOptions(iface="nope0"), {}, "no interface 'nope0' (see `ip link`)"),
     (pydblp.torch.BackendOptions(tolerate="some"), {}, "tolerate 'some': use backward or none"),
     (pydblp.torch.BackendOptions(config=Config(phase="static:2")), {}, "tolerance"),
     (None, {"DBLP_SURVIVE": "yes"}, "DBLP_SURVIVE='yes': use 1 or 0"),
@@ -150,7 +152,7 @@ def test_a_bad_option_is_refused_at_init_in_one_line(tmp_path, monkeypatch, opti
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     before = {t.name for t in threading.enumerate()}
-    with pytest.raises((ValueError, KeyLoadError)) as e:
+    with pytest.raises((ValueError, KeyLoadError, NetError)) as e:
         dist.init_process_group("dblp", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
                                 pg_options=options, timeout=datetime.timedelta(seconds=10))
     msg = str(e.value)
@@ -159,13 +161,15 @@ def test_a_bad_option_is_refused_at_init_in_one_line(tmp_path, monkeypatch, opti
     assert {t.name for t in threading.enumerate()} <= before  # nothing was left running
 
 
-def test_destroy_releases_the_group(tmp_path):
-    """A one-rank group: its thread and data plane go with ``destroy_process_group``."""
-    dist.init_process_group("dblp", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+@pytest.mark.parametrize("spec", ["dblp", "cpu:dblp,cuda:nccl"])
+def test_destroy_releases_the_group(tmp_path, spec):
+    """A one-rank group: its thread and data plane go with ``destroy_process_group``.  A device
+    map naming dblp for the CPU makes the same group (a Python group serves every device)."""
+    dist.init_process_group(spec, init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=10))
     try:
         pg = dist.group.WORLD
-        assert isinstance(pg, pydblp.torch.ProcessGroupDblp) and dist.get_backend() == "dblp"
+        assert isinstance(pg, pydblp.torch.ProcessGroupDblp) and dist.get_backend() == spec
         t = torch.arange(4.0)
         dist.all_reduce(t)
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
