@@ -120,6 +120,11 @@ def ops() -> None:
     lst = [{"k": "v"} if r == 0 else None]
     dist.broadcast_object_list(lst, src=0)
     res["bobj"] = lst[0]
+    sub = dist.new_group([0, 1], backend="dblp")  # a subgroup: a data plane and job of its own
+    if r in (0, 1):
+        t = torch.full((4,), float(r + 1))
+        dist.all_reduce(t, group=sub)
+        res["sub"] = t
     dist.barrier()
     errs = {}
     for name, call in (("premul", lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),

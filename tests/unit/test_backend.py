@@ -95,6 +95,7 @@ def test_every_collective_against_its_definition(tmp_path):
         want = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")]).view(torch.int32)
         assert torch.equal(res["bcast.bits"], want)
         assert res["objects"] == list(range(W)) and res["bobj"] == {"k": "v"}
+        assert (res["sub"].tolist() == [3.0] * 4) if r < 2 else "sub" not in res
         errs = res["errors"]
         assert set(errs) == {"premul", "avg.int", "band.float", "meta"}, errs
         assert all(e.startswith("ValueError: dblp: ") for e in errs.values()), errs
