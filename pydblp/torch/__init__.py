@@ -257,25 +257,49 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
 
     The future completes on the transport thread with a tensor of the
     bucket's dtype and device.  DDP does not pre-divide: the hook returns
-    the mean, as DDP's default allreduce hook does.
+    the mean, as DDP's default allreduce hook does.  A CUDA bucket is copied
+    to pinned host memory on a side stream (the call returns at once, the copy
+    overlaps the rounds before it) and the mean is copied back into it.
 
     The phase controller observes by training step (see
     :mod:`pydblp.collective.phase`): DDP runs one round per bucket, and DBLP's
     G is the norm of the whole step's averaged gradient.
     """
     buf = bucket.buffer()
-    grad = buf.detach().to("cpu", torch.float32).numpy()
     tensor_id = bucket.index() & 0xFFFF
     last = bucket.is_last()
-    classes = _bucket_layers(state, bucket, len(grad))
+    classes = _bucket_layers(state, bucket, buf.numel())
+    if buf.is_cuda:  # copied on a side stream: this returns at once, the copy overlaps earlier rounds
+        host, ready = _cuda_staging().down(buf)
+    else:
+        host, ready = buf.detach().reshape(-1), None
 
-    def run(col: Collective, g=grad, like=buf):
+    def run(col: Collective):
         if classes is not None:
             col.set_layers(tensor_id, classes)
-        out = _stepped_allreduce(col, g, tensor_id, last)
-        return torch.from_numpy(out).to(like.device, like.dtype)
+        if ready is not None:
+            ready.synchronize()
+        out = _stepped_allreduce(col, host.to(torch.float32).numpy(), tensor_id, last)
+        if ready is None:
+            return torch.from_numpy(out).to(buf.dtype).view_as(buf)
+        _cuda_staging().release(host)
+        _cuda_staging().up(torch.from_numpy(out).to(buf.dtype).pin_memory(), buf)
+        return buf
 
     return state.submit(run)
+
+
+def _cuda_staging():
+    """The process's CUDA staging (pinned buffers, a side stream per device), made on first use."""
+    global _STAGING
+    if _STAGING is None:
+        from pydblp.torch.backend import _Staging
+
+        _STAGING = _Staging()
+    return _STAGING
+
+
+_STAGING = None
 
 
 def _bucket_layers(state: State, bucket, values: int):
