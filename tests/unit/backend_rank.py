@@ -143,29 +143,39 @@ def ops() -> None:
 
 
 def tolerant(steps: int) -> None:
-    """DDP under seeded loss with a bound: its gradient rounds tolerate it, what is not a gradient
-    stays exact, the controller counts one step per backward pass."""
+    """DDP (or FSDP2, ``ALGO=fsdp``) under seeded loss with a bound: its gradient rounds tolerate
+    it, what is not a gradient stays exact, the controller counts one step per backward pass."""
     from tests.helpers import seeded_loss
 
+    fsdp = os.environ.get("ALGO") == "fsdp"
     pg = dist.group.WORLD
     seeded_loss(pg.state.collective.t, float(os.environ["LOSS"]), seed=500 + RANK)
     torch.manual_seed(0)
     m = model(2048)  # 53k values: ~37 chunk rows a shard, so a bound of 20 % spares rows
-    net = torch.nn.parallel.DistributedDataParallel(m)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        net = fully_shard(m)
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(m)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     first = pg.state.collective.index
     for x, y in batches(steps):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
-    grads = {i for (kind, _), i in pg._ids.items() if kind == "ar"}  # (DDP's bucket rebuild broadcasts between)
+    grads = {i for (kind, _), i in pg._ids.items() if kind in ("ar", "rs")}  # (DDP's bucket rebuild broadcasts)
     recs = [r for r in pg.state.collective.records if r.index >= first and r.tensor in grads]
     exact = torch.arange(100_000, dtype=torch.float32) * (RANK + 1)
     dist.all_reduce(exact)
+    ctl = pg.state.collective.controller
+    params = [p.full_tensor().detach() if fsdp else p.detach() for p in m.parameters()]
     out("tolerant", {"grad_tols": sorted({r.tol for r in recs}), "grad_delivered": [r.min_delivered for r in recs],
-                     "steps": pg.state.collective.controller.steps, "exact": exact,
-                     "exact_rec": pg.state.collective.records[-1].tol,
-                     "params": [p.detach() for p in m.parameters()]})
+                     "steps": ctl.steps, "decisions": [(i, c) for i, _, c in ctl.history], "exact": exact,
+                     "exact_rec": pg.state.collective.records[-1].tol, "params": params})
     dist.barrier()
 
 
