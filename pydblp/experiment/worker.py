@@ -236,8 +236,10 @@ def main(argv=None) -> int:
                               "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
             if backend:  # the bounded-loss collective as a torch.distributed group: DDP or FSDP2 over it
+                # FSDP2 with --consistency none: its parameter all-gather tolerates the bound too
                 pg = dist.new_group(backend="dblp", pg_options=ptorch.BackendOptions(
-                    transport=a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate))
+                    transport=a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
+                    allgather="tolerant" if fsdp and not cfg.consistent else "exact"))
                 if fsdp:
                     shard_model(model, pg)
                 else:

@@ -17,7 +17,8 @@ What tolerates loss and what is exact (``BackendOptions.tolerate``):
   training steps by backward pass.  DDP's gradient buckets and FSDP2's gradient reduce-scatter
   are such rounds.
 * Everything else is exact: the initial broadcast, barriers, object collectives, all-gathers
-  (FSDP2's parameters), a user's ``all_reduce`` outside backward, any other dtype or op.  A
+  (FSDP2's parameters, unless ``BackendOptions.allgather`` is ``"tolerant"``), a user's
+  ``all_reduce`` outside backward, any other dtype or op.  A
   float SUM/AVG is then a round with bound 0 (every message repaired whole); other dtypes and
   ops (int, float64, MIN, MAX, PRODUCT, bitwise) gather every rank's bytes exactly and reduce
   them locally, in the tensor's own dtype, in rank order (identical on every rank).
@@ -30,9 +31,8 @@ the group then fails at once with an error naming the first failure; ``destroy_p
 closes the data plane.  An unsupported dtype or op raises ``ValueError`` at the call, before
 anything is sent.
 
-Mixed use follows torch's rules: ``"cpu:dblp,cuda:nccl"`` is not possible for a Python backend
-(torch lets a Python process group stand for every device of the group), so the ``dblp``
-group takes CUDA tensors too: they are staged through pinned host buffers with asynchronous
+Mixed use follows torch's rules for a Python backend: it stands for every device of its group,
+so with ``"cpu:dblp,cuda:nccl"`` the ``dblp`` group is the group and takes CUDA tensors too: they are staged through pinned host buffers with asynchronous
 copies on a side stream (:class:`_Staging`), and the result is on the tensor's device when the
 ``Work`` completes.  Create an NCCL group beside it (``dist.new_group(backend="nccl")``) for
 traffic that should stay on the GPU fabric.
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 BACKEND = "dblp"
 TOLERATE = ("backward", "none")
+ALLGATHERS = ("exact", "tolerant")
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _R = dist.ReduceOp
 # local reductions of the exact path: gathered (world, ...) tensors -> one
@@ -106,6 +107,10 @@ class BackendOptions:
         key_file: the job key (docs/authentication.md); None: ``DBLP_KEY_FILE`` / ``DBLP_KEY``.
         tolerate: ``"backward"`` (gradient rounds tolerate the bound, see the module docstring)
             or ``"none"`` (every operation exact).  ``DBLP_TOLERATE``.
+        allgather: ``"exact"`` (default) or ``"tolerant"``: a floating-point
+            ``all_gather_into_tensor`` (FSDP2's parameter all-gather) tolerates the round's bound,
+            a value that does not arrive is 0 in that call's output (the owner's copy is
+            untouched: nothing drifts).  Needs ``Config(consistent=False)``.  ``DBLP_ALLGATHER``.
         survive: keep the survivors training when a rank dies (``ProcessGroupDblp``'s failure
             semantics): each backward pass ends with one exact one-value round that every rank
             must complete, so a failed step is dropped on every survivor alike.  ``DBLP_SURVIVE=1``.
@@ -121,6 +126,7 @@ class BackendOptions:
     rate: float = 0
     key_file: str | None = None
     tolerate: str = "backward"
+    allgather: str = "exact"
     survive: bool = False
 
     @classmethod
@@ -132,7 +138,7 @@ class BackendOptions:
         env = os.environ if env is None else env
         kw: dict = {}
         for var, name in (("DBLP_TRANSPORT", "transport"), ("DBLP_IFACE", "iface"), ("DBLP_ADDR", "addr"),
-                          ("DBLP_TOLERATE", "tolerate")):
+                          ("DBLP_TOLERATE", "tolerate"), ("DBLP_ALLGATHER", "allgather")):
             if env.get(var):
                 kw[name] = env[var]
         cfg: dict = {}
@@ -164,6 +170,11 @@ class BackendOptions:
         check_kind(self.transport, self.iface)
         if self.tolerate not in TOLERATE:
             raise ValueError(f"tolerate {self.tolerate!r}: use {' or '.join(TOLERATE)}")
+        if self.allgather not in ALLGATHERS:
+            raise ValueError(f"allgather {self.allgather!r}: use {' or '.join(ALLGATHERS)}")
+        if self.allgather == "tolerant" and (self.config or Config()).consistent:
+            raise ValueError("allgather 'tolerant' needs Config(consistent=False): a consistent collective repairs "
+                             "every all-gather whole")
         if self.port is not None and not 0 <= self.port <= 0xFFFF:
             raise ValueError(f"port {self.port}: use 0..65535 (0: udp picks a free one)")
         if not isinstance(self.survive, bool):
@@ -331,6 +342,9 @@ class ProcessGroupDblp(dist.ProcessGroup):
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, "
                              f"give world x input = {input.numel() * self.size()}")
+        if self.options.allgather == "tolerant" and input.dtype in GRADIENT_DTYPES and len(self.members) == self.size():
+            return self._run([input], lambda col, t, x: col.all_gather(
+                x.float().numpy(), tensor=self._id("ag", t.numel()), exact=False), outputs=[output])
         return self._gather_into(input, lambda got: output.copy_(torch.cat([g.reshape(-1) for g in got])
                                                                   .view_as(output)), [output])
 

@@ -147,7 +147,7 @@ def tolerant(steps: int) -> None:
     it, what is not a gradient stays exact, the controller counts one step per backward pass."""
     from tests.helpers import seeded_loss
 
-    fsdp = os.environ.get("ALGO") == "fsdp"
+    fsdp = os.environ.get("ALGO", "").startswith("fsdp")
     pg = dist.group.WORLD
     seeded_loss(pg.state.collective.t, float(os.environ["LOSS"]), seed=500 + RANK)
     torch.manual_seed(0)
@@ -169,13 +169,16 @@ def tolerant(steps: int) -> None:
         opt.step()
     grads = {i for (kind, _), i in pg._ids.items() if kind in ("ar", "rs")}  # (DDP's bucket rebuild broadcasts)
     recs = [r for r in pg.state.collective.records if r.index >= first and r.tensor in grads]
+    gathers = {i for (kind, _), i in pg._ids.items() if kind in ("ag", "bytes")}  # (exact: bytes gathered)
+    ag = [r for r in pg.state.collective.records if r.index >= first and r.tensor in gathers]
     exact = torch.arange(100_000, dtype=torch.float32) * (RANK + 1)
     dist.all_reduce(exact)
     ctl = pg.state.collective.controller
-    params = [p.full_tensor().detach() if fsdp else p.detach() for p in m.parameters()]
+    params = [(p.to_local() if fsdp else p).detach() for p in m.parameters()]  # (FSDP: this rank's shard)
     out("tolerant", {"grad_tols": sorted({r.tol for r in recs}), "grad_delivered": [r.min_delivered for r in recs],
                      "steps": ctl.steps, "decisions": [(i, c) for i, _, c in ctl.history], "exact": exact,
-                     "exact_rec": pg.state.collective.records[-1].tol, "params": params})
+                     "exact_rec": pg.state.collective.records[-1].tol, "params": params,
+                     "ag_tols": sorted({r.tol for r in ag}), "ag_delivered": [r.min_delivered for r in ag]})
     dist.barrier()
 
 
@@ -217,8 +220,15 @@ def main() -> None:
     if ENV:
         dist.init_process_group(BACKEND, init_method="env://", timeout=datetime.timedelta(seconds=60))
     else:
+        options = None
+        if os.environ.get("ALGO") == "fsdp-tolerant":  # FSDP2's parameter all-gather tolerates the bound too
+            import dataclasses
+
+            options = pydblp.torch.BackendOptions.from_env()
+            options.config = dataclasses.replace(options.config, consistent=False)
+            options.allgather = "tolerant"
         dist.init_process_group(BACKEND, init_method=f"file://{DIR}/store.{BACKEND}", rank=RANK, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=60), pg_options=options)
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
          "death": lambda: death(15)}[CASE]()
