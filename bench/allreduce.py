@@ -450,6 +450,9 @@ def main(argv=None) -> int:
                     help="a burst every k measured rounds from round 1 (default 3; 2 for blocks under 9 rounds)")
     ap.add_argument("--peer-timeout", type=float, default=30.0)
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of every testbed link (default 1500)")
+    ap.add_argument("--rate", type=float, default=1000.0, metavar="MBIT",
+                    help="each worker link's rate in Mbit/s (default 1000, the testbed's); 0: no limit, where "
+                         "the transports' own cost decides")
     ap.add_argument("--spin", type=float, default=0.0,
                     help="pydblp transports' busy-poll seconds (default 0: 4 ranks share the CPUs, "
                          "as pydblp.torch assumes)")
@@ -466,6 +469,8 @@ def main(argv=None) -> int:
                          "...); ratios are taken within each repeat, then their median (default 1)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
+    if not (args.rate == 0 or 1 <= args.rate <= 34000):
+        ap.error(f"--rate {args.rate:g}: use 0 (no limit) or 1..34000 Mbit/s")
     sizes = [float(s) for s in args.sizes.split(",") if s]
     transports = [t for t in args.transports.split(",") if t]
     conds = [c for c in args.conditions.split(",") if c]
@@ -589,7 +594,8 @@ def main(argv=None) -> int:
 
     runs: list[dict] = []
     try:
-        with Testbed(workers=args.workers, name=f"ar{os.getpid() % 100000}", mtu=args.mtu) as tb:
+        with Testbed(workers=args.workers, name=f"ar{os.getpid() % 100000}", mtu=args.mtu,
+                     rate=f"{args.rate:g}mbit") as tb:
             rate_bps = tb.rate_bps
             for rep in range(args.repeats):
                 runs.append(one_repeat(tb, rep))

@@ -462,7 +462,8 @@ def _add_experiment(sub):
                         "incast: gloo,dblp)")
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
-    p.add_argument("--rate", type=float, metavar="MBIT", help="each worker link's rate in Mbit/s (default 1000)")
+    p.add_argument("--rate", type=float, metavar="MBIT",
+                   help="each worker link's rate in Mbit/s (default 1000; 0: no limit)")
     p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 15, paper 30)")
     p.add_argument("--burst-ratio", metavar="LO,HI", help="a burst drops a ratio uniform in [LO, HI] (0.6,0.9)")
     p.add_argument("--burst-ms", type=float, help="burst length in ms (default 8: part of a round)")
@@ -540,7 +541,8 @@ def _experiment_options(args):
     checks = ((2 <= eff["workers"] <= 250, f"--workers {eff['workers']}: use 2..250"),
               (eff["steps"] >= 10, f"--steps {eff['steps']}: use 10 or more"),
               (1 <= eff["seeds"] <= 100, f"--seeds {eff['seeds']}: use 1..100"),
-              (args.rate is None or 1 <= args.rate <= 10000, f"--rate {_g(args.rate)}: use 1..10000 Mbit/s"),
+              (args.rate is None or args.rate == 0 or 1 <= args.rate <= 10000,
+               f"--rate {_g(args.rate)}: use 0 (no limit) or 1..10000 Mbit/s"),
               (0 <= eff["loss"] < 1, f"--loss {eff['loss']:g}: use a probability in [0, 1)"),
               (eff["bursts"] >= 0, f"--bursts {eff['bursts']}: use 0 (none) or more"),
               (ratio is not None and 0 <= ratio[0] <= ratio[1] <= 1,

@@ -49,7 +49,7 @@ class Options:
     net: str = "xsk"                # pydblp data plane: xsk (AF_XDP), xsk-ktx (AF_XDP receive, kernel transmit) or udp
     seed: int = 0
     seeds: int = 1                  # runs seed, seed + 1, ... seed + seeds - 1
-    rate_mbit: float | None = None  # each worker NIC's TBF rate (None: the testbed's 1 Gbit/s)
+    rate_mbit: float | None = None  # each worker NIC's TBF rate (None: the testbed's 1 Gbit/s; 0: no limit)
     bursts: int = 15                # microbursts over the run (0: none)
     burst_ratio: tuple = (0.6, 0.9)
     burst_ms: float | None = 8.0    # None: the median clean round of the first arm's run (Gloo)
@@ -496,7 +496,7 @@ def run(opt: Options) -> dict:
     out = Path(opt.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seeds = []
-    rate = f"{opt.rate_mbit:g}mbit" if opt.rate_mbit else None
+    rate = None if opt.rate_mbit is None else f"{opt.rate_mbit:g}mbit"  # (0: no limit)
     with Testbed(workers=opt.workers, rate=rate) as tb:
         if opt.loss and opt.loss_model == "ge":
             p, r = ge_params(opt.loss, opt.ge_len, opt.ge_bad)
