@@ -31,7 +31,11 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--p-low", "1", "--arms", "static"], "--p-low 1"), (["--target", "-1"], "--target -1"),
     (["--arms", "gloo,tcp"], "--arms"),
     # the regime's knobs
-    (["--rate", "0"], "--rate 0"), (["--rate", "20000"], "--rate 20000"),
+    (["--rate", "0.5"], "--rate 0.5"), (["--rate", "20000"], "--rate 20000"), (["--rate", "-1"], "--rate -1"),
+    # FSDP2 and the backend
+    (["--algo", "fsdp", "--consistency", "sharded"], "--algo fsdp shards the model itself"),
+    (["--via", "backend", "--algo", "fsdp"], "--via backend"),
+    (["--via", "backend", "--consistency", "broadcast:10"], "--via backend"),
     (["--burst-ratio", "0.9,0.6"], "--burst-ratio 0.9,0.6"), (["--burst-ratio", "1.2,1.5"], "--burst-ratio"),
     (["--burst-ratio", "0.8"], "--burst-ratio 0.8"), (["--burst-port", "4"], "--burst-port 4"),
     (["--burst-port", "one"], "--burst-port one"), (["--burst-port", "-1"], "--burst-port -1"),
@@ -109,6 +113,8 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
         cli.main(["experiment", "--scenario", "paper", "--burst-port", "all", "--loss", "0.02", "--rate", "200",
                   "--burst-ratio", "0.7,0.8", "--consistency", "broadcast:5"])
         cli.main(["experiment", "--consistency", "sharded:whole"])
+        cli.main(["experiment", "--rate", "0", "--algo", "fsdp", "--consistency", "none"])
+        cli.main(["experiment", "--via", "backend"])
     finally:
         signal.signal(signal.SIGTERM, old)
     paper, base = runner.SCENARIOS["paper"], runner.Options()
@@ -119,6 +125,8 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
     assert seen[1].steps == paper["steps"]
     assert (seen[0].consistency, seen[0].g_over) == ("sharded", "window") != (base.consistency, base.g_over)
     assert seen[2].consistency == "sharded:whole"
+    assert (seen[3].rate_mbit, seen[3].algo, seen[3].consistency) == (0.0, "fsdp", "none")  # 0: no link limit
+    assert (seen[4].via, seen[4].algo, base.via, base.algo) == ("backend", "ddp", "hook", "ddp")
 
 
 def test_ge_params_give_the_asked_mean_loss_and_run_length():
