@@ -82,8 +82,8 @@ class Collective:
         self.records: collections.deque[RoundRecord] = p.records  # the latest rounds' (Config.records_max)
         self.counters: dict[str, int] = p.counters
         self._closing = False
-        self._sharded = False                # sharded_update ran: results are parameters, G is the owners'
-        self._partial_g = False              # a reduce-scatter was observed: G is the ranks' pieces'
+        self._owners_g = False               # G is the owners' pieces, summed in end_step: a sharded
+                                             # update ran, or a reduce-scatter was observed
         self._poll_lock = threading.Lock()   # whoever holds it owns the transport
         self._state = threading.Lock()       # guards the hand-off's flags below (no reliance on the GIL)
         self._running = False                # a round runs or is about to take the lock
@@ -276,7 +276,7 @@ class Collective:
         p = np.ascontiguousarray(params, np.float32).reshape(-1)
         if g.size != p.size:
             raise ValueError(f"grad has {g.size} values, params {p.size}: give one of each per parameter")
-        self._sharded = True
+        self._owners_g = True
         self.controller.count_steps()
         own = []
         out = self._round(g, start=lambda pr, flat: pr.start(flat, tensor, True, base=p, update=update),
@@ -300,7 +300,7 @@ class Collective:
 
     def _shared_g(self) -> bool:
         """Every rank measures G on the same vector (the result, or the rows a round delivered)."""
-        return self.cfg.consistent and self.cfg.fill != "carry" and not self._sharded and not self._partial_g
+        return self.cfg.consistent and self.cfg.fill != "carry" and not self._owners_g
 
     def end_step(self) -> None:
         """Close a training step for a controller that counts steps (``pydblp.torch``'s hook calls
@@ -367,7 +367,7 @@ class Collective:
 
         self._round(x, start=lambda p, flat: p.start_reduce_scatter(flat, tensor, exact), done=done)
         if observe:
-            self._partial_g = True
+            self._owners_g = True
             self.controller.observe(self.index - 1, piece[0])
         return piece[0] * np.float32(self.world) if op == "sum" else piece[0]
 

@@ -283,7 +283,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if ready is None:
             return torch.from_numpy(out).to(buf.dtype).view_as(buf)
         _cuda_staging().release(host)
-        _cuda_staging().up(torch.from_numpy(out).to(buf.dtype).pin_memory(), buf)
+        _cuda_staging().up(torch.from_numpy(out), buf)
         return buf
 
     return state.submit(run)

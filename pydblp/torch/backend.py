@@ -227,15 +227,19 @@ class _Staging:
         t.record_stream(s)  # the caller's allocator must not reuse t's memory before the copy ran
         return host, done
 
-    def up(self, host: torch.Tensor, t: torch.Tensor) -> None:
-        """Copy ``host`` into ``t`` (CUDA) on the side stream and wait for it (called on the
-        transport thread: the Work completes with ``t`` current)."""
+    def up(self, src: torch.Tensor, t: torch.Tensor) -> None:
+        """Copy ``src`` (a CPU tensor of ``t``'s size) into ``t`` (CUDA) through a pooled pinned
+        buffer on the side stream, and wait for it (called on the transport thread: the Work
+        completes with ``t`` current)."""
+        host = self._buffer(t)
+        host.copy_(src.reshape(-1))
         s = self._stream(t.device)
         with torch.cuda.stream(s):
             t.reshape(-1).copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(s)
         done.synchronize()
+        self.release(host)
 
 
 class _Step:
@@ -489,22 +493,22 @@ class ProcessGroupDblp(dist.ProcessGroup):
             if tolerant:
                 col.controller.count_steps()
             out = col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()), op="mean", exact=not tolerant)
-            return out * np.float32(self.size()) if op == _R.SUM else out
+            return out, (self.size() if op == _R.SUM else 1)
         return _LOCAL[op](torch.stack(self._gather_bytes(col, x, alive_only=True)))
 
     def _reduce_scatter(self, col, t, x, op, tolerant) -> np.ndarray | torch.Tensor:
         n = t.numel() // self.size()
         me = self.rank()
         if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
-            scale = np.float32(self.size()) if op == _R.SUM else np.float32(1)
+            scale = self.size() if op == _R.SUM else 1
             if tolerant:
                 col.controller.count_steps()
             if len(self.members) == self.size():
                 return col.reduce_scatter(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean",
-                                          exact=not tolerant, observe=tolerant) * scale
+                                          exact=not tolerant, observe=tolerant), scale
             # survivors: the dead ranks' pieces have no owner; reduce the whole tensor, keep mine
             whole = col.allreduce(x.float().numpy(), tensor=self._id("rs", t.numel()), op="mean", exact=not tolerant)
-            return whole[me * n: (me + 1) * n] * scale
+            return whole[me * n: (me + 1) * n], scale
         whole = _LOCAL[op](torch.stack(self._gather_bytes(col, x, alive_only=True)))
         return whole.reshape(-1)[me * n: (me + 1) * n]
 
@@ -582,13 +586,20 @@ class ProcessGroupDblp(dist.ProcessGroup):
         return t.detach().reshape(-1).contiguous(), None
 
     def _write(self, res, out: torch.Tensor) -> None:
-        res = torch.from_numpy(res) if isinstance(res, np.ndarray) else res
+        """Put a round's result into ``out``: an array or tensor, or ``(mean, scale)`` for a sum
+        (scaled as it is copied: no pass of its own)."""
+        res, scale = res if isinstance(res, tuple) else (res, 1)
+        res = (torch.from_numpy(res) if isinstance(res, np.ndarray) else res).reshape(out.shape)
         if out.device.type == "cuda":
-            host = res.to(out.dtype).reshape(-1).pin_memory()
-            self._staging.up(host, out)
-        else:
-            with torch.no_grad():
-                out.copy_(res.reshape(out.shape).to(out.dtype))
+            self._staging.up(res * scale if scale != 1 else res, out)
+            return
+        with torch.no_grad():
+            if scale == 1:
+                out.copy_(res)
+            elif res.dtype == out.dtype:
+                torch.mul(res, scale, out=out)
+            else:
+                out.copy_(res).mul_(scale)
 
 
 def _op(opts):
