@@ -1,14 +1,23 @@
-"""Build hook: ship the BPF sources inside the package.
+"""Build hooks: ship the BPF sources inside the package; compile the per-packet C loops.
 
 The programs live at the top of the repository (``bpf/``), where C tools and
 readers expect them.  At build time this copies ``bpf/*.bpf.c`` and
 ``bpf/*.h`` into the built package as ``pydblp/bpf_src/``, where
-:mod:`pydblp.bpf` looks first; everything else is in pyproject.toml.
+:mod:`pydblp.bpf` looks first.
+
+``pydblp/csrc/*.c`` are compiled as optional extensions: plain shared
+libraries that :mod:`pydblp.native` loads with ctypes (no module init, never
+imported).  Where no compiler exists the install goes on without them and
+pydblp runs its pure-Python paths (or builds them at first use once a
+compiler is there).  Each is built with ``DBLP_SOURCE_ID``, the hash of its
+source, so a copy built from an older source is told apart.  Everything else
+is in pyproject.toml.
 """
 
+import hashlib
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -28,4 +37,12 @@ class BuildPyWithBPF(build_py):
             self.copy_file(str(src), str(dest / src.name))
 
 
-setup(cmdclass={"build_py": BuildPyWithBPF})
+def native(name: str) -> Extension:
+    """``pydblp/csrc/<name>.c`` as the optional library ``pydblp/_<name>.<abi>.so``."""
+    src = f"pydblp/csrc/{name}.c"
+    ident = hashlib.sha256((ROOT / src).read_bytes()).hexdigest()[:16]  # as pydblp.native.source_id
+    return Extension(f"pydblp._{name}", [src], define_macros=[("DBLP_SOURCE_ID", f'"{ident}"')],
+                     extra_compile_args=["-O2", "-Wno-psabi"], optional=True)
+
+
+setup(cmdclass={"build_py": BuildPyWithBPF}, ext_modules=[native("mac")])

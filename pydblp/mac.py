@@ -6,17 +6,12 @@ payload row, as a transport's :class:`~pydblp.transport.base.Batch` holds
 them.  Two paths give the same bytes:
 
 native   ``csrc/mac.c``, BLAKE2b (RFC 7693) over 4 or 8 packets side by side in
-         SIMD lanes, compiled at first use with the system C compiler
-         (``$CC``, else ``cc``; ``-O2 -march=native -shared -fPIC``, without
-         ``-march=native`` if the compiler refuses it) into
-         ``$XDG_CACHE_HOME/pydblp`` (``~/.cache/pydblp``), named by a hash of
-         the source, compiler and CPU, so a later process loads it without
-         compiling; loaded with ctypes (the call releases the GIL).  Checked
-         against hashlib once per process before use.
+         SIMD lanes, built at install or first use and loaded with ctypes by
+         :mod:`pydblp.native` (the call releases the GIL).  Checked against
+         hashlib once per process before use.
 python   hashlib's BLAKE2b, one ``copy()`` of the keyed state per packet: what
-         every process falls back to, with one logged warning, when there is
-         no compiler, the build fails, the cache is not writable, or the
-         check fails.
+         every process falls back to, with one logged warning, when the
+         library is unavailable (:mod:`pydblp.native` says when) or its check fails.
 
 ``bench/auth_cost.py`` measures both.  The C source ships inside the package
 (``pydblp/csrc``, package data): unlike ``bpf/``, which C tools and readers
@@ -27,108 +22,24 @@ module.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import numpy as np
 
 from pydblp import wire
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "mac.c"
-FLAGS = (["-O2", "-march=native"], ["-O2"])  # tried in turn
-_COMMON = ["-shared", "-fPIC", "-Wno-psabi"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_why: str | None = None  # why the native path is unavailable, once tried
+from pydblp.native import load, why
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pydblp"
-
-
-def _cpu() -> str:
-    """The CPU's feature flags (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build() -> Path:
-    """The compiled library's path, compiling it first unless the cache has it.
-
-    Raises:
-        OSError: no compiler, an unwritable cache, or an unsafe cached file.
-        subprocess.CalledProcessError: the compiler failed with every set of flags.
-    """
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    if cc is None:
-        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
-    src = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
-    ident = hashlib.sha256(b"\0".join([src, cc.encode(), version, platform.machine().encode(),
-                                       _cpu().encode(), repr(FLAGS).encode()])).hexdigest()[:20]
-    d = _cache_dir()
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    so = d / f"mac-{ident}.so"
-    if so.exists():
-        st = so.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise OSError(f"{so} is not this user's alone: delete it")
-        return so
-    err = None
-    for flags in FLAGS:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".mac-", suffix=".so")
-        os.close(fd)
-        try:
-            subprocess.run([cc, *flags, *_COMMON, "-o", tmp, str(SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, so)  # atomic: ranks building at once each load a whole file
-            return so
-        except subprocess.CalledProcessError as e:
-            err = e
-            log.debug("cc %s failed: %s", " ".join(flags), e.stderr.decode(errors="replace")[-500:])
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise err
+def _declare(lib: ctypes.CDLL) -> None:
+    p, z = ctypes.c_void_p, ctypes.c_size_t
+    lib.dblp_mac_key.argtypes = [p, p, z, p, p, z]
+    lib.dblp_mac_key.restype = ctypes.c_int
+    lib.dblp_mac_batch.argtypes = [p, z, z, p, z, z, p, z, p, p, p]
+    lib.dblp_mac_batch.restype = None
 
 
 def _load() -> ctypes.CDLL | None:
     """The native library, built and checked once per process; None (and one warning) if unavailable."""
-    global _lib, _why
-    with _lock:
-        if _lib is not None or _why is not None:
-            return _lib
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            p, z = ctypes.c_void_p, ctypes.c_size_t
-            lib.dblp_mac_key.argtypes = [p, p, z, p, p, z]
-            lib.dblp_mac_key.restype = ctypes.c_int
-            lib.dblp_mac_batch.argtypes = [p, z, z, p, z, z, p, z, p, p, p]
-            lib.dblp_mac_batch.restype = None
-            if not _selftest(lib):
-                raise RuntimeError("its MACs differ from hashlib's (a miscompiled build?)")
-            _lib = lib
-        except Exception as e:  # noqa: BLE001 - every failure means the same: use hashlib
-            _why = f"{type(e).__name__}: {e}"
-            log.warning("pydblp: batched C MAC unavailable (%s); tagging packets with hashlib, "
-                        "about 5x the CPU per packet (install a C compiler: apt install gcc)", _why)
-        return _lib
+    return load("mac", _declare, _selftest, what="about 5x the CPU per packet")
 
 
 def _selftest(lib) -> bool:
@@ -169,7 +80,7 @@ class Macs:
         key = bytes(key)
         lib = _lib if _lib is not None else (None if native is False else _load())
         if native and lib is None:
-            raise RuntimeError(f"batched C MAC unavailable: {_why}")
+            raise RuntimeError(f"batched C MAC unavailable: {why('mac')}")
         self.native = lib is not None
         self._state = wire.mac_state(key, epoch)
         if lib is not None:

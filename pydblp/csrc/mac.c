@@ -14,8 +14,7 @@
  * digest_size=outlen, salt=salt, person=person).digest() byte for byte
  * (pydblp.wire.tag is the definition; tests/unit/test_mac.py checks).
  *
- * Built by pydblp/mac.py at first use: cc -O2 -march=native -shared -fPIC
- * (without -march=native where the compiler refuses it).
+ * Built at install (setup.py) or at first use (pydblp/native.py), loaded with ctypes.
  */
 
 #include <stddef.h>
@@ -220,3 +219,9 @@ void dblp_mac_batch(const uint64_t h0[8], size_t outlen, size_t n, const uint8_t
         }
     }
 }
+
+/* Which source this library was built from (pydblp/native.py tells a stale copy by it). */
+#ifndef DBLP_SOURCE_ID
+#define DBLP_SOURCE_ID "unknown"
+#endif
+const char *dblp_source_id(void) { return DBLP_SOURCE_ID; }
