@@ -200,7 +200,7 @@ class Collective:
             raise ValueError("op must be mean or sum")
         if exact:
             out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True, exact=True))
-            return out * np.float32(self.world) if op == "sum" else out
+            return self._sum_or_mean(out, op)
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
@@ -223,6 +223,8 @@ class Collective:
         # rounds), the shard this rank owns, before anything carried was added (end_step sums the
         # ranks' norms).
         # (A controller that does not count steps has no end_step to agree in: it sees the result.)
+        if not self.controller.observes:  # (static, schedule: nothing to measure)
+            return self._sum_or_mean(self._round(x, start=lambda p, flat: p.start(flat, tensor, True)), op)
         if self._shared_g():
             done, shared = fresh, True
         elif getattr(self.controller, "steps", None) is None:
@@ -232,7 +234,14 @@ class Collective:
         out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
         seen = part[0] if part else out if shared else np.zeros(0, np.float32)
         self.controller.observe(self.index - 1, seen)
-        return out * np.float32(self.world) if op == "sum" else out
+        return self._sum_or_mean(out, op)
+
+    def _sum_or_mean(self, out: np.ndarray, op: str) -> np.ndarray:
+        """A round's mean as ``op`` asks: scaled to the sum in place (``out`` is the caller's
+        own array, fresh from the round: no second copy)."""
+        if op == "sum":
+            out *= np.float32(self.world)
+        return out
 
     def sharded_update(self, grad: np.ndarray, params: np.ndarray, update, tensor: int = 0) -> np.ndarray:
         """One training step's round of a sharded optimizer (ZeRO-1 style): reduce-scatter the

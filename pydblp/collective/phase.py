@@ -58,6 +58,12 @@ class PhaseController:
     def observe(self, index: int, result: np.ndarray) -> None:
         """Called with the averaged gradient after round ``index``."""
 
+    @property
+    def observes(self) -> bool:
+        """Whether :meth:`observe` uses what it is shown (this base's ignores it, so a caller may
+        skip making it: at 8 MiB a relaxed round's sample costs two fresh copies)."""
+        return type(self).observe is not PhaseController.observe
+
     def count_steps(self) -> None:
         """Observe by training step from now on: :meth:`end_step` closes each step."""
 

@@ -192,20 +192,23 @@ class Protocol:
         x = self._scratch("x", tensor, (T, self.C))
         into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
         put(into)
-        if perm is not None:
-            np.take(into, perm, axis=0, out=x)
+        if perm is not None:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
+            np.take(into, perm, axis=0, out=x, mode="clip")
         more = {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
             base(held)
-            more = dict(base=held if perm is None else np.take(held, perm, axis=0,
+            more = dict(base=held if perm is None else np.take(held, perm, axis=0, mode="clip",
                                                                out=self._scratch("base", tensor, (T, self.C))),
                         update=update)
         if kind.gather:
             more.update(self._gather_fields(T))
         me = self.rank
         my = me if me < nsh else None
-        st = kind(**self._fields(rnd, tensor, x, exact), bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
+        fields = self._fields(rnd, tensor, x, exact)
+        if perm is not None:  # y in the round's order is scratch: reorder() makes the caller's result
+            fields["y"] = self._scratch("y", tensor, (T, self.C))
+        st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
         if my is not None:
             a, b = bounds[my]
             st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk
