@@ -588,4 +588,7 @@ class XskQueues(Transport):
         if self._status_path is not None:
             with _suppress():
                 self._status_path.unlink()
+            for d in (self._status_path.parent, self._status_path.parent.parent):  # the last one out: no dirs
+                with _suppress():
+                    d.rmdir()
             self._status_path = None

@@ -125,7 +125,8 @@ def test_stats_and_dblp_status_show_each_queues_socket(pair):
             assert cli.main(["status"]) == 0
         rows = [ln.split() for ln in out.getvalue().splitlines() if ln.startswith(b)]
         assert sorted(int(r[2]) for r in rows if r[1] == dev and len(r) > 5 and r[5] == "copy") == list(range(QUEUES))
-    assert not [r for r in xsk_queues.published() if r["netns"] == b]  # the status file went with it
+    assert not [r for r in xsk_queues.published() if r["netns"] == b]  # the status file went with it,
+    assert not (xsk_queues.STATUS_DIR / b).exists()  # and its directories
 
 
 def test_a_queue_the_device_lacks_is_refused_before_anything_attaches(pair):
