@@ -119,7 +119,23 @@ def _cmd_status(args) -> int:
     _table(head, rows)
     if not rows:
         print("(pydblp is not loaded anywhere)")
+    _xsk_sockets()
     return 0
+
+
+def _xsk_sockets() -> None:
+    """The second table of ``dblp status``: every open data plane's AF_XDP sockets, one row per
+    queue (what each process published, counters at most a second old)."""
+    from pydblp.transport.xsk_queues import published
+
+    rows = [[r["netns"] or "-", r["ifname"], str(q["queue"]), str(r["pid"]), str(r["port"]), q["mode"],
+             str(q["busy_poll"] or "-"), str(q["rx_packets"]), str(q["tx_packets"]), str(q["rx_dropped"]),
+             str(q["rx_ring_full"]), str(q["rx_fill_ring_empty_descs"])]
+            for r in published() for q in r["queues"]]
+    if rows:
+        print()
+        _table(["NETNS", "IFACE", "QUEUE", "PID", "PORT", "XSK", "BUSYPOLL", "RX", "TX", "RX_DROP", "RING_FULL",
+                "FILL_EMPTY"], rows)
 
 
 def _table(head: list[str], rows: list[list[str]]) -> None:

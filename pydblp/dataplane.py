@@ -3,10 +3,17 @@
 :func:`open_dataplane` is the one place that assembles it, for every kind:
 
 * ``udp``: :class:`~pydblp.transport.udp.UdpTransport`, plain UDP sockets (any user).
-* ``xsk``: :class:`~pydblp.transport.xsk.XskTransport`, AF_XDP receive and
-  transmit (root).  Transmit bypasses qdiscs, so ``rate`` paces it.
-* ``xsk-ktx``: AF_XDP receive, transmit through a kernel UDP socket on the
+* ``xsk``: :class:`~pydblp.transport.xsk_queues.XskQueues`, AF_XDP receive
+  on every receive queue of the interface (or a chosen set: ``queues=``) and
+  transmit through the first queue's socket (root).  Transmit bypasses
+  qdiscs, so ``rate`` paces it.
+* ``xsk-ktx``: AF_XDP receive as ``xsk``, transmit through a kernel UDP socket on the
   interface (``XskTransport(tx="kernel")``), paced by the interface's qdisc.
+
+A NIC spreads flows over its receive queues, so the AF_XDP kinds bind one
+socket per queue by default; ``steer=Q`` instead asks the driver to steer the
+job's port to queue Q (an ntuple filter, removed on close) and binds that
+queue alone (docs/architecture.md, "Receive queues").
 
 The AF_XDP kinds need pydblp's host program on the interface: the one
 ``dblp load`` pinned there if any, else one attached for this data plane
@@ -44,8 +51,9 @@ class Endpoint:
         addr: the address peers send to.
         port: the UDP port the transport receives on.
         mac: the interface's MAC (None without an interface).
-        queue: the receive queue the transport is bound to.
+        queue: the (first) receive queue the transport is bound to.
         mtu: the interface's MTU (None without an interface).
+        queues: every receive queue the transport is bound to (AF_XDP: one socket each).
     """
 
     addr: str
@@ -53,6 +61,7 @@ class Endpoint:
     mac: str | None
     queue: int
     mtu: int | None
+    queues: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,18 +74,43 @@ class DataPlane:
     """
 
     def __init__(self, kind: str, transport: Transport, endpoint: Endpoint, host=None,
-                 job: int | None = None, prior_job: dict | None = None, owns_host: bool = False):
+                 job: int | None = None, prior_job: dict | None = None, owns_host: bool = False,
+                 queues=None, steered: tuple | None = None):
         self.kind = kind
         self.transport = transport
         self.endpoint = endpoint
         self.host = host  # pydblp.host.HostMaps (HostProgram when attached here), or None
         self._job, self._prior_job, self._owns_host = job, prior_job, owns_host
+        self.xsk = queues  # the XskQueues under any authentication wrapper (AF_XDP kinds), else None
+        self._steered = steered  # (ifname, ntuple rule location, netns) to remove on close
+
+    @property
+    def queues(self) -> tuple[int, ...]:
+        """The receive queues the transport is bound to."""
+        return self.endpoint.queues
+
+    def describe(self) -> str:
+        """One line for a log: the kind, and for AF_XDP the interface, queues, copy or zero-copy
+        mode and UMEM size (``xsk on eth0 queues 0-3: copy mode, 40.3 MiB UMEM``)."""
+        if self.xsk is None:
+            return f"{self.kind} on {self.transport.ifname or 'any interface'} port {self.endpoint.port}"
+        return f"{self.kind} on {self.xsk.describe()}" + (" (port steered)" if self._steered else "")
 
     def close(self) -> None:
         """Close the transport, undo the job registration and detach what was attached.  Idempotent."""
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+            self.xsk = None
+        if self._steered is not None:
+            steered, self._steered = self._steered, None
+            try:
+                from pydblp.transport.xsk_queues import unsteer
+
+                unsteer(*steered)
+            except OSError as e:
+                log.warning("ntuple rule %d on %s left in place: %s (ethtool -N %s delete %d)",
+                            steered[1], steered[0], e, steered[0], steered[1])
         if self.host is not None:
             host, self.host = self.host, None
             try:
@@ -100,7 +134,8 @@ def check_kind(kind: str, iface: str | None) -> None:
 
 
 def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = None,
-                   port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
+                   port: int = wire.DEFAULT_PORT, queue: int | None = None, queues="all",
+                   steer: int | None = None, addr: str | None = None,
                    job: int | None = None, rank: int = 0, world: int = 1, rate: float = 0,
                    spin: float = 0.0, max_payload: int | None = None, key: bytes | None = None,
                    epoch: int | None = None, **kw) -> DataPlane:
@@ -111,7 +146,13 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
         iface: the data-plane interface; None (``udp`` only): any, on loopback.
         netns: the interface's network namespace.
         port: UDP port to receive on (``udp``: 0 picks a free one).
-        queue: receive queue (the AF_XDP kinds bind their socket to it).
+        queue: one receive queue to bind (AF_XDP kinds), as ``queues=[queue]``;
+            ``udp``: recorded in the endpoint only.
+        queues: the AF_XDP kinds' receive queues: ``"all"`` (every queue of
+            ``iface``, the default) or a list (``[0, 2]``); one socket each.
+        steer: AF_XDP kinds: steer the job's UDP port to this queue with an
+            ntuple filter (the driver must have them; veth has not) and bind
+            it alone; the rule goes with :meth:`DataPlane.close`.
         addr: the address to publish (default: the first IPv4 address of
             ``iface``, or 127.0.0.1 without one).
         job, rank, world: the job registered on the host program (AF_XDP kinds).
@@ -127,12 +168,14 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
         **kw: passed to the transport's constructor.
 
     Raises:
-        ValueError: a bad kind or argument (before anything is opened).
+        ValueError: a bad kind or argument, a queue the interface lacks (before anything is opened).
         pydblp.net.NetError, pydblp.host.HostError, pydblp.transport.TransportError:
             the interface, the host program or the transport cannot be set up;
             nothing this call opened stays open.
     """
     check_kind(kind, iface)
+    if queue is not None and (not isinstance(queues, str) or queues != "all"):
+        raise ValueError(f"queue={queue} and queues={queues!r}: give one of them")
     if key is not None and epoch is None:
         raise ValueError("key= needs epoch=: one rank draws it (pydblp.jobkey.new_epoch) and gives it to all")
     if kind != "udp":
@@ -145,12 +188,24 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
     if kind == "udp":
         from pydblp.transport.udp import UdpTransport
 
+        if steer is not None:
+            raise ValueError("steer= is for the AF_XDP kinds (xsk, xsk-ktx)")
+        queue = queue or 0
         t = _keyed(UdpTransport(iface, netns=netns, queue=queue, port=port, spin=spin, **kw), key, epoch)
-        return DataPlane(kind, t, Endpoint(addr, t.port, mac, queue, mtu))
+        return DataPlane(kind, t, Endpoint(addr, t.port, mac, queue, mtu, (queue,)))
 
     from pydblp import host as hostprog
-    from pydblp.transport.xsk import XskTransport
+    from pydblp.transport import xsk_queues
     from pydblp.transport.xsk_ring import frame_size_for
+
+    if queue is not None:
+        queues = [queue]
+    if steer is not None:
+        if isinstance(queues, str):
+            queues = [steer]
+        elif steer not in queues:
+            raise ValueError(f"steer={steer} is not among queues={list(queues)}: steer to a queue you bind")
+    queues = xsk_queues.check_queues(queues, xsk_queues.rx_queue_count(iface, netns), iface)
 
     try:
         maps, owns = hostprog.open_pinned(iface, netns), False
@@ -161,23 +216,29 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
         maps, owns = hostprog.HostProgram(iface, netns=netns, port=port), True
     prior = None
     registered = False
+    steered = None
     try:
+        if steer is not None:
+            steered = (iface, xsk_queues.steer_port(iface, port, steer, netns), netns)
         prior = maps.jobs().get(job)
         maps.register_job(job, world, rank, hostprog.JobTransport.XSK)
         registered = True
         if max_payload is not None:
             kw.setdefault("frame_size", frame_size_for(max_payload + (wire.TAG_LEN if key else 0)))
-        t = _keyed(XskTransport(iface, netns=netns, queue=queue, port=port, host=maps, spin=spin,
-                                rate=rate if kind == "xsk" else 0, tx="xsk" if kind == "xsk" else "kernel", **kw),
-                   key, epoch)
+        xq = xsk_queues.XskQueues(iface, netns=netns, queues=queues, port=port, host=maps, spin=spin,
+                                  rate=rate if kind == "xsk" else 0, tx="xsk" if kind == "xsk" else "kernel", **kw)
+        t = _keyed(xq, key, epoch)
     except BaseException:
         try:
+            if steered is not None:
+                xsk_queues.unsteer(*steered)
             if registered:
                 _unregister(maps, job, prior, owns)
         finally:
             maps.close()
         raise
-    return DataPlane(kind, t, Endpoint(addr, t.port, mac, queue, mtu), maps, job, prior, owns)
+    return DataPlane(kind, t, Endpoint(addr, t.port, mac, xq.queue, mtu, xq.queues), maps, job, prior, owns,
+                     queues=xq, steered=steered)
 
 
 def _keyed(t: Transport, key: bytes | None, epoch: int | None) -> Transport:

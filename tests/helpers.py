@@ -35,6 +35,7 @@ KERNEL_FEATURES = {
     "udp_gso": ((4, 18), "UDP_SEGMENT (UDP GSO)"),
     "xdp_frags": ((5, 18), "multi-buffer XDP (BPF_F_XDP_HAS_FRAGS)"),
     "xsk_sg": ((6, 6), "multi-buffer AF_XDP (XDP_USE_SG)"),
+    "busy_poll": ((5, 11), "socket busy polling (SO_PREFER_BUSY_POLL, SO_BUSY_POLL_BUDGET)"),
 }
 # The reason's prefix of a skip that DBLP_REQUIRE_PRIVILEGED=1 accepts (tests/conftest.py).
 KERNEL_FEATURE_SKIP = "kernel feature missing:"

@@ -248,6 +248,8 @@ def main(argv=None) -> int:
             else:
                 state = ptorch.State.from_process_group(a.net, iface=a.iface, port=a.port, config=cfg, rate=a.rate,
                                                         group=group)
+            if state.data_plane is not None:  # this rank's first log line: its queues, copy or zero-copy mode
+                print(f"rank {a.rank}: data plane {state.data_plane.describe()}", file=sys.stderr, flush=True)
             if a.priority == "layer":
                 state.register_model(model)
             if not sharded and not backend:

@@ -393,13 +393,15 @@ class Testbed:
     where the kernel has multi-buffer XDP, 5.18+; else up to MTU 3506, veth's
     limit for single-buffer XDP, and generic (skb) above).  ``fabric=False`` skips the XDP fabric (no faults possible).
     ``prog``: an already compiled ``(bcc.BPF, fn)`` to share (tests).
+    ``queues``: receive and transmit queues of every veth (both ends of each
+    link), as a multi-queue NIC has; 1 by default.
     """
 
     __test__ = False
 
     def __init__(self, workers: int = 4, name: str | None = None, mtu: int = 1500,
                  rate: str | int | None = None, *, fabric: bool = True, mode: str = "auto",
-                 rps: bool = True, prog=None):
+                 rps: bool = True, prog=None, queues: int = 1):
         if not 1 <= int(workers) <= MAX_WORKERS:
             raise TestbedError(f"workers must be within 1..{MAX_WORKERS}, got {workers}")
         if name is not None and not NAME_RE.match(name):
@@ -407,6 +409,9 @@ class Testbed:
         if not 68 <= int(mtu) <= 65535:
             raise TestbedError(f"mtu must be within 68..65535, got {mtu}")
         self.n = int(workers)
+        if isinstance(queues, bool) or not isinstance(queues, int) or not 1 <= queues <= 64:
+            raise TestbedError(f"queues must be within 1..64 (per veth), got {queues!r}")
+        self.queues = queues
         self.name = name or f"tb{secrets.token_hex(3)}"
         self.mtu = int(mtu)
         try:
@@ -478,7 +483,7 @@ class Testbed:
         """Attach to a testbed another process brought up (``dblp testbed up``)."""
         state = read_state(resolve(name))
         tb = cls(workers=state["workers"], name=state["name"], mtu=state["mtu"],
-                 rate=state.get("rate_bps", 0), fabric=state.get("fabric", True))
+                 rate=state.get("rate_bps", 0), fabric=state.get("fabric", True), queues=state.get("queues", 1))
         tb.state = state
         return tb
 
@@ -502,7 +507,7 @@ class Testbed:
             self.state = {
                 "name": self.name, "status": "creating", "creator_pid": os.getpid(),
                 "created": time.time(), "workers": self.n, "mtu": self.mtu,
-                "rate_bps": self.rate_bps, "fabric": self.use_fabric, "mode": self.mode,
+                "rate_bps": self.rate_bps, "fabric": self.use_fabric, "mode": self.mode, "queues": self.queues,
                 "switch_ns": self.switch_ns, "namespaces": spaces,
                 "pin_dir": str(PIN_BASE / self.name),
                 "addrs": {f"w{i}": worker_addr(i) for i in range(self.n)},
@@ -538,8 +543,9 @@ class Testbed:
             br = ip.link_lookup(ifname="br0")[0]
             for i in range(self.n):
                 port = f"w{i}"
-                ip.link("add", ifname=port, kind="veth",
-                        peer={"ifname": "eth0", "net_ns_fd": self.ns(i), "address": worker_mac(i)})
+                qs = {"num_tx_queues": self.queues, "num_rx_queues": self.queues}
+                ip.link("add", ifname=port, kind="veth", **qs,
+                        peer={"ifname": "eth0", "net_ns_fd": self.ns(i), "address": worker_mac(i), **qs})
                 idx = ip.link_lookup(ifname=port)[0]
                 ip.link("set", index=idx, mtu=self.mtu, master=br)
                 ports[port] = idx

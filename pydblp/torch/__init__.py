@@ -25,6 +25,7 @@ Failure semantics (the collective's, see docs/protocol.md):
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import dataclasses
 import json
+import logging
 import queue as _queue
 import threading
 
@@ -40,6 +41,8 @@ from pydblp.dataplane import check_kind, open_dataplane
 from pydblp.torch._flat import assign, flatten
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
+
+log = logging.getLogger(__name__)
 
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo", "Exchange", "GlooExchange",
            "PydblpExchange", "ShardedSGD", "ShardedAdam", "BackendOptions", "ProcessGroupDblp"]
@@ -59,7 +62,7 @@ class State:
 
     @classmethod
     def from_process_group(cls, transport: str = "udp", iface: str | None = None, netns: str | None = None,
-                           port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
+                           port: int = wire.DEFAULT_PORT, queue: int | None = None, addr: str | None = None,
                            config: Config | None = None, store=None, spin: float = 0.0,
                            rate: float = 0, group: tuple | None = None,
                            key_file: str | None = None) -> "State":
@@ -77,6 +80,10 @@ class State:
         0: none) paces the xsk transport at a link's line rate: AF_XDP transmit
         bypasses qdiscs, so a TBF on ``iface`` does not limit it (``udp`` and
         ``xsk-ktx`` transmit through the qdisc and ignore ``rate``).
+        ``queue``: the AF_XDP kinds bind one socket to this receive queue;
+        None (default): one on every receive queue of ``iface`` (a NIC spreads
+        flows over them).  The log's first line for the data plane says which
+        queues and whether copy or zero-copy mode (``dp.describe()``).
         ``group`` with ``Config(allgather="broadcast")``: ``(address, port)`` every rank
         receives, e.g. the subnet's broadcast address (see :class:`~pydblp.collective.Collective`);
         every rank must listen on that ``port``.
@@ -108,7 +115,8 @@ class State:
 
     @classmethod
     def open(cls, store, rank: int, world: int, transport: str = "udp", iface: str | None = None,
-             netns: str | None = None, port: int = wire.DEFAULT_PORT, queue: int = 0, addr: str | None = None,
+             netns: str | None = None, port: int = wire.DEFAULT_PORT, queue: int | None = None,
+             addr: str | None = None,
              config: Config | None = None, spin: float = 0.0, rate: float = 0, group: tuple | None = None,
              key_file: str | None = None) -> "State":
         """:meth:`from_process_group` with the rendezvous given: ``store`` (a torch.distributed
@@ -133,6 +141,7 @@ class State:
         dp = open_dataplane(transport, iface, netns=netns, port=port, queue=queue, addr=addr, job=cfg.job,
                             rank=rank, world=world, rate=rate, spin=spin, max_payload=widest, key=key,
                             epoch=epoch if key is not None else None, dscp=cfg.dscp)
+        log.info("rank %d: data plane %s", rank, dp.describe())  # which queues, copy or zero-copy
         try:
             store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
@@ -159,6 +168,14 @@ class State:
         """
         owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
         self.depth = {id(p): (d, len(owners)) for d, m in enumerate(owners) for p in m.parameters(recurse=False)}
+
+    @property
+    def data_plane(self):
+        """The :class:`~pydblp.dataplane.DataPlane` this state opened (its ``describe()``: queues,
+        copy or zero-copy), or None when it was given a collective."""
+        from pydblp.dataplane import DataPlane
+
+        return next((o for o in self._owned if isinstance(o, DataPlane)), None)
 
     def host_counters(self) -> dict | None:
         """The host XDP program's counters on this rank's interface (:meth:`pydblp.host.HostMaps.counters`:

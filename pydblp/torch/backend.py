@@ -98,7 +98,8 @@ class BackendOptions:
         addr: the address published to peers (default: ``iface``'s first IPv4 address).
             ``DBLP_ADDR``.
         netns: the interface's network namespace.
-        queue: the receive queue the AF_XDP socket binds.
+        queue: one receive queue for the AF_XDP socket; None (default): one socket on every
+            receive queue of ``iface``.
         config: the collective's knobs (:class:`~pydblp.collective.Config`); ``DBLP_PHASE``
             (``static:TOL`` or ``dblp[:P_LOW]``), ``DBLP_JOB`` and ``DBLP_PEER_TIMEOUT`` set its
             phase controller, job and peer timeout.  ``job`` must differ between groups that
@@ -121,7 +122,7 @@ class BackendOptions:
     port: int | None = None
     addr: str | None = None
     netns: str | None = None
-    queue: int = 0
+    queue: int | None = None
     config: Config | None = None
     rate: float = 0
     key_file: str | None = None

@@ -101,6 +101,12 @@ class XskTransport(XskReceive, Transport):
     sent (``ValueError``) and the kernel drops them on receive
     (``rx_dropped``).  The XDP program must then be multi-buffer too
     (:func:`pydblp.bpf.compile_xdp` loads pydblp's that way).
+    ``busy_poll`` (microseconds, 0: off, the default: it burns the CPU it
+    polls on, which a shared machine cannot spare) turns busy polling on
+    (``SO_PREFER_BUSY_POLL``, ``SO_BUSY_POLL``, ``SO_BUSY_POLL_BUDGET`` =
+    ``busy_poll_budget``): ``recv``'s poll(2) then runs the device's NAPI
+    loop itself; ``self.busy_poll`` says what was set.  A kernel that refuses
+    them raises :class:`TransportError` naming the option and the fix.
     """
 
     kind = "xsk"
@@ -111,9 +117,12 @@ class XskTransport(XskReceive, Transport):
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
                  spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
-                 dscp="off"):
+                 dscp="off", busy_poll: int = 0, busy_poll_budget: int = ring.BUSY_POLL_BUDGET):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port)
         self.spin = spin
+        if isinstance(busy_poll, bool) or not isinstance(busy_poll, int) or busy_poll < 0:
+            raise ValueError(f"busy_poll={busy_poll!r}: microseconds to busy-poll, an integer >= 0 (0: off)")
+        self.busy_poll = busy_poll
         if tx not in ("xsk", "kernel"):
             raise ValueError(f"tx={tx!r}: 'xsk' (the AF_XDP tx ring) or 'kernel' (a UDP socket on the device)")
         if tx == "kernel" and rate:
@@ -166,6 +175,8 @@ class XskTransport(XskReceive, Transport):
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # AF_XDP has no ioctls
                     ifr = fcntl.ioctl(s.fileno(), SIOCGIFHWADDR, struct.pack("256s", ifname.encode()))
                 self.mac = ifr[18:24]
+            if busy_poll:
+                ring.busy_poll(self._sock, busy_poll, busy_poll_budget)
             nframes = rx_frames + tx_frames
             size = nframes * frame_size
             self._umem_mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)

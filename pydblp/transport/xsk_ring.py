@@ -227,3 +227,30 @@ def statistics(sock: socket.socket) -> dict:
     """XDP_STATISTICS of ``sock`` as a dict over :data:`STAT_FIELDS`."""
     raw = sock.getsockopt(SOL_XDP, XDP_STATISTICS, 48)
     return dict(zip(STAT_FIELDS, struct.unpack("=6Q", raw.ljust(48, b"\0"))))
+
+
+# Busy polling (asm-generic/socket.h): the socket's poll(2) and sendto() run the device's NAPI
+# loop themselves instead of waiting for its interrupt; for a core dedicated to the socket.
+SO_BUSY_POLL = 46          # microseconds to busy-poll in a blocking call
+SO_PREFER_BUSY_POLL = 69   # 5.11+: keep the interrupt off while the application polls
+SO_BUSY_POLL_BUDGET = 70   # 5.11+: packets one busy-poll pass may take
+BUSY_POLL_BUDGET = 64      # NAPI's default weight
+
+
+def busy_poll(sock: socket.socket, usecs: int, budget: int = BUSY_POLL_BUDGET) -> None:
+    """Turn busy polling on for ``sock``: ``SO_PREFER_BUSY_POLL``, ``SO_BUSY_POLL`` = ``usecs``
+    and ``SO_BUSY_POLL_BUDGET`` = ``budget``.
+
+    Raises:
+        TransportError: the kernel refused one of them (the message names it, why, and the fix).
+    """
+    for opt, name, val in ((SO_PREFER_BUSY_POLL, "SO_PREFER_BUSY_POLL", 1), (SO_BUSY_POLL, "SO_BUSY_POLL", usecs),
+                           (SO_BUSY_POLL_BUDGET, "SO_BUSY_POLL_BUDGET", budget)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, val)
+        except OSError as e:
+            fix = {errno.EPERM: "it needs CAP_NET_ADMIN: run as root",
+                   errno.ENOPROTOOPT: "a kernel without CONFIG_NET_RX_BUSY_POLL, or older than 5.11",
+                   errno.EINVAL: "out of range: busy_poll in microseconds, busy_poll_budget 1..65535"}.get(e.errno, "")
+            raise TransportError(e.errno, f"busy_poll: the kernel refused {name}={val} ({os.strerror(e.errno)})"
+                                 + (f": {fix}" if fix else "") + "; or leave busy_poll=0") from None

@@ -33,8 +33,8 @@ TOL = 1e-5
 # DBLP_* per data plane: the AF_XDP kinds' host program filters DBLP_PORT (the default port, and
 # another one to show the option reaches the program the backend attaches); udp picks free ports
 PLANES = {
-    "xsk": ({"DBLP_TRANSPORT": "xsk", "DBLP_PORT": str(wire.DEFAULT_PORT)}, "XskTransport:xsk"),
-    "xsk-ktx": ({"DBLP_TRANSPORT": "xsk-ktx", "DBLP_PORT": str(wire.DEFAULT_PORT + 1)}, "XskTransport:kernel"),
+    "xsk": ({"DBLP_TRANSPORT": "xsk", "DBLP_PORT": str(wire.DEFAULT_PORT)}, "XskQueues:xsk"),
+    "xsk-ktx": ({"DBLP_TRANSPORT": "xsk-ktx", "DBLP_PORT": str(wire.DEFAULT_PORT + 1)}, "XskQueues:kernel"),
     "udp": ({"DBLP_TRANSPORT": "udp"}, "UdpTransport:-"),
 }
 

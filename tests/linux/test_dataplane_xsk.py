@@ -17,6 +17,7 @@ from pydblp import host, net, wire
 from pydblp.dataplane import open_dataplane
 from pydblp.transport import Batch
 from pydblp.transport.xsk import XskTransport
+from pydblp.transport.xsk_queues import XskQueues
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -58,8 +59,9 @@ def test_opens_attaches_registers_carries_and_releases(pair, kind, tx):
             dps.append(open_dataplane(kind, dev, netns=ns, job=JOB, rank=r, world=2))
         for r, ((ns, dev), dp) in enumerate(zip(pair, dps)):
             assert dp.endpoint.as_dict() == {"addr": ADDR[r], "port": wire.DEFAULT_PORT, "mac": MAC[r],
-                                             "queue": 0, "mtu": 1500}
-            assert isinstance(dp.transport, XskTransport) and dp.transport.tx == tx
+                                             "queue": 0, "mtu": 1500, "queues": (0,)}  # a 1-queue veth
+            assert isinstance(dp.transport, XskQueues) and dp.transport.tx == tx
+            assert isinstance(dp.transport.sockets[0], XskTransport)
             assert host.attached_program(dev, ns)["name"] == host.PROG_NAME
             assert dp.host.jobs()[JOB] == {"world_size": 2, "rank": r, "transport": "xsk"}
         e1 = dps[1].endpoint

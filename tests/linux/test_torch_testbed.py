@@ -83,7 +83,7 @@ def test_state_from_process_group_in_the_testbed(tb, kind, allgather):
     # the state attached the host program (xsk, xsk-ktx) and detached it on close
     for r in range(WORLD):
         assert host.attached_program("eth0", tb.ns(r)) is None
-    want = {"udp": "UdpTransport:-", "xsk": "XskTransport:xsk", "xsk-ktx": "XskTransport:kernel"}[kind]
+    want = {"udp": "UdpTransport:-", "xsk": "XskQueues:xsk", "xsk-ktx": "XskQueues:kernel"}[kind]
     assert all(f"transport {want}" in out and f"allgather {allgather}" in out for out in outs), outs
 
 

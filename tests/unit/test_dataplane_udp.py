@@ -14,7 +14,8 @@ from pydblp.transport.udp import UdpTransport
 def test_udp_on_loopback_publishes_where_it_listens_and_carries_packets():
     with open_dataplane("udp", port=0) as a, open_dataplane("udp", port=0) as b:
         assert isinstance(a, DataPlane) and isinstance(a.transport, UdpTransport) and a.host is None
-        assert a.endpoint == Endpoint("127.0.0.1", a.transport.port, None, 0, None)
+        assert a.endpoint == Endpoint("127.0.0.1", a.transport.port, None, 0, None, (0,))
+        assert a.queues == (0,) and a.describe() == f"udp on any interface port {a.transport.port}"
         assert a.endpoint.port != 0 and a.endpoint.as_dict()["port"] == a.transport.port
         pb = a.transport.add_peer(b.endpoint.addr, b.endpoint.port)
         h = wire.empty_batch(4)
@@ -43,6 +44,8 @@ def test_addr_overrides_what_is_published():
     ("xsk-ktx", {}, "the xsk-ktx transport needs iface="),
     ("xsk-ktx", {"iface": "lo"}, "the xsk-ktx transport needs job="),
     ("xsk", {"iface": "lo", "job": 3, "port": 0}, "port 0: want an integer in 1..65535"),
+    ("xsk", {"iface": "lo", "job": 3, "queue": 1, "queues": [0, 1]}, r"queue=1 and queues=\[0, 1\]: give one"),
+    ("udp", {"steer": 1}, "steer= is for the AF_XDP kinds"),
 ])
 def test_bad_arguments_are_refused_before_anything_opens(kind, kw, match):
     with pytest.raises(ValueError, match=match):
