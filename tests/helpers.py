@@ -64,6 +64,14 @@ def skip_without(feature: str):
                 "a kernel configured without it, or a broken probe")
 
 
+def require_native(name: str = "udp"):
+    """Skip the test: compiled ``name`` (pydblp/csrc) did not load here (no compiler?).  Under
+    ``DBLP_REQUIRE_PRIVILEGED=1`` (CI) the skip is a failure: CI must build and test both paths."""
+    from pydblp import native
+
+    pytest.skip(f"compiled {name} unavailable: {native.why(name)}")
+
+
 def run_threads(fn, ranks, timeout: float) -> tuple[dict, dict]:
     """Call ``fn(rank)`` in one thread per rank at once; (results, exceptions) by rank.
 

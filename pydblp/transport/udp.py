@@ -73,6 +73,7 @@ import time
 import numpy as np
 
 from pydblp import dscp as dscp_mod
+from pydblp import native as native_mod
 from pydblp import net, wire
 from pydblp._libc import libc
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
@@ -122,6 +123,19 @@ libc.recvmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c
 libc.sendmmsg.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int)
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.dblp_udp_gro_read.argtypes = [i, p, i64, i64, i64, i64, p, i64, i64, i64, i64, p, p, p]
+    lib.dblp_udp_gro_read.restype = i64
+    lib.dblp_udp_send.argtypes = [i, p, p, i64, p, p, i64, p, p, i64, i64, p, p, i, i, p, p, p, i64, p]
+    lib.dblp_udp_send.restype = i64
+
+
+def native_lib() -> ctypes.CDLL | None:
+    """csrc/udp.c's loops (:mod:`pydblp.native`), or None: the pure-Python path."""
+    return native_mod.load("udp", _declare, what="about 1.2x the CPU per round")
+
+
 def _sockaddr(family: int, ip, port: int) -> bytes:
     if family == socket.AF_INET6:
         if ip.version == 4:
@@ -166,6 +180,11 @@ class UdpTransport(Transport):
     its port: the first peer registered at an address names everything
     from it.
 
+    ``native``: the per-packet loops (GRO reads, ``sendmmsg`` messages) in compiled code
+    (``csrc/udp.c``, :mod:`pydblp.native`): True requires it, False never uses it, None
+    uses it where it loaded; ``self.native`` says which.  Both paths give the same batches,
+    datagrams and counters.
+
     ``dscp`` (as ``Config.dscp``, :mod:`pydblp.dscp`): each datagram's DSCP
     from its DBLP priority, set per ``sendmmsg`` message in an ``IP_TOS`` (IPv4
     peer) or ``IPV6_TCLASS`` (IPv6 peer) cmsg; a GSO message then holds
@@ -189,8 +208,10 @@ class UdpTransport(Transport):
     def __init__(self, ifname: str | None = None, netns: str | None = None, queue: int = 0,
                  port: int = wire.DEFAULT_PORT, *, bind: str | None = None, rcvbuf: int = 32 << 20,
                  sndbuf: int = 2 << 20, max_batch: int = 4096, spin: float = 200e-6, gso: bool | None = None,
-                 gro: bool | None = None, dscp="off"):
+                 gro: bool | None = None, dscp="off", native: bool | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
+        self._lib = native_mod.choose(native, None if native is False else native_lib(), "udp")
+        self.native = self._lib is not None
         self.spin = spin
         self._sock = None
         self._fd = -1
@@ -402,6 +423,10 @@ class UdpTransport(Transport):
             self._frames = np.zeros(rows * row + GRO_OVERFLOW, np.uint8)
             self._frames_mv = memoryview(self._frames)
             self._frames_h = np.ndarray((rows,), wire.HEADER_DTYPE, self._frames, 0, (row,))
+            self._gro_plen = np.zeros(rows, np.int64)  # the compiled read's per-row results
+            self._gro_peer = np.zeros(rows, np.int32)
+        if self._lib is not None:
+            return self._recv_gro_native(into, cap, row, timeout, want, linger, copy)
         used, lost, end, nbytes, widest = 0, 0, None, 0, 0
         urgent = False  # a control packet came: it wants an answer, so no more lingering
         runs = []  # per message: (datagrams, size, last one's size, peer)
@@ -446,6 +471,11 @@ class UdpTransport(Transport):
             plen = np.repeat(np.array(gs, np.int64), cs)
             plen[np.cumsum(cs) - 1] = lasts
         peers = np.full(used, ps[0], np.int32) if ps.count(ps[0]) == len(ps) else np.repeat(np.array(ps, np.int32), cs)
+        return self._gro_out(into, used, row, plen, peers, lost, widest, nbytes, copy)
+
+    def _gro_out(self, into: Batch, used: int, row: int, plen: np.ndarray, peers: np.ndarray, lost: int,
+                 widest: int, nbytes: int, copy: bool) -> Batch:
+        """The ``used`` datagrams a GRO receive left in the frames buffer, as ``recv``'s batch."""
         frames = self._frames[: used * row].reshape(used, row)
         wire.put(into.headers[:used], self._frames_h[:used])
         if copy:
@@ -453,6 +483,51 @@ class UdpTransport(Transport):
             return self._deliver(into, into.payload, plen, peers, lost, widest, nbytes)
         b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost, widest, nbytes)
         return Batch(b.headers, frames[: b.n, wire.HEADER_LEN:], b.lengths, b.peer, b.n)
+
+    def _recv_gro_native(self, into: Batch, cap: int, row: int, timeout, want: int, linger: float,
+                         copy: bool) -> Batch:
+        """``_recv_gro`` with its reads in compiled code (``dblp_udp_gro_read``: the same rows,
+        lengths, peers and counts); the waiting and lingering here, as there."""
+        lib, res = self._lib, np.zeros(8, np.int64)
+        names = self._names
+        key = (8, 16) if self.family == socket.AF_INET6 else (4, 4)  # the address in a sockaddr row
+        args = (self._frames.ctypes.data, len(self._frames), row)
+        tail = (names.ctypes.data, len(names), SOCKADDR_LEN, *key, self._gro_plen.ctypes.data,
+                self._gro_peer.ctypes.data, res.ctypes.data)
+
+        def read(used: int) -> int:
+            used = lib.dblp_udp_gro_read(self._fd, *args, used, cap, *tail)
+            if res[5]:
+                raise TransportError(int(res[5]), f"recvmsg: {os.strerror(int(res[5]))}")
+            return used
+
+        used = read(0)
+        if used == 0 and timeout != 0:
+            got = 0
+
+            def ready():
+                nonlocal got
+                got = read(0)
+                return got > 0
+
+            if not self._spin(ready, timeout):
+                self._poll.poll(None if timeout is None else int(timeout * 1000))
+                got = read(0)
+            used = got
+        end = None
+        while 0 < used < min(want, cap) and linger > 0 and not res[4] and cap - used >= GRO_SEGS:
+            now = time.monotonic()  # coalesce: read on every LINGER_STEP until `want` or the linger ends
+            end = now + linger if end is None else end
+            if now >= end:
+                break
+            time.sleep(min(LINGER_STEP, end - now))
+            used = read(used)
+        if not used:
+            into.n = 0
+            return into.view(0, 0)
+        self._c["rx_gro_packets"] += int(res[1])
+        return self._gro_out(into, used, row, self._gro_plen[:used], self._gro_peer[:used], int(res[0]),
+                             int(res[3]), int(res[2]), copy)
 
     def _read_gro(self, at: int, timeout: float | None):
         """One message into the frames buffer from byte ``at``, waiting up to ``timeout``:
@@ -619,6 +694,8 @@ class UdpTransport(Transport):
         n = len(batch)
         if n == 0:
             return 0
+        if self._lib is not None:
+            return self._send_native(batch, n, timeout)
         if n <= FEW_SEND:
             return self._send_few(batch, n, timeout)
         peer = np.asarray(batch.peer[:n], np.int64)
@@ -699,6 +776,52 @@ class UdpTransport(Transport):
             sent += pk
             if done < nm and not fallback:  # blocked past the deadline
                 break
+        return sent
+
+    def _send_native(self, batch: Batch, n: int, timeout: float | None) -> int:
+        """``send`` with its per-packet work in compiled code (``dblp_udp_send``: the same
+        messages, datagrams and counts as the Python path; a few packets go one per message,
+        as ``_send_few`` sends them)."""
+        peer = np.ascontiguousarray(batch.peer[:n], np.int64)
+        if peer.min() < 0 or peer.max() >= len(self._peers):
+            raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
+        lens = np.ascontiguousarray(batch.lengths[:n], np.int64)
+        pay = batch.payload[:n]
+        if lens.max() > pay.shape[1]:
+            raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
+        if lens.min() < 0:
+            raise ValueError("negative payload lengths")
+        if pay.strides[1] != 1 or pay.strides[0] < 0:
+            pay = np.ascontiguousarray(pay)
+        hdrs = np.ascontiguousarray(batch.headers[:n])
+        tos = None if self._tos is None else np.ascontiguousarray(self._tos[hdrs["prio"]], np.uint8)
+        names, v6, bc = self._names, self._v6peer, self._bcast  # (held for the call: messages point into names)
+        namelen = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
+        gso = self.gso and n > FEW_SEND
+        deadline = None if timeout is None else time.monotonic() + timeout
+        res = np.zeros(8, np.int64)
+        ps = pay.strides[0]
+        sent = 0
+        while sent < n:
+            res[:] = 0
+            k = self._lib.dblp_udp_send(
+                self._fd, hdrs.ctypes.data + sent * wire.HEADER_LEN, pay.ctypes.data + sent * ps, ps,
+                lens.ctypes.data + sent * 8, peer.ctypes.data + sent * 8, n - sent,
+                None if tos is None else tos.ctypes.data + sent, names.ctypes.data, namelen, SOCKADDR_LEN,
+                v6.ctypes.data, bc.ctypes.data, int(gso), int(self.gro), self._tx_mmsg.ctypes.data,
+                self._tx_iov.ctypes.data, self._tx_cmsg.ctypes.data, self.max_batch, res.ctypes.data)
+            c = self._c
+            c["tx_packets"] += int(res[1])
+            c["tx_bytes"] += int(res[2])
+            c["tx_gso_packets"] += int(res[3])
+            c["tx_errors"] += int(res[4])
+            c["tx_looped"] += int(res[5])
+            sent += k
+            if res[0] == 1 and not self._wait_room(deadline):
+                break
+            if res[0] == 2:  # the kernel will not segment this: datagram by datagram from here on
+                self.gso = gso = False
+                c["tx_gso_off"] += 1
         return sent
 
     def _set_tos(self, cm: np.ndarray, peer: np.ndarray, tos: np.ndarray) -> None:

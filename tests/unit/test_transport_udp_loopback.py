@@ -12,7 +12,20 @@ from pydblp import wire
 from pydblp.transport import Batch
 from pydblp.transport.base import TransportError
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import skip_without
+from tests.helpers import require_native, skip_without
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def path(request, monkeypatch):
+    """Every test here runs on both paths: the compiled loops (csrc/udp.c) and the pure-Python
+    reference, chosen by what a transport opened with ``native=None`` finds."""
+    from pydblp.transport import udp
+
+    if request.param == "python":
+        monkeypatch.setattr(udp, "native_lib", lambda: None)
+    elif udp.native_lib() is None:
+        require_native()
+    return request.param
 
 
 def make_batch(n, start=0, maxlen=1400, peer=0, seed=0):
