@@ -98,12 +98,12 @@ def run_threads(fn, ranks, timeout: float) -> tuple[dict, dict]:
 class Ranks:
     """``world`` collectives over UDP on loopback, one per rank, run in threads (:meth:`run`)."""
 
-    def __init__(self, world: int, **cfg):
+    def __init__(self, world: int, native: bool | None = None, **cfg):
         from pydblp.collective import Collective, Config
         from pydblp.transport.udp import UdpTransport
 
         self.world = world
-        self.ts = [UdpTransport(port=0) for _ in range(world)]
+        self.ts = [UdpTransport(port=0, native=native) for _ in range(world)]
         peers = [("127.0.0.1", t.port) for t in self.ts]
         self.cols = [Collective(self.ts[r], r, world, peers, Config(**cfg)) for r in range(world)]
 
@@ -128,7 +128,8 @@ def lose_sent(t, drop) -> None:
         if keep.all():
             return send(batch, timeout)
         return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
-                          int(keep.sum())), timeout) + int(n - keep.sum())
+                          int(keep.sum()), None if batch.addr is None else batch.addr[:n][keep]),
+                    timeout) + int(n - keep.sum())
 
     t.send = lossy
 
@@ -366,7 +367,8 @@ def seeded_loss(t, p: float, seed: int) -> list[tuple[int, int, int, int, int]]:
         if keep.all():
             return send(batch, timeout)
         return send(Batch(h[keep], batch.payload[:n][keep], batch.lengths[:n][keep], batch.peer[:n][keep],
-                          int(keep.sum())), timeout) + int(n - keep.sum())
+                          int(keep.sum()), None if batch.addr is None else batch.addr[:n][keep]),
+                    timeout) + int(n - keep.sum())
 
     t.send = lossy
     return lost

@@ -87,6 +87,7 @@ class Protocol:
             self._gid = transport.add_peer(addr, port, mac[0] if mac else None)
         self._rx = Batch.empty(RECV_BATCH, max(c.chunk_bytes, 64))
         self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
+        self._txaddr = np.empty(0, np.uint64)
         self._txh = wire.empty_batch(0)
         self._txlens = self._txpeer = np.empty(0, np.int32)
         self.round = 0    # the last round's number on the wire (wraps at 2**32)
@@ -548,7 +549,11 @@ class Protocol:
             self._txh = wire.empty_batch(k)
             self._txlens = np.empty(k, np.int32)
             self._txpeer = np.empty(k, np.int32)
+            self._txaddr = np.empty(k, np.uint64)
         payload = self._txbuf[:k]  # the transport copies it out before send() returns
+        # a transport that reads payloads where they are (Transport.reads_addresses) gets the
+        # rows' addresses instead of a copy: the tensor's bytes are read once, by the send
+        addr = self._txaddr[:k] if self.t.reads_addresses else None
         h = self._txh[:k]  # every field but magic and version is written below
         lens = self._txlens[:k]
         lens[:] = width
@@ -582,11 +587,19 @@ class Protocol:
                 if o.rnd != rnd:  # a trailing message of an earlier round
                     h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
                 lo = int(idx[0])
-                rows = o.rows[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else o.rows[idx]
-                payload[i:j] = rows.view(np.uint8)
+                r = o.rows  # (alive through the send below)
+                if addr is not None and r.strides[1] == 4:
+                    addr[i:j] = np.uint64(r.ctypes.data) + idx.astype(np.uint64) * np.uint64(r.strides[0])
+                else:
+                    rows = r[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else r[idx]
+                    payload[i:j] = rows.view(np.uint8)
+                    if addr is not None:
+                        addr[i:j] = np.uint64(payload.ctypes.data) + np.arange(i, j, dtype=np.uint64) * np.uint64(width)
                 peer[i:j] = self._gid if o.dst == wire.DST_ALL else self._pid[o.dst]
                 i = j
-        sent = self.t.send(Batch(h, payload, lens, peer, k), timeout=1.0)
+        if addr is not None and nc:  # control payloads are in payload's rows
+            addr[:nc] = np.uint64(payload.ctypes.data) + np.arange(nc, dtype=np.uint64) * np.uint64(width)
+        sent = self.t.send(Batch(h, payload, lens, peer, k, addr), timeout=1.0)
         if sent < k:  # the ring or socket stayed full: the loss machinery repairs it
             self.counters["tx_short"] += k - sent
 

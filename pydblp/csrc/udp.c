@@ -112,16 +112,18 @@ int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, in
     return used;
 }
 
-/* Send packets [0, n): header i at hdrs + 32 i, payload at pay + i * pstride,
- * lens[i] payload bytes, to peer[i] (its socket address at names + peer * nstride,
- * namelen bytes), with TOS byte tos[i] (tos NULL: none set).  Messages are built in the caller's
- * scratch: mm (cap struct mmsghdr), iov (2 cap), cm (cap * 48 bytes).  Returns the
+/* Send packets [0, n): header i at hdrs + 32 i, lens[i] payload bytes at pay + i *
+ * pstride (or at addr[i] when addr is not NULL: the tensor's own rows), to peer[i]
+ * (its socket address at names + peer * nstride, namelen bytes), with TOS byte
+ * tos[i] (tos NULL: none set).  Messages are built in the caller's scratch: mm (cap
+ * struct mmsghdr), iov (2 cap), cm (cap * 48 bytes).  Returns the
  * packets done (sent, or failed and skipped); res: [0] 0 all done, 1 the socket
  * buffer is full (wait, call again from there), 2 the kernel refused a segmented
  * message (call again without gso); [1] packets sent, [2] bytes (approx. on
  * errors, as udp.py), [3] packets sent inside multi-datagram messages, [4]
  * packets failed, [5] copies the kernel loops back (broadcast peers). */
-int64_t dblp_udp_send(int fd, const uint8_t *hdrs, const uint8_t *pay, int64_t pstride, const int64_t *lens,
+int64_t dblp_udp_send(int fd, const uint8_t *hdrs, const uint8_t *pay, int64_t pstride, const uint64_t *addr,
+                      const int64_t *lens,
                       const int64_t *peer, int64_t n, const uint8_t *tos, const uint8_t *names, int64_t namelen,
                       int64_t nstride, const uint8_t *v6peer, const uint8_t *bcast, int gso, int gro,
                       struct mmsghdr *mm, struct iovec *iov, uint8_t *cm, int64_t cap, int64_t *res) {
@@ -147,7 +149,8 @@ int64_t dblp_udp_send(int fd, const uint8_t *hdrs, const uint8_t *pay, int64_t p
             h->msg_iovlen = 2 * k;
             for (int64_t i = 0; i < k; i++) {
                 iov[2 * (p - sent + i)] = (struct iovec){(void *)(hdrs + (p + i) * HEADER_LEN), HEADER_LEN};
-                iov[2 * (p - sent + i) + 1] = (struct iovec){(void *)(pay + (p + i) * pstride), (size_t)lens[p + i]};
+                const uint8_t *body = addr ? (const uint8_t *)(uintptr_t)addr[p + i] : pay + (p + i) * pstride;
+                iov[2 * (p - sent + i) + 1] = (struct iovec){(void *)body, (size_t)lens[p + i]};
             }
             uint8_t *c = cm + nm * 48;
             size_t clen = 0;

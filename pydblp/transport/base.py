@@ -14,6 +14,11 @@ Batch layout (:class:`Batch`)
              :meth:`Transport.add_peer`; on receive, the sender's peer id when
              its address was registered with :meth:`Transport.add_peer`, else -1
 ``n``        rows in use (``len(batch)``)
+``addr``     optional, send only: (cap,) uint64, the address of each packet's payload
+             bytes, read there instead of ``payload``'s row by a transport whose
+             :attr:`Transport.reads_addresses` is True (no staging copy of the
+             tensor's rows: the collective sets it only for such a transport and
+             keeps the memory alive through the call); None: ``payload``
 
 :meth:`Batch.view` gives a batch over the first rows without copying.  On
 send, ``headers["len"]`` is what goes on the wire: :func:`Batch.fill` sets it
@@ -47,6 +52,7 @@ loss beyond the bound (PROBE/BITMAP).
 from __future__ import annotations
 
 import abc
+import ctypes
 import errno
 import ipaddress
 import logging
@@ -71,6 +77,7 @@ class Batch:
     lengths: np.ndarray
     peer: np.ndarray
     n: int = 0
+    addr: np.ndarray | None = None
 
     @classmethod
     def empty(cls, cap: int, maxlen: int = 1500) -> "Batch":
@@ -110,10 +117,13 @@ class Batch:
         """Rows ``start:stop`` of the used rows, without copying."""
         stop = self.n if stop is None else min(stop, self.n)
         s = slice(start, stop)
-        return Batch(self.headers[s], self.payload[s], self.lengths[s], self.peer[s], max(0, stop - start))
+        return Batch(self.headers[s], self.payload[s], self.lengths[s], self.peer[s], max(0, stop - start),
+                     None if self.addr is None else self.addr[s])
 
     def payloads(self) -> list[bytes]:
-        """Per-packet payload bytes (a Python loop: for tests and inspection only)."""
+        """Per-packet payload bytes, from ``addr`` where set (a Python loop: for tests and inspection only)."""
+        if self.addr is not None:
+            return [ctypes.string_at(int(a), int(k)) for a, k in zip(self.addr[: self.n], self.lengths[: self.n])]
         return [self.payload[i, : self.lengths[i]].tobytes() for i in range(self.n)]
 
 
@@ -168,6 +178,7 @@ class Transport(abc.ABC):
     port: int
 
     spin: float = 0.0
+    reads_addresses: bool = False  # send() reads Batch.addr (a compiled path); else only payload rows
     _c: dict          # counters (stats()); subclasses make it in __init__
     _drop_log: "DropLog | None" = None  # made at the first batch dropped on an error
 

@@ -127,7 +127,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.dblp_udp_gro_read.argtypes = [i, p, i64, i64, i64, i64, p, i64, i64, i64, i64, p, p, p]
     lib.dblp_udp_gro_read.restype = i64
-    lib.dblp_udp_send.argtypes = [i, p, p, i64, p, p, i64, p, p, i64, i64, p, p, i, i, p, p, p, i64, p]
+    lib.dblp_udp_send.argtypes = [i, p, p, i64, p, p, p, i64, p, p, i64, i64, p, p, i, i, p, p, p, i64, p]
     lib.dblp_udp_send.restype = i64
 
 
@@ -211,7 +211,7 @@ class UdpTransport(Transport):
                  gro: bool | None = None, dscp="off", native: bool | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
         self._lib = native_mod.choose(native, None if native is False else native_lib(), "udp")
-        self.native = self._lib is not None
+        self.native = self.reads_addresses = self._lib is not None
         self.spin = spin
         self._sock = None
         self._fd = -1
@@ -786,13 +786,15 @@ class UdpTransport(Transport):
         if peer.min() < 0 or peer.max() >= len(self._peers):
             raise ValueError(f"peer ids must be in [0, {len(self._peers)}); add_peer() first")
         lens = np.ascontiguousarray(batch.lengths[:n], np.int64)
-        pay = batch.payload[:n]
-        if lens.max() > pay.shape[1]:
-            raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
         if lens.min() < 0:
             raise ValueError("negative payload lengths")
-        if pay.strides[1] != 1 or pay.strides[0] < 0:
-            pay = np.ascontiguousarray(pay)
+        addr = None if batch.addr is None else np.ascontiguousarray(batch.addr[:n], np.uint64)
+        pay = batch.payload[:n]
+        if addr is None:  # (with addresses the caller vouches for the bytes behind them)
+            if lens.max() > pay.shape[1]:
+                raise ValueError(f"lengths exceed the payload width {pay.shape[1]}")
+            if pay.strides[1] != 1 or pay.strides[0] < 0:
+                pay = np.ascontiguousarray(pay)
         hdrs = np.ascontiguousarray(batch.headers[:n])
         tos = None if self._tos is None else np.ascontiguousarray(self._tos[hdrs["prio"]], np.uint8)
         names, v6, bc = self._names, self._v6peer, self._bcast  # (held for the call: messages point into names)
@@ -806,6 +808,7 @@ class UdpTransport(Transport):
             res[:] = 0
             k = self._lib.dblp_udp_send(
                 self._fd, hdrs.ctypes.data + sent * wire.HEADER_LEN, pay.ctypes.data + sent * ps, ps,
+                None if addr is None else addr.ctypes.data + sent * 8,
                 lens.ctypes.data + sent * 8, peer.ctypes.data + sent * 8, n - sent,
                 None if tos is None else tos.ctypes.data + sent, names.ctypes.data, namelen, SOCKADDR_LEN,
                 v6.ctypes.data, bc.ctypes.data, int(gso), int(self.gro), self._tx_mmsg.ctypes.data,

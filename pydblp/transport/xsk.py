@@ -227,6 +227,7 @@ class XskTransport(XskReceive, Transport):
                 from pydblp.transport.udp import UdpTransport
 
                 self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096, dscp=dscp)
+                self.reads_addresses = self._ktx.reads_addresses  # (send is the UDP socket's)
         except BaseException:
             self.close()
             raise

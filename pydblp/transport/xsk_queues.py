@@ -428,6 +428,10 @@ class XskQueues(Transport):
             raise TransportError(errno.EPROTO, f"peer ids differ across queues: {sorted(ids)}")
         return ids.pop()
 
+    @property
+    def reads_addresses(self) -> bool:
+        return bool(self._socks) and self._socks[0].reads_addresses  # (send is the first socket's)
+
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
         self._check_open()
         return self._socks[0].send(batch, timeout)
