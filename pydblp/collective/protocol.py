@@ -150,8 +150,9 @@ class Protocol:
         put = functools.partial(_pad, flat)
         if not reduce:
             return self._start_gather(BroadcastRound, tensor, T, nsh, put, exact)
-        if update is None:
-            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact)
+        if update is None:  # (whole rows, nothing to pad: the round reads the caller's input in place)
+            rows = flat.reshape(T, self.C) if flat.size == T * self.C else None
+            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact, rows=rows)
         return self._start_reduce(ShardedRound, tensor, T, nsh, put, base=functools.partial(_pad, base),
                                   update=update, exact=exact)
 
@@ -183,18 +184,26 @@ class Protocol:
 
     def _start_reduce(self, kind: type[ReduceScatterRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], base: Callable | None = None,
-                      update: Callable | None = None, exact: bool = False) -> ReduceScatterRound:
+                      update: Callable | None = None, exact: bool = False,
+                      rows: np.ndarray | None = None) -> ReduceScatterRound:
         """Begin a round of ``kind`` (a reduce-scatter, alone or followed by an all-gather) on ``T``
         rows cut into ``nsh`` shards; ``put(rows)`` writes this rank's input into ``rows`` (T, C)
-        in the tensor's order (``base`` likewise its values, for a sharded update)."""
+        in the tensor's order (``base`` likewise its values, for a sharded update).  ``rows``: the
+        input already as (T, C) rows, read in place (not written; what outlives the round is
+        copied: :meth:`_trail_from`), else None."""
         rnd = self._next_round()
         bounds = self._bounds(T, nsh)
         perm = self._order(rnd, tensor, T, bounds)
-        x = self._scratch("x", tensor, (T, self.C))
-        into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
-        put(into)
-        if perm is not None:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
-            np.take(into, perm, axis=0, out=x, mode="clip")
+        if perm is None and rows is not None:
+            x = rows
+        else:
+            x = self._scratch("x", tensor, (T, self.C))
+            into = rows
+            if into is None:
+                into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
+                put(into)
+            if perm is not None:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
+                np.take(into, perm, axis=0, out=x, mode="clip")
         more = {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
