@@ -27,6 +27,14 @@ seconds per size plus ~10 s of start-up (~65 s with the defaults); a block
 that takes more than ``60 + rounds * (0.05 + gap + 0.5 * MiB)`` seconds ends
 the run with an error.
 
+``--transport xsk`` or ``xsk-ktx`` (``--net testbed``, implied): the ranks run in the
+workers of a testbed (``pydblp.testbed``: a namespace per worker, veths to a bridge, no
+link limit, no fabric program, ``--queues`` receive queues per veth) and pydblp opens its
+data plane there as a job does (``open_dataplane``: the host program, an AF_XDP socket per
+queue); Gloo runs over the same veths.  ``--transport udp --net testbed`` measures the UDP
+transport there too.  A veth costs the sender the receiver's softirq work (veth delivers
+in the sender's context), so these figures are CPU per rank and round of the whole path.
+
 ``--gap MS``: each rank sleeps MS ms after each measured round, as a training
 step's compute on a GPU leaves the CPU to the communication stack.  CPU per
 round then includes what each stack spends while its caller is away (threads
@@ -35,6 +43,7 @@ alone (with the gaps, rounds no longer run back to back: a round also waits
 for whatever the stack does between rounds).
 
     .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--gap 0]
+                                  [--transport udp|xsk|xsk-ktx] [--net lo|testbed] [--queues 1]
                                   [--json out.json]
 """
 
@@ -86,9 +95,19 @@ def rank_main(a) -> int:
         from pydblp.collective import Collective, Config
         from pydblp.transport.udp import UdpTransport
 
-        t = UdpTransport("lo", port=PORT0 + a.rank, spin=0.0)
-        col = Collective(t, a.rank, a.world, [(ADDR, PORT0 + r) for r in range(a.world)],
-                         Config(job=9, phase="static:0.05", peer_timeout=30.0))
+        cfg = Config(job=9, phase="static:0.05", peer_timeout=30.0)
+        if a.net == "lo":
+            t = UdpTransport("lo", port=PORT0 + a.rank, spin=0.0)
+            peers = [(ADDR, PORT0 + r) for r in range(a.world)]
+            dp = None
+        else:
+            from pydblp.dataplane import open_dataplane
+            from pydblp.testbed import worker_addr
+
+            dp = open_dataplane(a.transport, "eth0", port=PORT0, job=9, rank=a.rank, world=a.world)
+            t = dp.transport
+            peers = [(worker_addr(r), PORT0) for r in range(a.world)]
+        col = Collective(t, a.rank, a.world, peers, cfg)
 
         def round_(x):
             return col.allreduce(x)
@@ -124,20 +143,22 @@ def rank_main(a) -> int:
     else:
         time.sleep(0.5)  # late probes of the last round get their answer
         col.close()
+        if dp is not None:
+            dp.close()
     return 0
 
 
 class Ranks:
     """``world`` rank processes of one implementation inside the namespace."""
 
-    def __init__(self, impl: str, ns: str, world: int, store: Path):
+    def __init__(self, impl: str, where, world: int, store: Path, a):
+        """``where(rank)``: the argv prefix that runs a rank in its namespace."""
         argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of", impl, "--world", str(world),
-                "--store", str(store)]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+                "--store", str(store), "--transport", a.transport, "--net", a.net]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if a.net == "lo" else "eth0", "OMP_NUM_THREADS": "1"}
         self.impl = impl
-        self.procs = [subprocess.Popen(["nsenter", f"--net={net.NETNS_RUN_DIR}/{ns}", "--", *argv,
-                                        "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, env=env) for r in range(world)]
+        self.procs = [subprocess.Popen([*where(r), *argv, "--rank", str(r)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=env) for r in range(world)]
         try:
             self.replies(60)
         except BaseException:  # a rank that did not come up: end the others too
@@ -190,13 +211,25 @@ def main() -> int:
     ap.add_argument("--gap", type=float, default=0.0,
                     help="ms each rank sleeps between rounds (its caller computing elsewhere; default 0: "
                          "back to back); CPU then includes what each stack spends meanwhile")
+    ap.add_argument("--transport", choices=["udp", "xsk", "xsk-ktx"], default="udp",
+                    help="pydblp's data plane (default udp; the AF_XDP kinds run on a testbed)")
+    ap.add_argument("--net", choices=["lo", "testbed"],
+                    help="lo: one namespace's loopback (default for udp); testbed: a worker namespace per rank, "
+                         "veths, no link limit (default for xsk, xsk-ktx)")
+    ap.add_argument("--queues", type=int, default=1, help="receive queues per testbed veth (default 1)")
     ap.add_argument("--json", help="write figures and every repeat here")
     ap.add_argument("--rank-of", choices=["pydblp", "gloo"], dest="impl", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.net is None:
+        a.net = "lo" if a.transport == "udp" else "testbed"
     if a.impl:
         return rank_main(a)
+    if a.transport != "udp" and a.net == "lo":
+        ap.error(f"--transport {a.transport} needs an interface with XDP: use --net testbed")
+    if not 1 <= a.queues <= 16 or (a.queues > 1 and a.net == "lo"):
+        ap.error("--queues: 1..16, with --net testbed")
     try:
         sizes = [float(s) for s in a.sizes.split(",")]
     except ValueError:
@@ -210,17 +243,38 @@ def main() -> int:
     ns = f"dblpbench-cpu{os.getpid()}"
     tmp = Path(f"/tmp/{ns}")
     tmp.mkdir()
-    net.netns_add(ns)
+    tb = None
     sets = []
     runs: dict = {}
     try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", ns, "addr", "add", f"{ADDR}/32", "dev", "lo"], check=True)
+        if a.net == "lo":
+            net.netns_add(ns)
+            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+            subprocess.run(["ip", "-n", ns, "addr", "add", f"{ADDR}/32", "dev", "lo"], check=True)
+
+            def where(r):
+                return ["nsenter", f"--net={net.NETNS_RUN_DIR}/{ns}", "--"]
+            place = "one namespace's loopback, pydblp over udp"
+        else:
+            from pydblp.testbed import Testbed
+
+            tb = Testbed(workers=a.world, name=f"cpu{os.getpid() % 100000}", rate=0, fabric=False,
+                         queues=a.queues).up()
+
+            def where(r):
+                return tb.argv(tb.workers[r], [])
+            place = f"testbed veths ({a.queues} queue{'s' if a.queues > 1 else ''}, no link limit), " \
+                    f"pydblp over {a.transport}"
+        from pydblp import native
+        from pydblp.transport.udp import native_lib
+
+        compiled = "on" if native_lib() is not None else f"off ({native.why('udp')})"
         for impl in ("pydblp", "gloo"):
-            sets.append(Ranks(impl, ns, a.world, tmp / f"store-{impl}"))
-        print(f"bench/cpu.py: {a.world} ranks on one namespace's loopback, {a.rounds} rounds x {a.repeats} "
+            sets.append(Ranks(impl, where, a.world, tmp / f"store-{impl}", a))
+        print(f"bench/cpu.py: {a.world} ranks on {place}, {a.rounds} rounds x {a.repeats} "
               f"repeats" + (f", {a.gap:g} ms between rounds" if a.gap else ", back to back")
-              + f", {os.cpu_count()} CPUs (ranks not pinned), Python {python}", flush=True)
+              + f", {os.cpu_count()} CPUs (ranks not pinned), Python {python}, compiled loops {compiled}",
+              flush=True)
         for rep in range(a.repeats):
             for mib in sizes:
                 for s in sets:
@@ -234,7 +288,10 @@ def main() -> int:
     finally:
         for s in sets:
             s.stop()
-        net.netns_del(ns)
+        if tb is not None:
+            tb.down()
+        elif net.netns_exists(ns):
+            net.netns_del(ns)
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
@@ -258,7 +315,7 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "medians": med, "ratios": ratios, "options": vars(a),
                                             "kernel": platform.release(), "cpus": os.cpu_count(),
-                                            "python": python}, indent=1))
+                                            "python": python, "compiled": compiled}, indent=1))
     return 1 if inexact else 0
 
 
