@@ -58,7 +58,7 @@ def parse(argv=None):
     p.add_argument("--transport", choices=["udp", "xsk"], default="udp", help="xsk = AF_XDP (root)")
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port; 0 = any free one "
                                                            "(needed for several ranks on one host)")
-    p.add_argument("--queue", type=int, default=0, help="NIC queue (xsk)")
+    p.add_argument("--queue", type=int, default=None, help="one NIC queue (xsk; default: every receive queue)")
     p.add_argument("--rate", type=float, default=0.0,
                    help="xsk: pace transmission at this line rate, bits/s (e.g. 1e9 in the testbed, whose "
                         "TBF AF_XDP bypasses; default 0: unpaced)")
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
         state = ptorch.State.from_process_group(a.transport, iface=a.iface, port=a.port, queue=a.queue,
                                                 addr=a.addr, config=cfg, rate=a.rate, key_file=a.key_file)
         col = state.collective
-        mode = f" ({'zero-copy' if col.t.zerocopy else 'copy'} mode)" if a.transport == "xsk" else ""
+        mode = (f" ({'zero-copy' if getattr(col.t, 'zerocopy', False) else 'copy'} mode, queues "
+                f"{','.join(map(str, getattr(col.t, 'queues', [a.queue])))})" if a.transport == "xsk" else "")
         log(f"world {world}, {a.transport}{mode} on {a.iface or 'loopback'}, port {col.t.port} (rank 0), "
             f"phase {a.phase}, estimator {a.estimator}, {col.cfg.chunk_bytes}-byte chunks, "
             f"broadcast every {a.broadcast_every or 'never'}")
