@@ -188,19 +188,25 @@ class Collective:
             p.fill.load_state_dict(state["fill"])
             p.round, p.index = int(state["round"]), int(state["index"])
 
-    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False) -> np.ndarray:
+    def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False,
+                  out: np.ndarray | None = None) -> np.ndarray:
         """Return the estimated mean (or sum, ``op="sum"``) of ``x`` over all ranks.
 
         Same shape as ``x``, float32.  ``exact``: the round's bound is 0 whatever the phase
         controller says (every message is repaired whole) and the controller is not shown it:
-        for values that are not gradients.  Raises :class:`CollectiveError` when a needed peer is
-        silent for ``peer_timeout``.
+        for values that are not gradients.  ``out``: a float32 C-contiguous array of ``x``'s size
+        (``x`` itself: in place, as Gloo's ``all_reduce``) the result is written to and returned;
+        default a new array.  Raises :class:`CollectiveError` when a needed peer is silent for
+        ``peer_timeout`` (``out`` then holds anything).
         """
         if op not in ("mean", "sum"):
             raise ValueError("op must be mean or sum")
+        if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.float32
+                                    and out.flags.c_contiguous and out.flags.writeable and out.size == np.size(x)):
+            raise ValueError(f"out: a writeable C-contiguous float32 array of {np.size(x)} values (x's size)")
         if exact:
-            out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True, exact=True))
-            return self._sum_or_mean(out, op)
+            res = self._round(x, start=lambda p, flat: p.start(flat, tensor, True, exact=True, out=out), out=out)
+            return self._sum_or_mean(res, op)
         part = []  # the vector G is measured on, when not the whole result
 
         def mine(st):  # the rows of my shard: my exact estimate, whatever the all-gather left elsewhere
@@ -223,18 +229,19 @@ class Collective:
         # rounds), the shard this rank owns, before anything carried was added (end_step sums the
         # ranks' norms).
         # (A controller that does not count steps has no end_step to agree in: it sees the result.)
+        start = lambda p, flat: p.start(flat, tensor, True, out=out)  # noqa: E731
         if not self.controller.observes:  # (static, schedule: nothing to measure)
-            return self._sum_or_mean(self._round(x, start=lambda p, flat: p.start(flat, tensor, True)), op)
+            return self._sum_or_mean(self._round(x, start=start, out=out), op)
         if self._shared_g():
             done, shared = fresh, True
         elif getattr(self.controller, "steps", None) is None:
             done, shared = None, True
         else:
             done, shared = mine, False
-        out = self._round(x, start=lambda p, flat: p.start(flat, tensor, True), done=done)
-        seen = part[0] if part else out if shared else np.zeros(0, np.float32)
+        res = self._round(x, start=start, done=done, out=out)
+        seen = part[0] if part else res if shared else np.zeros(0, np.float32)
         self.controller.observe(self.index - 1, seen)
-        return self._sum_or_mean(out, op)
+        return self._sum_or_mean(res, op)
 
     def _sum_or_mean(self, out: np.ndarray, op: str) -> np.ndarray:
         """A round's mean as ``op`` asks: scaled to the sum in place (``out`` is the caller's
@@ -500,9 +507,10 @@ class Collective:
         os.close(self._wake)
         self.t.close()
 
-    def _round(self, x: np.ndarray, start, done=None) -> np.ndarray:
+    def _round(self, x: np.ndarray, start, done=None, out: np.ndarray | None = None) -> np.ndarray:
         """Run one round that ``start(protocol, flat)`` begins; ``done(round)`` sees it before the
-        state is released."""
+        state is released.  The result is ``out`` (the round wrote it there, or it is copied in)
+        when given, else the round's own array."""
         if self._closing:
             raise CollectiveError("collective is closed")
         if self._idle_error is not None:
@@ -532,7 +540,12 @@ class Collective:
                     self._running = False
                 if self._idler is not None:
                     self._alarm.set(IDLE_GRACE)
-        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
+        res = st.y.reshape(-1)[: flat.size]
+        if out is None:
+            return res.reshape(np.shape(x))
+        if res.ctypes.data != out.ctypes.data:  # (a round that could not write there: rows not whole)
+            np.copyto(out.reshape(-1), res)
+        return out
 
     def _idle_loop(self) -> None:
         """Between rounds: answer probes for the finished round, keep the next round's packets.

@@ -134,7 +134,7 @@ class Protocol:
 
     # ---- round set-up ----------------------------------------------------
     def start(self, flat: np.ndarray, tensor: int, reduce: bool = True, base: np.ndarray | None = None,
-              update=None, exact: bool = False) -> ShardRound:
+              update=None, exact: bool = False, out: np.ndarray | None = None) -> ShardRound:
         """Begin a round on ``flat`` (float32, this rank's input) for tensor id ``tensor``: an
         allreduce (:class:`~pydblp.collective.rounds.AllreduceRound`), or with ``reduce`` False a
         broadcast of shards (:class:`~pydblp.collective.rounds.BroadcastRound`).  A sharded update
@@ -144,15 +144,19 @@ class Protocol:
         chunk rows, in the tensor's order, from their estimated mean and current values).  Shards:
         one per rank (``Config.mode`` "tar") or one, rank 0's ("ps").  Takes in the packets of it
         that were stashed; sends nothing yet.  ``exact``: the round's bound is 0 whatever the
-        controller says (every message repaired whole)."""
+        controller says (every message repaired whole).  ``out`` (an allreduce of whole rows: float32,
+        ``flat``'s size, C-contiguous; may be ``flat`` itself): where the result goes, instead of a
+        fresh array (:meth:`ReduceScatterRound.reorder`)."""
         T = max(1, -(-flat.size // self.C))
         nsh = self.world if self.cfg.mode == "tar" else 1
         put = functools.partial(_pad, flat)
         if not reduce:
             return self._start_gather(BroadcastRound, tensor, T, nsh, put, exact)
         if update is None:  # (whole rows, nothing to pad: the round reads the caller's input in place)
-            rows = flat.reshape(T, self.C) if flat.size == T * self.C else None
-            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact, rows=rows)
+            whole = flat.size == T * self.C
+            rows = flat.reshape(T, self.C) if whole else None
+            into = out.reshape(T, self.C) if whole and out is not None else None
+            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact, rows=rows, out=into)
         return self._start_reduce(ShardedRound, tensor, T, nsh, put, base=functools.partial(_pad, base),
                                   update=update, exact=exact)
 
@@ -185,12 +189,13 @@ class Protocol:
     def _start_reduce(self, kind: type[ReduceScatterRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], base: Callable | None = None,
                       update: Callable | None = None, exact: bool = False,
-                      rows: np.ndarray | None = None) -> ReduceScatterRound:
+                      rows: np.ndarray | None = None, out: np.ndarray | None = None) -> ReduceScatterRound:
         """Begin a round of ``kind`` (a reduce-scatter, alone or followed by an all-gather) on ``T``
         rows cut into ``nsh`` shards; ``put(rows)`` writes this rank's input into ``rows`` (T, C)
         in the tensor's order (``base`` likewise its values, for a sharded update).  ``rows``: the
-        input already as (T, C) rows, read in place (not written; what outlives the round is
-        copied: :meth:`_trail_from`), else None."""
+        input already as (T, C) rows, read in place (not written during the round; what outlives
+        it is copied: :meth:`_trail_from`), else None.  ``out``: (T, C) rows the result goes to as
+        the round finishes (may be ``rows`` themselves), else None: a fresh array."""
         rnd = self._next_round()
         bounds = self._bounds(T, nsh)
         perm = self._order(rnd, tensor, T, bounds)
@@ -216,9 +221,9 @@ class Protocol:
         me = self.rank
         my = me if me < nsh else None
         fields = self._fields(rnd, tensor, x, exact)
-        if perm is not None:  # y in the round's order is scratch: reorder() makes the caller's result
+        if perm is not None or out is not None:  # y is scratch: reorder() makes the caller's result
             fields["y"] = self._scratch("y", tensor, (T, self.C))
-        st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, **more)
+        st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, out=out, **more)
         if my is not None:
             a, b = bounds[my]
             st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk

@@ -166,12 +166,25 @@ class ReduceScatterRound(ShardRound, Inbox):
     reduced: bool                    # this rank's own shard is in y (True from the start without one)
     perm: np.ndarray | None = None   # order "shuffle": x and y row i is the tensor's row perm[i] (None: the
                                      # tensor's own order); finish puts y back in the tensor's order
+    out: np.ndarray | None = None    # (T, C) rows of the caller's result array (``allreduce(out=)``), or None:
+                                     # finish makes y the result there, in the tensor's order
 
     def tensor_rows(self, first: int, n: int) -> int | np.ndarray:
         return first if self.perm is None else self.perm[first: first + n]
 
     def reorder(self) -> None:
-        if self.perm is not None:  # (the round's messages keep their order)
+        """Make ``y`` the result in the tensor's order: in ``out`` when the caller gave one (one
+        pass into memory it holds), else a fresh array where shuffled (the round's messages keep
+        their order)."""
+        if self.out is not None:
+            if self.perm is None:
+                np.copyto(self.out, self.y)
+            else:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
+                inv = np.empty_like(self.perm)
+                inv[self.perm] = np.arange(len(self.perm))
+                np.take(self.y, inv, axis=0, out=self.out, mode="clip")
+            self.y = self.out
+        elif self.perm is not None:
             back = np.empty_like(self.y)
             back[self.perm] = self.y
             self.y = back

@@ -1154,3 +1154,34 @@ def test_a_sharded_update_refuses_a_bounded_allgather_and_sizes_that_differ(rank
     rk2 = ranks(2)
     with pytest.raises(ValueError, match="grad has 10 values, params 9"):
         rk2.cols[0].sharded_update(np.zeros(10, np.float32), np.zeros(9, np.float32), _sgd(0.1))
+
+
+@pytest.mark.parametrize("order", ["rows", "shuffle"])
+@pytest.mark.parametrize("n", [352 * 40, 10_001])  # whole rows of the default chunk, and not
+def test_allreduce_into_out_and_in_place(ranks, order, n):
+    """``out=``: the result lands in the caller's array (``x`` itself: in place, as Gloo's), equal
+    to the default's new array, for whole rows (written there by the round) and not (copied in);
+    op "sum" scales it there; a wrong ``out`` is refused before any round."""
+    rk = ranks(3, order=order)
+    xs = inputs(3, n, rounds=1, seed=4)[0]
+
+    def job(r, c):
+        ref = c.allreduce(xs[r].copy())
+        inplace = xs[r].copy()
+        got = c.allreduce(inplace, out=inplace)
+        other = np.full(n, np.nan, np.float32)
+        got2 = c.allreduce(xs[r].copy(), out=other, op="sum")
+        return ref, got is inplace, inplace, got2 is other, other
+
+    res, errs = rk.run(job)
+    assert not errs, errs
+    mean = sum(xs) / 3
+    for r in range(3):
+        ref, same, inplace, same2, other = res[r]
+        assert same and same2
+        assert np.allclose(ref, mean, atol=1e-6) and np.array_equal(inplace, ref)
+        assert np.allclose(other, 3 * mean, atol=1e-5)
+    c = rk.cols[0]
+    for bad in (np.zeros(n, np.float64), np.zeros(n + 1, np.float32), np.zeros((n, 2), np.float32)[:, 0]):
+        with pytest.raises(ValueError, match="out: a writeable C-contiguous float32"):
+            c.allreduce(xs[0], out=bad)
