@@ -7,8 +7,9 @@ loss.  What is left is each stack's own work per round, user and system
 CPU, which on this machine kind (2 shared vCPUs for 4 ranks) is what bounds
 `allreduce.py`'s small rounds.  pydblp: ``Collective`` (``tar``, ``unbiased``,
 ``static:0.05``) over ``UdpTransport("lo")`` (GSO and GRO: loopback keeps a
-GSO message whole, so a receive takes it merged); Gloo: ``all_reduce`` in
-place, then divided by the world size, as in `allreduce.py`.
+GSO message whole, so a receive takes it merged), the result written into the
+input (``allreduce(x, out=x)``); Gloo: ``all_reduce`` in place, then divided by
+the world size, as in `allreduce.py`.
 
 Each repeat runs every size for pydblp, then for Gloo (interleaved: a, b, a,
 b, ...), ``--rounds`` measured rounds after 10 warm-up ones; CPU is
@@ -109,8 +110,8 @@ def rank_main(a) -> int:
             peers = [(worker_addr(r), PORT0) for r in range(a.world)]
         col = Collective(t, a.rank, a.world, peers, cfg)
 
-        def round_(x):
-            return col.allreduce(x)
+        def round_(x):  # in place, as Gloo's
+            return col.allreduce(x, out=x)
 
         def drops():
             return t.stats().get("rx_dropped", 0)
