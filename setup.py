@@ -45,4 +45,4 @@ def native(name: str) -> Extension:
                      extra_compile_args=["-O2", "-Wno-psabi"], optional=True)
 
 
-setup(cmdclass={"build_py": BuildPyWithBPF}, ext_modules=[native("mac"), native("udp")])
+setup(cmdclass={"build_py": BuildPyWithBPF}, ext_modules=[native("mac"), native("udp"), native("matcher")])

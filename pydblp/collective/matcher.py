@@ -19,16 +19,29 @@ are sorted one by one in Python.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pydblp import native as native_mod
 from pydblp import wire
 from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD, STASH_MAX
 from pydblp.collective.messages import InMessage
 from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
 from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR,
                          FLAG_TAG)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, p, p, p, p, p, p, p, p]
+    lib.dblp_absorb.restype = i64
+
+
+def native_lib() -> ctypes.CDLL | None:
+    """csrc/matcher.c's loop (:mod:`pydblp.native`), or None: the pure-Python path."""
+    return native_mod.load("matcher", _declare, what="about 0.1 ms more per received batch")
 
 
 @dataclass
@@ -53,8 +66,13 @@ class Matcher:
         counters: the collective's counters, updated in place.
     """
 
-    def __init__(self, rank: int, world: int, job: int, chunk_bytes: int, broadcast: bool, counters: dict):
+    def __init__(self, rank: int, world: int, job: int, chunk_bytes: int, broadcast: bool, counters: dict,
+                 native: bool | None = None):
         self.rank, self.world, self.job, self.broadcast = rank, world, job, broadcast
+        self._lib = native_mod.choose(native, None if native is False else native_lib(), "matcher")
+        self.native = self._lib is not None
+        self._got = np.zeros((3, 2 * world), np.int64)  # the compiled absorb's counts, bounds, rows
+        self._rest = np.zeros(RECV_BATCH, np.int64)
         self.C = chunk_bytes // 4
         self.counters = counters
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
@@ -113,7 +131,14 @@ class Matcher:
         """
         out = Sorted()
         rest = None  # rows for the one-by-one path (None: all)
-        if st is not None and len(h) > FEW:
+        fast = st is not None and len(h) > FEW
+        if fast and self._lib is not None and not st.flag & NB:
+            rest = self._absorb_native(st, h, pay, now, out)
+            if rest is not None:
+                fast = False
+                if not len(rest):
+                    return out
+        if fast:
             m = self.match(h)
             if m is True:
                 self.absorb(st, h, pay, None, now, out)
@@ -125,6 +150,58 @@ class Matcher:
                 rest = (~m).nonzero()[0]
         self._sort(st, h, pay, lens, rest, now, base, out)
         return out
+
+    def _absorb_native(self, st: Round, h, pay, now: float, out: Sorted) -> np.ndarray | None:
+        """:meth:`absorb` of the packets :meth:`match` takes, in compiled code; the rows it did not
+        take (for :meth:`_sort`), or None when the batch holds something only :meth:`absorb` handles
+        (then nothing was taken: the whole batch goes the Python way)."""
+        n = len(h)
+        if n > len(self._rest) or not h.flags.c_contiguous or pay.strides[1] != 1:
+            return None
+        W = self.world
+        got, hi, tol = self._got
+        got[:] = 0
+        tol[:] = -1
+        hi[:] = st.hi.reshape(-1)
+        rs = not st.reduced
+        gather = st.gather
+        k = self._lib.dblp_absorb(
+            h.ctypes.data, n, pay.ctypes.data, pay.strides[0], self._mask.ctypes.data, self._vals.ctypes.data,
+            int(self.broadcast), self.rank, W, self.C * 4, int(not rs),
+            st.rflat.ctypes.data if rs else None, st.rmflat.ctypes.data if rs else None,
+            st.rmask.shape[1] if rs else 0, int(gather),
+            st.y.ctypes.data if gather else None, st.have.ctypes.data if gather else None,
+            st.ag_first.ctypes.data if gather else None, st.ag_n.ctypes.data if gather else None,
+            hi.ctypes.data, got.ctypes.data, tol.ctypes.data, self._rest.ctypes.data)
+        if k < 0:
+            return None
+        st.hi[:] = hi.reshape(2, W)
+        touched = []
+        per = got[:W].tolist()
+        if any(per):
+            count = st.rmask.sum(axis=1).tolist()
+            h0 = st.hi[0].tolist()
+            for r, g in enumerate(per):
+                if g:
+                    inn = st.ins[(False, r)]
+                    self._credit(st, inn, int(tol[r]), g, count[r], h0[r], now)
+                    touched.append(inn)
+        per = got[W:].tolist()
+        if any(per):
+            h1 = st.hi[1].tolist()
+            for r, g in enumerate(per):
+                if g:
+                    inn = st.ins[(True, r)]
+                    rs_out = st.outs.get((False, r))
+                    if rs_out is not None and not rs_out.done:
+                        rs_out.done = True  # owner r is all-gathering: it is done with our contribution
+                    self._credit(st, inn, int(tol[W + r]), g, int(np.count_nonzero(inn.mask)), h1[r], now)
+                    touched.append(inn)
+        for inn in touched:
+            if inn.done and not inn.stop_sent:
+                inn.stop_sent = True
+                out.stops.append(inn)
+        return self._rest[:k].copy()
 
     def _sort(self, st: Round | None, h, pay, lens, rows, now: float, base: int, out: Sorted) -> None:
         """:meth:`process` packet by packet for rows ``rows`` of a batch (None: all of them)."""
@@ -347,5 +424,9 @@ class Matcher:
         """Update ``inn`` after ``got`` packets of it (among headers ``h`` from sources ``src``)
         arrived: its sender is heard, duplicates are counted."""
         tol8 = int(h["tol"][(src == inn.src).argmax()]) if inn.tol8 is None else inn.tol8
+        self._credit(st, inn, tol8, got, count, hi, now)
+
+    def _credit(self, st: Round, inn: InMessage, tol8: int, got: int, count: int, hi: int, now: float) -> None:
+        """:meth:`_arrived` with the bound of the first packet from ``inn``'s sender, ``tol8``."""
         st.heard[inn.src] = now
         self.counters["duplicate"] += inn.arrived(got, count, hi, now, tol8)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +38,7 @@ from pydblp.collective import Collective, Config
 from pydblp.collective.config import AG, DATA, F32, MASK32, NB, RETX, STASH_AHEAD, STASH_MAX
 from pydblp.collective.rounds import GatherRound, NeighbourRound
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import require_native
 
 CB = 64  # chunk_bytes: the smallest allowed, so payloads stay small
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
@@ -111,6 +113,21 @@ class Rank:
             o.sent = o.avail = o.n
             o.t_sent_all = o.t_last = now
         self.p.finish(st)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["c", "python"])
+def path(request):
+    """Every property here holds on both paths of the receive: the compiled absorb
+    (csrc/matcher.c) and the pure-Python reference."""
+    from pydblp.collective import matcher
+
+    lib = matcher.native_lib
+    if request.param == "python":
+        matcher.native_lib = lambda: None
+    elif lib() is None:
+        require_native("matcher")
+    yield request.param
+    matcher.native_lib = lib
 
 
 def setup(r: dict) -> tuple[Rank, object]:
@@ -332,7 +349,7 @@ def check_writes(before: dict, after: dict, p, s) -> None:
             m1 = np.frombuffer(after["rmask"], bool).reshape(p.world, n)
             assert (m0[p.rank] == m1[p.rank]).all() and (m1 >= m0).all()
         for k, v in after["bufs"].items():
-            if p._bufs[k] is not getattr(s, "rbuf", None) and p._bufs[k] is not s.x:
+            if all(p._bufs[k] is not b for b in (getattr(s, "rbuf", None), s.x, s.y)):  # (y: checked above)
                 assert v == before["bufs"][k], f"scratch buffer {k} changed"
     else:
         assert after["bufs"] == before["bufs"], "a scratch buffer changed between rounds"

@@ -1,5 +1,6 @@
-"""The UDP transport's compiled loops (csrc/udp.c) against the pure-Python reference: the same
-input gives the same datagrams on the wire, the same received batches and the same counters."""
+"""The compiled loops (csrc/udp.c, csrc/matcher.c) against the pure-Python reference: the same
+input gives the same datagrams on the wire, the same received batches and counters, and the
+same collective rounds."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def test_peer_matching_and_unknown_sources():
             assert sorted(peers) == [-1, first, first, first], native
 
 
-def test_collective_rounds_are_identical_on_both_paths(ranks):
+def test_collective_rounds_are_identical_on_both_paths(ranks, monkeypatch):
     """Four ranks, shuffled rows, magnitude priorities, bound 0, and a deterministic loss of every
     7th first-pass chunk from ranks 0 and 2 (repaired): allreduce, reduce-scatter and all-gather
     rounds give bit-identical results and the same records on the compiled and Python paths."""
@@ -172,10 +173,18 @@ def test_collective_rounds_are_identical_on_both_paths(ranks):
         first = (h["flags"] & (wire.Flag.RETX)) == 0
         return (h["kind"] == wire.Kind.DATA) & first & (h["chunk"] % 7 == 3)
 
+    from pydblp.collective import matcher
+
+    if matcher.native_lib() is None:
+        require_native("matcher")
     out = {}
     for native in PATHS:
-        rk = ranks(4, native=native, phase="static:0", order="shuffle", priority="magnitude")
+        with monkeypatch.context() as m:
+            if not native:  # the receive's absorb on its Python path too
+                m.setattr(matcher, "native_lib", lambda: None)
+            rk = ranks(4, native=native, phase="static:0", order="shuffle", priority="magnitude")
         assert all(t.native is native for t in rk.ts)
+        assert all(c.protocol.matcher.native is native for c in rk.cols)
         for r in (0, 2):
             lose_sent(rk.ts[r], drop)
 

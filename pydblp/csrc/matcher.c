@@ -1,0 +1,99 @@
+/* Per-packet loop of the collective's receive (pydblp/collective/matcher.py).
+ *
+ * dblp_absorb takes a received batch: packets whose headers match the round
+ * running (Matcher.match's masked 64-bit words) go into it, their payloads copied
+ * straight into the reduce buffer (reduce-scatter) or the result (all-gather),
+ * masks set, the highest chunk per sender raised, arrivals counted per sender;
+ * the rest are listed for Python to sort.  It does only what Matcher.absorb does
+ * for a clean batch, and refuses (-1, nothing written) a batch holding anything
+ * Matcher.absorb would count or note (a foreign sender, another chunk count, an
+ * all-gather packet in a round without one): Python then takes the whole batch,
+ * so both paths give the same round (tests/unit/test_udp_native.py).
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_LEN 32
+#define DST_ALL 0xFFFF
+#define AG 2
+
+static inline uint32_t be16(const uint8_t *p) { return (uint32_t)p[0] << 8 | p[1]; }
+static inline uint32_t be32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t *vals, int broadcast,
+                          int64_t rank) {
+    uint64_t w[4];
+    memcpy(w, h, sizeof w);
+    for (int k = 0; k < 4; k++)
+        if ((w[k] & mask[k]) != vals[k]) return 0;
+    if (broadcast) { /* dst left out of the mask: this rank's, or an all-gather to all */
+        uint32_t dst = be16(h + 16);
+        return dst == (uint32_t)rank || (dst == DST_ALL && (h[31] & AG));
+    }
+    return 1;
+}
+
+/* Packets [0, n): headers at hdrs + 32 i, payloads at pay + i * pstride (chunk
+ * bytes c4 each).  The round: reduce-scatter inbox rflat (world * nrs rows of c4
+ * bytes, row src * nrs + chunk) and its mask rmflat, unless reduced; all-gather
+ * result y (rows of c4 bytes, row ag_first[src] + chunk of ag_n[src]) and its
+ * mask have, if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
+ * 1 all-gather) to 1 + the highest chunk, adds to got[kind * world + src], and
+ * sets tol[kind * world + src] (-1 before) to the first such packet's bound.
+ * Returns how many packets did not match (their rows in rest, in order), or -1. */
+int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t pstride, const uint64_t *mask,
+                    const uint64_t *vals, int broadcast, int64_t rank, int64_t world, int64_t c4, int reduced,
+                    uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int gather, uint8_t *y, uint8_t *have,
+                    const int64_t *ag_first, const int64_t *ag_n, int64_t *hi, int64_t *got, int64_t *tol,
+                    int64_t *rest) {
+    int64_t nrest = 0;
+    for (int64_t i = 0; i < n; i++) { /* check everything before writing anything */
+        const uint8_t *h = hdrs + i * HEADER_LEN;
+        if (!matches(h, mask, vals, broadcast, rank)) {
+            rest[nrest++] = i;
+            continue;
+        }
+        uint32_t src = be16(h + 14), chunk = be32(h + 20), nch = be32(h + 24);
+        if (src >= (uint32_t)world || src == (uint32_t)rank || chunk >= nch) return -1;
+        if (h[31] & AG) {
+            if (!gather || (int64_t)nch != ag_n[src]) return -1;
+        } else if (!reduced && (int64_t)nch != nrs) {
+            return -1;
+        }
+    }
+    for (int64_t i = 0, r = 0; i < n; i++) {
+        if (r < nrest && rest[r] == i) {
+            r++;
+            continue;
+        }
+        const uint8_t *h = hdrs + i * HEADER_LEN;
+        uint32_t src = be16(h + 14), chunk = be32(h + 20);
+        int kind = (h[31] & AG) ? 1 : 0;
+        int64_t row;
+        if (kind) {
+            row = ag_first[src] + chunk;
+            memcpy(y + row * c4, pay + i * pstride, c4);
+            have[row] = 1;
+        } else if (!reduced) {
+            row = (int64_t)src * nrs + chunk;
+            memcpy(rflat + row * c4, pay + i * pstride, c4);
+            rmflat[row] = 1;
+        } else {
+            continue; /* contributions to a shard already reduced: nothing to do (as matcher.py) */
+        }
+        int64_t k = kind * world + src;
+        if ((int64_t)chunk + 1 > hi[k]) hi[k] = chunk + 1;
+        got[k]++;
+        if (tol[k] < 0) tol[k] = h[30];
+    }
+    return nrest;
+}
+
+/* Which source this library was built from (pydblp/native.py tells a stale copy by it). */
+#ifndef DBLP_SOURCE_ID
+#define DBLP_SOURCE_ID "unknown"
+#endif
+const char *dblp_source_id(void) { return DBLP_SOURCE_ID; }
