@@ -509,8 +509,8 @@ class Collective:
 
     def _round(self, x: np.ndarray, start, done=None, out: np.ndarray | None = None) -> np.ndarray:
         """Run one round that ``start(protocol, flat)`` begins; ``done(round)`` sees it before the
-        state is released.  The result is ``out`` (the round wrote it there, or it is copied in)
-        when given, else the round's own array."""
+        state is released.  The result is ``out`` when given (``start`` passed it to the round,
+        which writes it there as it finishes), else the round's own array."""
         if self._closing:
             raise CollectiveError("collective is closed")
         if self._idle_error is not None:
@@ -540,12 +540,9 @@ class Collective:
                     self._running = False
                 if self._idler is not None:
                     self._alarm.set(IDLE_GRACE)
-        res = st.y.reshape(-1)[: flat.size]
-        if out is None:
-            return res.reshape(np.shape(x))
-        if res.ctypes.data != out.ctypes.data:  # (a round that could not write there: rows not whole)
-            np.copyto(out.reshape(-1), res)
-        return out
+        if out is not None:  # (the round wrote its result there as it finished)
+            return out
+        return st.y.reshape(-1)[: flat.size].reshape(np.shape(x))
 
     def _idle_loop(self) -> None:
         """Between rounds: answer probes for the finished round, keep the next round's packets.

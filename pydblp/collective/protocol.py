@@ -152,11 +152,8 @@ class Protocol:
         put = functools.partial(_pad, flat)
         if not reduce:
             return self._start_gather(BroadcastRound, tensor, T, nsh, put, exact)
-        if update is None:  # (whole rows, nothing to pad: the round reads the caller's input in place)
-            whole = flat.size == T * self.C
-            rows = flat.reshape(T, self.C) if whole else None
-            into = out.reshape(T, self.C) if whole and out is not None else None
-            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact, rows=rows, out=into)
+        if update is None:
+            return self._start_reduce(AllreduceRound, tensor, T, nsh, put, exact=exact, flat=flat, out=out)
         return self._start_reduce(ShardedRound, tensor, T, nsh, put, base=functools.partial(_pad, base),
                                   update=update, exact=exact)
 
@@ -189,26 +186,17 @@ class Protocol:
     def _start_reduce(self, kind: type[ReduceScatterRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], base: Callable | None = None,
                       update: Callable | None = None, exact: bool = False,
-                      rows: np.ndarray | None = None, out: np.ndarray | None = None) -> ReduceScatterRound:
+                      flat: np.ndarray | None = None, out: np.ndarray | None = None) -> ReduceScatterRound:
         """Begin a round of ``kind`` (a reduce-scatter, alone or followed by an all-gather) on ``T``
         rows cut into ``nsh`` shards; ``put(rows)`` writes this rank's input into ``rows`` (T, C)
-        in the tensor's order (``base`` likewise its values, for a sharded update).  ``rows``: the
-        input already as (T, C) rows, read in place (not written during the round; what outlives
-        it is copied: :meth:`_trail_from`), else None.  ``out``: (T, C) rows the result goes to as
-        the round finishes (may be ``rows`` themselves), else None: a fresh array."""
+        in the tensor's order (``base`` likewise its values, for a sharded update).  ``flat``: the
+        input ``put`` writes, given when the round may read it in place (never written during the
+        round; what outlives it is copied: :meth:`_trail_from`).  ``out``: where the result goes as
+        the round finishes (flat, ``flat``'s size; may be ``flat`` itself), else None: a fresh array."""
         rnd = self._next_round()
         bounds = self._bounds(T, nsh)
         perm = self._order(rnd, tensor, T, bounds)
-        if perm is None and rows is not None:
-            x = rows
-        else:
-            x = self._scratch("x", tensor, (T, self.C))
-            into = rows
-            if into is None:
-                into = x if perm is None else self._scratch("xin", tensor, (T, self.C))
-                put(into)
-            if perm is not None:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
-                np.take(into, perm, axis=0, out=x, mode="clip")
+        x = self._take_input(tensor, T, perm, put, flat)
         more = {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
@@ -239,6 +227,31 @@ class Protocol:
         if kind.gather:
             self._expect_gather(st)
         return self._begin(st)
+
+    def _take_input(self, tensor: int, T: int, perm: np.ndarray | None, put: Callable, flat: np.ndarray | None):
+        """The round's x: ``T`` rows of this rank's input in the round's order, in one pass at most.
+
+        Whole rows and the tensor's order: ``flat`` itself.  Shuffled: one take from ``flat``'s
+        whole rows, the last (padded) row put where the permutation sends it.  Otherwise ``put``
+        into scratch (and a take from there)."""
+        C = self.C
+        whole = flat is not None and flat.size == T * C
+        if perm is None and whole:
+            return flat.reshape(T, C)
+        x = self._scratch("x", tensor, (T, C))
+        if perm is not None and flat is not None and T > 1:  # (mode "clip": a valid permutation)
+            full = flat.size // C
+            np.take(flat[: full * C].reshape(full, C), perm, axis=0, out=x, mode="clip")
+            if not whole:  # the row perm sent T - 1 to holds row T - 2 (clipped): the padded tail
+                j = int((perm == T - 1).argmax())
+                x[j, : flat.size - full * C] = flat[full * C:]
+                x[j, flat.size - full * C:] = 0
+            return x
+        into = x if perm is None else self._scratch("xin", tensor, (T, C))
+        put(into)
+        if perm is not None:
+            np.take(into, perm, axis=0, out=x, mode="clip")
+        return x
 
     def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], exact: bool = False) -> GatherRound:
@@ -818,8 +831,26 @@ class Protocol:
         self._prev = (st.round, st.ins)
         self._began = (st.round, st.began())
         self._trail_from(st)  # (copies the rows its messages still need: y may be replaced now)
-        st.reorder()
-        self.fill.keep(st)
+        out = getattr(st, "out", None)
+        if out is None:
+            st.reorder()
+            self.fill.keep(st)
+        else:  # the caller's array: the result in the tensor's order there, in one pass
+            T, C = st.y.shape
+            if out.size == T * C:  # whole rows: straight into it
+                st.reorder(out.reshape(T, C))
+                self.fill.keep(st)
+            else:  # y (scratch) in the tensor's order, its values copied out, itself kept as it is
+                key = ("y", st.tensor) if st.perm is None else ("yout", st.tensor)
+                if st.perm is not None:
+                    st.reorder(self._scratch(*key, (T, C)))
+                np.copyto(out, st.y.reshape(-1)[: out.size])
+                spare = self.fill.keep(st, give=True)
+                if self.fill.stale.get(st.tensor) is st.y:  # the stale fill holds that scratch now
+                    if spare is None:
+                        self._bufs.pop(key, None)
+                    else:
+                        self._bufs[key] = spare
         s1 = self.t.stats()
         rec = RoundRecord(index=st.index, round=st.round, tensor=st.tensor, tol=st.tol8 / 255,
                           phase=st.phase, latency=self.clock() - st.t0)

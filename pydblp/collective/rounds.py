@@ -114,8 +114,9 @@ class Round:
         """Make the result whole as the round ends (``fill``: the protocol's
         :class:`~pydblp.collective.fill.Fill`): rows that did not arrive, or the mean."""
 
-    def reorder(self) -> None:
-        """Put ``y`` in the tensor's order (after the round's messages are done with it)."""
+    def reorder(self, into: np.ndarray | None = None) -> None:
+        """Put ``y`` in the tensor's order (after the round's messages are done with it), in
+        ``into`` when given (a round with ``out``)."""
 
     def began(self) -> dict:
         """Per sender, when its message began arriving, for the next neighbour round (empty but
@@ -166,24 +167,24 @@ class ReduceScatterRound(ShardRound, Inbox):
     reduced: bool                    # this rank's own shard is in y (True from the start without one)
     perm: np.ndarray | None = None   # order "shuffle": x and y row i is the tensor's row perm[i] (None: the
                                      # tensor's own order); finish puts y back in the tensor's order
-    out: np.ndarray | None = None    # (T, C) rows of the caller's result array (``allreduce(out=)``), or None:
-                                     # finish makes y the result there, in the tensor's order
+    out: np.ndarray | None = None    # the caller's result array, flat (``allreduce(out=)``), or None; y is
+                                     # then scratch, and finish writes the result there (Protocol.finish)
 
     def tensor_rows(self, first: int, n: int) -> int | np.ndarray:
         return first if self.perm is None else self.perm[first: first + n]
 
-    def reorder(self) -> None:
-        """Make ``y`` the result in the tensor's order: in ``out`` when the caller gave one (one
-        pass into memory it holds), else a fresh array where shuffled (the round's messages keep
-        their order)."""
-        if self.out is not None:
+    def reorder(self, into: np.ndarray | None = None) -> None:
+        """Make ``y`` the result in the tensor's order: in ``into`` ((T, C), one pass into memory
+        the caller holds) when given, else a fresh array where shuffled (the round's messages
+        keep their order)."""
+        if into is not None:
             if self.perm is None:
-                np.copyto(self.out, self.y)
+                np.copyto(into, self.y)
             else:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
                 inv = np.empty_like(self.perm)
                 inv[self.perm] = np.arange(len(self.perm))
-                np.take(self.y, inv, axis=0, out=self.out, mode="clip")
-            self.y = self.out
+                np.take(self.y, inv, axis=0, out=into, mode="clip")
+            self.y = into
         elif self.perm is not None:
             back = np.empty_like(self.y)
             back[self.perm] = self.y
