@@ -59,19 +59,27 @@ class XskReceive:
         if got < 0:
             return None
         self._taking = None  # consumed and refilled (or lent) in the call: nothing to give back on an error
-        k, lent, base, w, invalid, trunc, nbytes, filled, left = r.tolist()
+        res = r.tolist()
+        k, lent, base, w, invalid, trunc, nbytes, filled, left = res
+        if lent:  # payloads stay in their UMEM frames, refilled at the next receive
+            self._lent = self._xtaken[:got].copy()
+        elif filled < left:  # behind frames still pending for the fill ring
+            self._fill_push(self._xtaken[filled:left].copy())
+        return self._recv_done(into, got, res)
+
+    def _recv_done(self, into: Batch, got: int, res: list) -> Batch:
+        """The batch ``dblp_xsk_rx`` wrote ``into`` (its ``got`` descriptors' frames already given
+        back or lent): counters, and the payload rows lent from the UMEM when it lent them."""
+        k, lent, base, w, invalid, trunc, nbytes = res[:7]
         c = self._c
         c["rx_packets"] += k
         c["rx_bytes"] += nbytes
         c["rx_invalid"] += invalid
         c["rx_truncated"] += trunc
         into.n = k
-        if lent:  # payloads stay in their UMEM frames, refilled at the next receive
-            self._lent = self._xtaken[:got].copy()
+        if lent:
             f0, s0 = divmod(base, self.frame_size)
-            return Batch(h[:k], self._umem2d[f0: f0 + k, s0: s0 + w], ln[:k], peer[:k], k)
-        if filled < left:
-            self._fill_push(self._xtaken[filled:left].copy())
+            return Batch(into.headers[:k], self._umem2d[f0: f0 + k, s0: s0 + w], into.lengths[:k], into.peer[:k], k)
         return into.view(0, k)
 
     def _receive(self, into: Batch, cons: int, avail: int, cap: int, copy: bool) -> Batch:

@@ -212,7 +212,7 @@ def test_a_batch_that_raises_gives_its_frames_back_on_both(monkeypatch):
         monkeypatch.setattr(t._sources, "match", boom)
         monkeypatch.setattr(t, "_headers_in", boom)
         if t.native:  # C matches sources itself: break the batch after the call instead
-            monkeypatch.setattr(t, "_recv_native", lambda *a: boom())
+            monkeypatch.setattr(t, "_recv_done", boom)
         b = t.recv(Batch.empty(16))
         assert b.n == 0 and t.stats()["rx_errors"] == 1
         assert t._fill.used() + len(t._fill_pending) == before + 8 and t._rx.used() == 0
