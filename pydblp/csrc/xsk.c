@@ -278,6 +278,27 @@ static inline uint64_t fold(uint64_t s) {
     return s;
 }
 
+/* send's checks on n packets: every peer id below npeers (else -1); out: [0] the
+ * longest and [1] the shortest length, [2] the longest header (hlen by peer),
+ * [3] the lengths' sum. */
+int dblp_xsk_tx_check(size_t n, const int32_t *peer, const int32_t *lengths, size_t npeers, const int64_t *hlen,
+                      int64_t *out) {
+    int64_t hi = INT32_MIN, lo = INT32_MAX, hl = 0, sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (peer[i] < 0 || (size_t)peer[i] >= npeers) return -1;
+        int64_t len = lengths[i];
+        if (len > hi) hi = len;
+        if (len < lo) lo = len;
+        if (hlen[peer[i]] > hl) hl = hlen[peer[i]];
+        sum += len;
+    }
+    out[0] = hi;
+    out[1] = lo;
+    out[2] = hl;
+    out[3] = sum;
+    return 0;
+}
+
 /* Build m frames (batch rows first..first+m) into UMEM frames taken in
  * order from the free list (T entries, a power of two, from head) and write
  * their descriptors at tx ring index prod; publish: also release the

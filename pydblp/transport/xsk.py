@@ -274,12 +274,23 @@ class XskTransport(XskReceive, Transport):
         self._xaddr = {name: ctypes.addressof(r) for name, r in self._xrings.items()}
         self._xaddr["rx"] = ctypes.addressof(x)
         self._xaddr["txprod"] = self._tx.prod.ctypes.data
+        self._xaddr["res"] = self._xres.ctypes.data
+        self._xaddr["flens"] = self._xflens.ctypes.data
+        self._xchk = np.zeros(4, np.int64)  # dblp_xsk_tx_check's results
+        self._xaddr["chk"] = self._xchk.ctypes.data
+        self._xinto = None  # (arrays, addresses) of the batch the last receive wrote
+        # dblp_xsk_tx's arguments that stay: UMEM, frame size, free list, its size; the templates'
+        # addresses (_native_sources renews them); TOS table
+        self._xtx_fixed = (self._umem.ctypes.data, self.frame_size, self._tx_free.ctypes.data, self.tx_frames)
+        self._xtos = None if self._tos is None else self._tos.ctypes.data
         self._native_sources()
 
     def _native_sources(self) -> None:
         """Point the C receive at the current registered sources (after each ``add_peer``)."""
         if self._xlib is not None:
             self._xkeep = xsk_native.set_sources(self._xrx, self._sources)
+            tp = self._tmpl
+            self._xtmpl = (tp.table.ctypes.data, tp.table.shape[1], tp.hlen.ctypes.data, tp.partial.ctypes.data)
 
     def _bind(self, flags: int, timeout: float) -> None:
         self.bind_retries = ring.bind(self._fd, self.ifname, self.ifindex, self.queue, flags, timeout)
@@ -504,6 +515,12 @@ class XskTransport(XskReceive, Transport):
         n = len(batch)
         if n == 0:
             return 0
+        if self._xlib is not None:
+            prep = self._native_prepare(batch, n)
+            if prep is not None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                with self._tx_lock:
+                    return self._send_native(prep, n, deadline)
         peer = batch.peer[:n]
         if peer.min() < 0 or peer.max() >= len(self._tmpl):
             raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
@@ -588,10 +605,13 @@ class XskTransport(XskReceive, Transport):
         self._push_out(deadline)
         return sent
 
-    def _send_native(self, batch: Batch, n: int, deadline: float | None) -> int:
-        """``_send_locked`` in C: each pass builds as many frames as the free list and the ring
-        hold in one call (any peers, any free frames) and, unpaced, hands them to the kernel."""
-        tx, T, lib = self._tx, self.tx_frames, self._xlib
+    def _native_prepare(self, batch: Batch, n: int) -> tuple | None:
+        """``send``'s checks in one C call, and the batch's arrays as C reads them; None for a batch
+        with a frame longer than a UMEM frame (the Python paths send it, or refuse it).
+
+        Raises:
+            ValueError: a peer id not from ``add_peer``, or a length outside the payload rows.
+        """
         h = batch.headers[:n]
         if not (h.flags.c_contiguous and h.dtype == wire.HEADER_DTYPE):
             h = np.ascontiguousarray(h, wire.HEADER_DTYPE)
@@ -600,24 +620,35 @@ class XskTransport(XskReceive, Transport):
             pay = np.ascontiguousarray(pay, np.uint8)
         ln = np.ascontiguousarray(batch.lengths[:n], np.int32)
         peer = np.ascontiguousarray(batch.peer[:n], np.int32)
-        if int(ln.min()) < 0 or int(ln.max()) > pay.shape[1]:
-            raise ValueError(f"lengths {int(ln.min())}..{int(ln.max())} outside the payload width 0..{pay.shape[1]}")
-        tp = self._tmpl
-        tos = None if self._tos is None else self._tos.ctypes.data
+        if self._xlib.dblp_xsk_tx_check(n, peer.ctypes.data, ln.ctypes.data, len(self._tmpl), self._xtmpl[2],
+                                        self._xaddr["chk"]):
+            raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
+        longest, shortest, hl_max, total = self._xchk.tolist()
+        if shortest < 0 or longest > pay.shape[1]:
+            raise ValueError(f"lengths {shortest}..{longest} outside the payload width 0..{pay.shape[1]}")
+        longest += wire.HEADER_LEN + hl_max  # as send reckons it for the Python paths
+        if longest + (longest & 1) > self.frame_size:
+            return None
+        return h, pay, ln, peer, total
+
+    def _send_native(self, prep: tuple, n: int, deadline: float | None) -> int:
+        """``_send_locked`` in C: each pass builds as many frames as the free list and the ring
+        hold in one call (any peers, any free frames) and, unpaced, hands them to the kernel."""
+        tx, T, lib = self._tx, self.tx_frames, self._xlib
+        h, pay, ln, peer, total = prep
         paced = bool(self._pacer.Bps)
         ps = pay.strides[0]
+        hp, pp, lp, rp = h.ctypes.data, pay.ctypes.data, ln.ctypes.data, peer.ctypes.data
+        tx_addr, fixed, tmpl, tos, flens = self._xaddr["tx"], self._xtx_fixed, self._xtmpl, self._xtos, self._xflens
         sent = 0
         while sent < n:
             self._reclaim()
             prod = self._wprod
             m = min(n - sent, self._tx_nfree)
             if m:  # C takes what the ring has room for; unpaced, it also releases them
-                m = lib.dblp_xsk_tx(self._xaddr["tx"], self._umem.ctypes.data, self.frame_size,
-                                    self._tx_free.ctypes.data, T, self._tx_head, prod, tp.table.ctypes.data,
-                                    tp.table.shape[1], tp.hlen.ctypes.data, tp.partial.ctypes.data, tos,
-                                    h.ctypes.data + wire.HEADER_LEN * sent, pay.ctypes.data + ps * sent, ps,
-                                    ln.ctypes.data + 4 * sent, peer.ctypes.data + 4 * sent, m,
-                                    self._xflens.ctypes.data, not paced)
+                m = lib.dblp_xsk_tx(tx_addr, *fixed, self._tx_head, prod, *tmpl, tos, hp + wire.HEADER_LEN * sent,
+                                    pp + ps * sent, ps, lp + 4 * sent, rp + 4 * sent, m, self._xaddr["flens"],
+                                    not paced)
             if m == 0:
                 if not self._wait_room(deadline):
                     break
@@ -625,11 +656,11 @@ class XskTransport(XskReceive, Transport):
             self._tx_head = (self._tx_head + m) % T
             self._tx_nfree -= m
             if paced:
-                self._pacer.queued((prod + np.arange(m)) & tx.mask, self._xflens[:m], 1)
+                self._pacer.queued((prod + np.arange(m)) & tx.mask, flens[:m], 1)
             self._wprod = (prod + m) & 0xFFFFFFFF
             self._tx_outstanding += m
             self._c["tx_packets"] += m
-            self._c["tx_bytes"] += int(ln[sent: sent + m].sum()) + m * wire.HEADER_LEN
+            self._c["tx_bytes"] += (total if m == n else int(ln[sent: sent + m].sum())) + m * wire.HEADER_LEN
             self._release()
             self._kick()
             sent += m
@@ -637,8 +668,6 @@ class XskTransport(XskReceive, Transport):
         return sent
 
     def _send_locked(self, batch: Batch, n: int, hl_max: int, one_hl: bool, deadline: float | None) -> int:
-        if self._xlib is not None:
-            return self._send_native(batch, n, deadline)
         tx = self._tx
         sent = 0
         while sent < n:

@@ -157,7 +157,7 @@ def seeded_batch(n: int, peers, seed: int, width: int = 600) -> Batch:
     h["prio"] = rng.integers(0, 8, n)
     h["tol"] = rng.integers(0, 256, n)
     lens = rng.integers(0, width + 1, n)
-    lens[:3] = (0, 1, width)
+    lens[:3] = (0, 1, width)[:n]
     pay = rng.integers(0, 256, (n, width), dtype=np.uint8)
     return Batch.fill(h, pay, lens, np.resize(np.asarray(peers, np.int32), n))
 

@@ -67,6 +67,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dblp_xsk_tx.argtypes = [_p, _p, _u32, _p, _u32, _u32, _u32, _p, _z, _p, _p, _p, _p, _p, _z, _p, _p,
                                 _z, _p, ctypes.c_int]
     lib.dblp_xsk_tx.restype = _z
+    lib.dblp_xsk_tx_check.argtypes = [_z, _p, _p, _z, _p, _p]
+    lib.dblp_xsk_tx_check.restype = ctypes.c_int
 
 
 def _selftest(lib) -> bool:
