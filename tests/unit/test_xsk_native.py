@@ -4,11 +4,15 @@ Both paths run inside the same transport code over plain-memory rings and UMEM
 (:class:`pydblp.transport.xsk_memory.MemoryXsk`, the kernel's part played in numpy): the
 frames sent must be byte-identical, and frames received (well-formed, malformed, forged,
 multi-buffer, lent with ``copy=False``) must give identical batches, counters and fill rings.
+Without a compiler (or with ``DBLP_NATIVE=0``) the Python path runs, after one warning.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +24,6 @@ from pydblp.transport.xsk_memory import MemoryXsk, agree, seeded_batch
 LIB = xsk_native.load_lib()
 needs_cc = pytest.mark.skipif(LIB is None and not os.environ.get("DBLP_REQUIRE_PRIVILEGED"),
                               reason=f"no compiled xsk loops: {native.why('xsk')}")
-pytestmark = needs_cc
 PORT = wire.DEFAULT_PORT
 V4, V6 = ("198.18.0.2", "198.18.0.3"), ("2001:db8::2", "2001:db8::3")
 
@@ -66,6 +69,7 @@ def received(frame_list, cap=64, maxlen=1500, copy=True, rounds=None, **kw):
     return out
 
 
+@needs_cc
 def test_the_self_test_passes_and_the_paths_are_chosen():
     assert agree(LIB)
     py, c = pair()
@@ -73,6 +77,7 @@ def test_the_self_test_passes_and_the_paths_are_chosen():
     assert MemoryXsk(None, lib=LIB).native
 
 
+@needs_cc
 @pytest.mark.parametrize("dscp", ["off", "default"])
 @pytest.mark.parametrize("peers", ["v4", "v6", "mixed"])
 def test_sent_frames_are_byte_identical(peers, dscp):
@@ -88,6 +93,7 @@ def test_sent_frames_are_byte_identical(peers, dscp):
                 assert frames.checksum(pseudo + udp) == 0
 
 
+@needs_cc
 def test_sent_frames_identical_at_full_frame_width_and_when_paced():
     a, b = sent_frames(width=2048 - 62 - 32, n=20)
     assert a == b and max(map(len, a)) == 2048
@@ -131,6 +137,7 @@ def malformed(v4: bytes, v6: bytes) -> list[bytes]:
     ]
 
 
+@needs_cc
 @pytest.mark.parametrize("validated", [False, True])
 def test_receive_is_identical_for_well_formed_and_malformed_frames(validated):
     good = valid_frames()
@@ -145,12 +152,14 @@ def test_receive_is_identical_for_well_formed_and_malformed_frames(validated):
     assert -1 in sum((g[2] for g in got), [])
 
 
+@needs_cc
 def test_receive_truncates_and_caps_alike():
     good = valid_frames(40)
     py, c = received(good, cap=7, maxlen=300, rounds=8)
     assert py == c and py[1]["rx_truncated"] > 0 and py[1]["rx_packets"] == 40
 
 
+@needs_cc
 def test_receive_fuzzed_frames_alike():
     rng = np.random.default_rng(11)
     good = valid_frames(32, seed=4)
@@ -167,6 +176,7 @@ def test_receive_fuzzed_frames_alike():
     assert py == c and py[1]["rx_packets"] + py[1]["rx_invalid"] == 400
 
 
+@needs_cc
 def test_copy_false_lends_umem_frames_and_refills_them_next_call():
     good = valid_frames(16)
     v4s = [f for f in good if f[12:14] == b"\x08\x00"]
@@ -184,6 +194,7 @@ def test_copy_false_lends_umem_frames_and_refills_them_next_call():
     assert py == c and py[1]["rx_invalid"] == 1
 
 
+@needs_cc
 def test_multi_buffer_frames_take_the_python_path_on_both():
     t = MemoryXsk(False, frame_size=2048)
     ids = add_peers(t)
@@ -200,6 +211,7 @@ def test_multi_buffer_frames_take_the_python_path_on_both():
     assert outs[0] == outs[1] and outs[0][0] == 8
 
 
+@needs_cc
 def test_a_batch_that_raises_gives_its_frames_back_on_both(monkeypatch):
     for t in pair():
         add_peers(t, ("198.18.0.1", "2001:db8::1"))
@@ -216,3 +228,38 @@ def test_a_batch_that_raises_gives_its_frames_back_on_both(monkeypatch):
         b = t.recv(Batch.empty(16))
         assert b.n == 0 and t.stats()["rx_errors"] == 1
         assert t._fill.used() + len(t._fill_pending) == before + 8 and t._rx.used() == 0
+
+
+_PROBE = """
+import logging
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from pydblp import native
+native._installed = lambda name: None  # (what these tests check is the first-use build)
+from pydblp.transport.xsk_memory import MemoryXsk, agree
+from pydblp.transport import xsk_native
+t = MemoryXsk(None)
+print("native", t.native)
+"""
+
+
+def _child(**env) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **env}
+    e.pop("DBLP_NATIVE", None)
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", _PROBE], env=e, capture_output=True, text=True, timeout=300)
+
+
+def test_without_a_compiler_the_python_path_runs_with_one_warning(tmp_path):
+    r = _child(CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path))
+    assert r.returncode == 0 and "native False" in r.stdout, r.stderr
+    assert r.stderr.count("WARNING") == 1 and "compiled xsk unavailable" in r.stderr
+    r = _child(CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path), DBLP_NATIVE="1")
+    assert r.returncode != 0 and "NativeUnavailable" in r.stderr
+
+
+@needs_cc
+def test_dblp_native_0_picks_the_python_path(tmp_path):
+    r = _child(XDG_CACHE_HOME=str(tmp_path), DBLP_NATIVE="0")
+    assert r.returncode == 0 and "native False" in r.stdout, r.stderr
+    r = _child(XDG_CACHE_HOME=str(tmp_path))
+    assert r.returncode == 0 and "native True" in r.stdout and "WARNING" not in r.stderr, r.stderr
