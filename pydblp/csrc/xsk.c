@@ -304,13 +304,14 @@ int dblp_xsk_tx_check(size_t n, const int32_t *peer, const int32_t *lengths, siz
  * their descriptors at tx ring index prod; publish: also release the
  * producer index to prod + m (unpaced transmit).  Peer p's header is
  * hlen[p] bytes of tmpl row p (tw wide), partial[p] its constant checksum
- * words; tos: 256 TOS bytes by header prio, or NULL.  flens[i]: frame i's
- * bytes.  Every frame fits a UMEM frame and every peer id is valid (the
+ * words; tos: 256 TOS bytes by header prio, or NULL.  Packet i's payload is
+ * at paddr[i] when paddr is given (Batch.addr: the tensor's row), else at
+ * pay + i * pstride.  flens[i]: frame i's bytes.  Every frame fits a UMEM frame and every peer id is valid (the
  * caller checked).  Returns m, or fewer where the ring has less room. */
 size_t dblp_xsk_tx(const struct ring *tx, uint8_t *umem, uint32_t fs, const uint64_t *freelist, uint32_t T,
                    uint32_t head, uint32_t prod, const uint8_t *tmpl, size_t tw, const int64_t *hlen,
                    const uint64_t *partial, const uint8_t *tos, const uint8_t *hdrs, const uint8_t *pay,
-                   size_t pstride, const int32_t *lengths, const int32_t *peer, size_t m, int64_t *flens,
+                   size_t pstride, const uint64_t *paddr, const int32_t *lengths, const int32_t *peer, size_t m, int64_t *flens,
                    int publish) {
     uint32_t room = tx->mask + 1 - (prod - load_acquire(tx->cons));
     if (m > room) m = room;
@@ -328,7 +329,7 @@ size_t dblp_xsk_tx(const struct ring *tx, uint8_t *umem, uint32_t fs, const uint
         const uint8_t *h = hdrs + HDR_LEN * i;
         memcpy(f, tmpl + tw * (size_t)p, hl);
         memcpy(f + hl, h, HDR_LEN);
-        memcpy(f + hl + HDR_LEN, pay + pstride * i, len);
+        memcpy(f + hl + HDR_LEN, paddr ? (const uint8_t *)(uintptr_t)paddr[i] : pay + pstride * i, len);
         uint32_t ulen = UDP_LEN + HDR_LEN + len;
         size_t u = hl - UDP_LEN;
         f[u + 4] = (uint8_t)(ulen >> 8);

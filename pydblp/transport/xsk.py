@@ -74,6 +74,16 @@ from pydblp.transport.xsk_ring import (AF_XDP, SG_MAX_SEGMENTS, SOL_XDP, XDP_COP
                                        XDP_ZEROCOPY, Ring, pow2)
 from pydblp.transport.xsk_rx import XskReceive
 
+def _gathered(batch: Batch, n: int) -> Batch:
+    """``batch``'s first ``n`` packets with their payloads copied from ``batch.addr`` into rows (for a
+    path that reads rows: multi-buffer transmit; a loop over packets on that rare path)."""
+    lens = batch.lengths[:n]
+    pay = np.zeros((n, max(int(lens.max()), 1)), np.uint8)
+    for i, (a, k) in enumerate(zip(batch.addr[:n].tolist(), lens.tolist())):
+        ctypes.memmove(pay[i].ctypes.data, a, k)
+    return Batch(batch.headers[:n], pay, lens, batch.peer[:n], n)
+
+
 _U64 = struct.Struct("=Q")  # the host program's control-packet count (HostMaps.control_seen)
 SIOCGIFHWADDR = 0x8927
 PRESSURE_STEP = 50  # write the level when it moved this much (or reached 0)
@@ -257,7 +267,7 @@ class XskTransport(XskReceive, Transport):
         if lib is None and native is not False:
             lib = xsk_native.load_lib()
         self._xlib = native_mod.choose(native, lib, "xsk")
-        self.native = self._xlib is not None
+        self.native = self.reads_addresses = self._xlib is not None  # (tx="kernel": the UDP socket's, below)
         if not self.native:
             return
         x = self._xrx = xsk_native.RxCtx()
@@ -521,6 +531,8 @@ class XskTransport(XskReceive, Transport):
                 deadline = None if timeout is None else time.monotonic() + timeout
                 with self._tx_lock:
                     return self._send_native(prep, n, deadline)
+            if batch.addr is not None:  # multi-buffer frames: the Python path reads payload rows
+                batch = _gathered(batch, n)
         peer = batch.peer[:n]
         if peer.min() < 0 or peer.max() >= len(self._tmpl):
             raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
@@ -620,25 +632,27 @@ class XskTransport(XskReceive, Transport):
             pay = np.ascontiguousarray(pay, np.uint8)
         ln = np.ascontiguousarray(batch.lengths[:n], np.int32)
         peer = np.ascontiguousarray(batch.peer[:n], np.int32)
+        addr = None if batch.addr is None else np.ascontiguousarray(batch.addr[:n], np.uint64)
         if self._xlib.dblp_xsk_tx_check(n, peer.ctypes.data, ln.ctypes.data, len(self._tmpl), self._xtmpl[2],
                                         self._xaddr["chk"]):
             raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
         longest, shortest, hl_max, total = self._xchk.tolist()
-        if shortest < 0 or longest > pay.shape[1]:
+        if shortest < 0 or (addr is None and longest > pay.shape[1]):  # (the caller vouches for addr's bytes)
             raise ValueError(f"lengths {shortest}..{longest} outside the payload width 0..{pay.shape[1]}")
         longest += wire.HEADER_LEN + hl_max  # as send reckons it for the Python paths
         if longest + (longest & 1) > self.frame_size:
             return None
-        return h, pay, ln, peer, total
+        return h, pay, ln, peer, total, addr
 
     def _send_native(self, prep: tuple, n: int, deadline: float | None) -> int:
         """``_send_locked`` in C: each pass builds as many frames as the free list and the ring
         hold in one call (any peers, any free frames) and, unpaced, hands them to the kernel."""
         tx, T, lib = self._tx, self.tx_frames, self._xlib
-        h, pay, ln, peer, total = prep
+        h, pay, ln, peer, total, addr = prep
         paced = bool(self._pacer.Bps)
         ps = pay.strides[0]
         hp, pp, lp, rp = h.ctypes.data, pay.ctypes.data, ln.ctypes.data, peer.ctypes.data
+        ap = None if addr is None else addr.ctypes.data
         tx_addr, fixed, tmpl, tos, flens = self._xaddr["tx"], self._xtx_fixed, self._xtmpl, self._xtos, self._xflens
         sent = 0
         while sent < n:
@@ -647,7 +661,8 @@ class XskTransport(XskReceive, Transport):
             m = min(n - sent, self._tx_nfree)
             if m:  # C takes what the ring has room for; unpaced, it also releases them
                 m = lib.dblp_xsk_tx(tx_addr, *fixed, self._tx_head, prod, *tmpl, tos, hp + wire.HEADER_LEN * sent,
-                                    pp + ps * sent, ps, lp + 4 * sent, rp + 4 * sent, m, self._xaddr["flens"],
+                                    pp + ps * sent, ps, None if ap is None else ap + 8 * sent, lp + 4 * sent,
+                                    rp + 4 * sent, m, self._xaddr["flens"],
                                     not paced)
             if m == 0:
                 if not self._wait_room(deadline):

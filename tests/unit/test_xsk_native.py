@@ -263,3 +263,21 @@ def test_dblp_native_0_picks_the_python_path(tmp_path):
     assert r.returncode == 0 and "native False" in r.stdout, r.stderr
     r = _child(XDG_CACHE_HOME=str(tmp_path))
     assert r.returncode == 0 and "native True" in r.stdout and "WARNING" not in r.stderr, r.stderr
+
+
+@needs_cc
+def test_sends_read_batch_addr_where_given_and_gather_it_for_multi_buffer_frames():
+    """``Batch.addr`` (the collective's tensor rows): C reads each payload there, the frames are
+    those the Python path builds from payload rows; frames beyond a UMEM frame gather it first."""
+    for width, kw in ((600, {}), (3000, {"sg": True})):  # the second: multi-buffer, the Python path
+        py, c = pair(**kw)
+        assert c.reads_addresses and not py.reads_addresses
+        for t in (py, c):
+            ids = add_peers(t)
+            b = seeded_batch(20, ids, 6, width)
+            if t.native:  # payload rows elsewhere, scrambled: only addr tells where the bytes are
+                src = b.payload.copy()
+                b = Batch(b.headers, np.zeros_like(b.payload), b.lengths, b.peer, b.n,
+                          np.uint64(src.ctypes.data) + np.arange(20, dtype=np.uint64) * np.uint64(width))
+            assert t.send(b) == 20 and t.flush(5)
+        assert py.wire == c.wire and len(py.wire) == 20
