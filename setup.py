@@ -45,4 +45,5 @@ def native(name: str) -> Extension:
                      extra_compile_args=["-O2", "-Wno-psabi"], optional=True)
 
 
-setup(cmdclass={"build_py": BuildPyWithBPF}, ext_modules=[native("mac"), native("udp"), native("matcher")])
+setup(cmdclass={"build_py": BuildPyWithBPF},
+      ext_modules=[native("mac"), native("udp"), native("matcher"), native("xsk")])

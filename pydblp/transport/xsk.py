@@ -48,6 +48,7 @@ through ``host`` (an object with ``xsk_insert(queue, fd)`` and
 from __future__ import annotations
 
 import builtins
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -60,8 +61,9 @@ import time
 import numpy as np
 
 from pydblp import dscp as dscp_mod
+from pydblp import native as native_mod
 from pydblp import net, wire
-from pydblp.transport import addresses, frames
+from pydblp.transport import addresses, frames, xsk_native
 from pydblp.transport import xsk_ring as ring
 from pydblp.host import PRESSURE_MAX
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
@@ -71,6 +73,16 @@ from pydblp.transport.xsk_ring import (AF_XDP, SG_MAX_SEGMENTS, SOL_XDP, XDP_COP
                                        XDP_RING_NEED_WAKEUP, XDP_USE_NEED_WAKEUP, XDP_USE_SG,
                                        XDP_ZEROCOPY, Ring, pow2)
 from pydblp.transport.xsk_rx import XskReceive
+
+def _gathered(batch: Batch, n: int) -> Batch:
+    """``batch``'s first ``n`` packets with their payloads copied from ``batch.addr`` into rows (for a
+    path that reads rows: multi-buffer transmit; a loop over packets on that rare path)."""
+    lens = batch.lengths[:n]
+    pay = np.zeros((n, max(int(lens.max()), 1)), np.uint8)
+    for i, (a, k) in enumerate(zip(batch.addr[:n].tolist(), lens.tolist())):
+        ctypes.memmove(pay[i].ctypes.data, a, k)
+    return Batch(batch.headers[:n], pay, lens, batch.peer[:n], n)
+
 
 _U64 = struct.Struct("=Q")  # the host program's control-packet count (HostMaps.control_seen)
 SIOCGIFHWADDR = 0x8927
@@ -107,6 +119,13 @@ class XskTransport(XskReceive, Transport):
     ``busy_poll_budget``): ``recv``'s poll(2) then runs the device's NAPI
     loop itself; ``self.busy_poll`` says what was set.  A kernel that refuses
     them raises :class:`TransportError` naming the option and the fix.
+    ``native``: the per-packet loops in C (``pydblp/csrc/xsk.c``: receive,
+    frame building, the fill and completion rings) when True (raise
+    :class:`~pydblp.native.NativeUnavailable` if the library is unavailable),
+    the pure-Python reference when False, C where available when None
+    (``DBLP_NATIVE`` decides as :mod:`pydblp.native` says); ``self.native``
+    says which.  Both give the same frames, batches and counters
+    (docs/native-xsk.md).
     """
 
     kind = "xsk"
@@ -117,7 +136,8 @@ class XskTransport(XskReceive, Transport):
                  tx_ring: int | None = None, need_wakeup: bool = True, sg: bool | None = None,
                  bind_timeout: float = 3.0,
                  spin: float = 200e-6, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
-                 dscp="off", busy_poll: int = 0, busy_poll_budget: int = ring.BUSY_POLL_BUDGET):
+                 dscp="off", busy_poll: int = 0, busy_poll_budget: int = ring.BUSY_POLL_BUDGET,
+                 native: bool | None = None):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port)
         self.spin = spin
         if isinstance(busy_poll, bool) or not isinstance(busy_poll, int) or busy_poll < 0:
@@ -134,6 +154,8 @@ class XskTransport(XskReceive, Transport):
         self._tx_lock = threading.Lock()  # send vs. a recv that releases paced frames
         self._fd = -1
         self._sock = None
+        self._xlib = None  # the compiled loops (_native_setup), None: the Python path
+        self.native = False
         self._rings: list[Ring] = []
         self._umem_mm = None
         self._host, self._xskmap = host, xskmap
@@ -218,6 +240,7 @@ class XskTransport(XskReceive, Transport):
                         raise
             if not self.sg:
                 self._bind(flags, bind_timeout)
+            self._native_setup(native)
             opts = struct.unpack("=I", self._sock.getsockopt(SOL_XDP, XDP_OPTIONS, 4))[0]
             self.zerocopy = bool(opts & XDP_OPTIONS_ZEROCOPY)
             self._insert()
@@ -233,6 +256,51 @@ class XskTransport(XskReceive, Transport):
             raise
 
     # ---- setup ---------------------------------------------------------
+
+    def _native_setup(self, native: bool | None, lib=None) -> None:
+        """Choose the path (``native`` as in the class docstring; ``lib``: a library to use instead
+        of loading one) and, for C, build the structures it reads the rings and UMEM through.
+
+        Raises:
+            pydblp.native.NativeUnavailable: ``native=True`` (or ``DBLP_NATIVE=1``) without the library.
+        """
+        if lib is None and native is not False:
+            lib = xsk_native.load_lib()
+        self._xlib = native_mod.choose(native, lib, "xsk")
+        self.native = self.reads_addresses = self._xlib is not None  # (tx="kernel": the UDP socket's, below)
+        if not self.native:
+            return
+        x = self._xrx = xsk_native.RxCtx()
+        x.rx, x.fill = xsk_native.ring_c(self._rx), xsk_native.ring_c(self._fill)
+        x.umem, x.umem_len, x.fs, x.port = self._umem.ctypes.data, self._umem.nbytes, self.frame_size, self.port
+        x.validated, x.sg = int(self._validated), int(self.sg)
+        self._xtaken = np.empty(self._rx.n, np.uint64)  # frames a receive took (C writes them)
+        self._xsrc = np.empty(self._rx.n, np.int64)     # C's scratch: payload offsets
+        x.taken, x.src = self._xtaken.ctypes.data, self._xsrc.ctypes.data
+        self._xres = np.zeros(9, np.int64)              # dblp_xsk_rx's results
+        self._xflens = np.empty(self._tx.n, np.int64)   # dblp_xsk_tx's frame lengths
+        self._xrings = {name: xsk_native.ring_c(r) for name, r in (("fill", self._fill), ("tx", self._tx),
+                                                                   ("comp", self._comp))}
+        self._xaddr = {name: ctypes.addressof(r) for name, r in self._xrings.items()}
+        self._xaddr["rx"] = ctypes.addressof(x)
+        self._xaddr["txprod"] = self._tx.prod.ctypes.data
+        self._xaddr["res"] = self._xres.ctypes.data
+        self._xaddr["flens"] = self._xflens.ctypes.data
+        self._xchk = np.zeros(4, np.int64)  # dblp_xsk_tx_check's results
+        self._xaddr["chk"] = self._xchk.ctypes.data
+        self._xinto = None  # (arrays, addresses) of the batch the last receive wrote
+        # dblp_xsk_tx's arguments that stay: UMEM, frame size, free list, its size; the templates'
+        # addresses (_native_sources renews them); TOS table
+        self._xtx_fixed = (self._umem.ctypes.data, self.frame_size, self._tx_free.ctypes.data, self.tx_frames)
+        self._xtos = None if self._tos is None else self._tos.ctypes.data
+        self._native_sources()
+
+    def _native_sources(self) -> None:
+        """Point the C receive at the current registered sources (after each ``add_peer``)."""
+        if self._xlib is not None:
+            self._xkeep = xsk_native.set_sources(self._xrx, self._sources)
+            tp = self._tmpl
+            self._xtmpl = (tp.table.ctypes.data, tp.table.shape[1], tp.hlen.ctypes.data, tp.partial.ctypes.data)
 
     def _bind(self, flags: int, timeout: float) -> None:
         self.bind_retries = ring.bind(self._fd, self.ifname, self.ifindex, self.queue, flags, timeout)
@@ -268,6 +336,7 @@ class XskTransport(XskReceive, Transport):
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
         pid = self._tmpl.add(t, partial)
         self._sources.add(dst)
+        self._native_sources()
         if self._ktx is not None:
             self._ktx.add_peer(dst, port)
         return pid
@@ -277,7 +346,12 @@ class XskTransport(XskReceive, Transport):
     def _fill_push(self, addrs: np.ndarray) -> None:
         if len(self._fill_pending):
             addrs = np.concatenate([self._fill_pending, addrs])
-        self._fill_pending = addrs[self._fill.produce(addrs):]
+        if self._xlib is not None:
+            addrs = np.ascontiguousarray(addrs, np.uint64)
+            k = self._xlib.dblp_xsk_produce(self._xaddr["fill"], addrs.ctypes.data, len(addrs))
+        else:
+            k = self._fill.produce(addrs)
+        self._fill_pending = addrs[k:].copy() if k < len(addrs) else addrs[:0]
 
     def _set_pressure(self, level: int) -> None:
         if self._pressure_fn is None:
@@ -351,6 +425,12 @@ class XskTransport(XskReceive, Transport):
     # ---- transmit ------------------------------------------------------
 
     def _reclaim(self) -> int:
+        if self._xlib is not None:
+            n = self._xlib.dblp_xsk_reclaim(self._xaddr["comp"], self._tx_free.ctypes.data, self.tx_frames,
+                                            (self._tx_head + self._tx_nfree) % self.tx_frames)
+            self._tx_nfree += n
+            self._tx_outstanding -= n
+            return n
         c = self._comp
         cons = int(c.cons[0])
         n = (int(c.prod[0]) - cons) & 0xFFFFFFFF
@@ -392,7 +472,10 @@ class XskTransport(XskReceive, Transport):
             return 0
         k = self._pacer.take(prod, waiting)
         if k:
-            tx.prod[0] = (prod + k) & 0xFFFFFFFF
+            if self._xlib is not None:  # a release store: the descriptors before the index
+                self._xlib.dblp_xsk_publish(self._xaddr["txprod"], (prod + k) & 0xFFFFFFFF)
+            else:
+                tx.prod[0] = (prod + k) & 0xFFFFFFFF
         if self._wprod != int(tx.prod[0]):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
         return k
@@ -442,6 +525,14 @@ class XskTransport(XskReceive, Transport):
         n = len(batch)
         if n == 0:
             return 0
+        if self._xlib is not None:
+            prep = self._native_prepare(batch, n)
+            if prep is not None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                with self._tx_lock:
+                    return self._send_native(prep, n, deadline)
+            if batch.addr is not None:  # multi-buffer frames: the Python path reads payload rows
+                batch = _gathered(batch, n)
         peer = batch.peer[:n]
         if peer.min() < 0 or peer.max() >= len(self._tmpl):
             raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
@@ -522,6 +613,71 @@ class XskTransport(XskReceive, Transport):
             slots = (prod + np.arange(q)) & tx.mask
             self._tx_words[slots] = words
             self._queued(slots, lens, k, part)
+            sent += m
+        self._push_out(deadline)
+        return sent
+
+    def _native_prepare(self, batch: Batch, n: int) -> tuple | None:
+        """``send``'s checks in one C call, and the batch's arrays as C reads them; None for a batch
+        with a frame longer than a UMEM frame (the Python paths send it, or refuse it).
+
+        Raises:
+            ValueError: a peer id not from ``add_peer``, or a length outside the payload rows.
+        """
+        h = batch.headers[:n]
+        if not (h.flags.c_contiguous and h.dtype == wire.HEADER_DTYPE):
+            h = np.ascontiguousarray(h, wire.HEADER_DTYPE)
+        pay = batch.payload[:n]
+        if pay.ndim != 2 or pay.strides[1] != 1 or pay.strides[0] < pay.shape[1]:
+            pay = np.ascontiguousarray(pay, np.uint8)
+        ln = np.ascontiguousarray(batch.lengths[:n], np.int32)
+        peer = np.ascontiguousarray(batch.peer[:n], np.int32)
+        addr = None if batch.addr is None else np.ascontiguousarray(batch.addr[:n], np.uint64)
+        if self._xlib.dblp_xsk_tx_check(n, peer.ctypes.data, ln.ctypes.data, len(self._tmpl), self._xtmpl[2],
+                                        self._xaddr["chk"]):
+            raise ValueError(f"peer ids must be in [0, {len(self._tmpl)}); add_peer() first")
+        longest, shortest, hl_max, total = self._xchk.tolist()
+        if shortest < 0 or (addr is None and longest > pay.shape[1]):  # (the caller vouches for addr's bytes)
+            raise ValueError(f"lengths {shortest}..{longest} outside the payload width 0..{pay.shape[1]}")
+        longest += wire.HEADER_LEN + hl_max  # as send reckons it for the Python paths
+        if longest + (longest & 1) > self.frame_size:
+            return None
+        return h, pay, ln, peer, total, addr
+
+    def _send_native(self, prep: tuple, n: int, deadline: float | None) -> int:
+        """``_send_locked`` in C: each pass builds as many frames as the free list and the ring
+        hold in one call (any peers, any free frames) and, unpaced, hands them to the kernel."""
+        tx, T, lib = self._tx, self.tx_frames, self._xlib
+        h, pay, ln, peer, total, addr = prep
+        paced = bool(self._pacer.Bps)
+        ps = pay.strides[0]
+        hp, pp, lp, rp = h.ctypes.data, pay.ctypes.data, ln.ctypes.data, peer.ctypes.data
+        ap = None if addr is None else addr.ctypes.data
+        tx_addr, fixed, tmpl, tos, flens = self._xaddr["tx"], self._xtx_fixed, self._xtmpl, self._xtos, self._xflens
+        sent = 0
+        while sent < n:
+            self._reclaim()
+            prod = self._wprod
+            m = min(n - sent, self._tx_nfree)
+            if m:  # C takes what the ring has room for; unpaced, it also releases them
+                m = lib.dblp_xsk_tx(tx_addr, *fixed, self._tx_head, prod, *tmpl, tos, hp + wire.HEADER_LEN * sent,
+                                    pp + ps * sent, ps, None if ap is None else ap + 8 * sent, lp + 4 * sent,
+                                    rp + 4 * sent, m, self._xaddr["flens"],
+                                    not paced)
+            if m == 0:
+                if not self._wait_room(deadline):
+                    break
+                continue
+            self._tx_head = (self._tx_head + m) % T
+            self._tx_nfree -= m
+            if paced:
+                self._pacer.queued((prod + np.arange(m)) & tx.mask, flens[:m], 1)
+            self._wprod = (prod + m) & 0xFFFFFFFF
+            self._tx_outstanding += m
+            self._c["tx_packets"] += m
+            self._c["tx_bytes"] += (total if m == n else int(ln[sent: sent + m].sum())) + m * wire.HEADER_LEN
+            self._release()
+            self._kick()
             sent += m
         self._push_out(deadline)
         return sent

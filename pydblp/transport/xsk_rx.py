@@ -1,6 +1,11 @@
 """The receive copy paths of :class:`~pydblp.transport.xsk.XskTransport`: rx descriptors to a :class:`Batch`.
 
-Four paths, fastest first, each falling back to the next when the batch is
+With the compiled loops (``native``), :meth:`XskReceive._recv_native` takes
+every batch but one with multi-buffer frames in one C call (``dblp_xsk_rx``:
+the general path below, packet by packet, lending the frames with
+``copy=False`` when the batch is the run path's shape).  The Python paths
+stay the reference, and take multi-buffer batches on either path.
+Four of them, fastest first, each falling back to the next when the batch is
 not its shape:
 
 * :meth:`XskReceive._recv_run`: consecutive UMEM frames, one header layout,
@@ -34,8 +39,51 @@ class XskReceive:
     ``_umem`` and ``_umem2d`` (the UMEM as bytes and as ``[frame, byte]``),
     ``frame_size``, ``port``, ``sg``, ``_validated`` (the host program checked every
     header), ``_sources`` (:class:`~pydblp.transport.frames.Sources`), ``_c`` (counters),
-    ``_lent`` and ``_fill_push(addrs)``.
+    ``_lent``, ``_fill_push(addrs)``, and for the C path ``_xlib`` (None: Python only),
+    ``_xaddr``, ``_xres``, ``_xtaken`` and ``_fill_pending``.
     """
+
+    def _recv_native(self, into: Batch, avail: int, cap: int, copy: bool) -> Batch | None:
+        """``_receive`` in one C call; None (nothing consumed) for a batch it leaves to Python:
+        multi-buffer frames, or an ``into`` whose arrays are not the layout C writes."""
+        h, pay, ln, peer = into.headers, into.payload, into.lengths, into.peer
+        xi = self._xinto  # the last batch's arrays and their addresses: most calls receive into the same one
+        if not (xi is not None and xi[0] is h and xi[1] is pay and xi[2] is ln and xi[3] is peer):
+            if not (h.flags.c_contiguous and h.dtype == wire.HEADER_DTYPE and pay.ndim == 2 and pay.strides[1] == 1
+                    and pay.strides[0] >= pay.shape[1] and ln.dtype == np.int32 and ln.flags.c_contiguous
+                    and peer.dtype == np.int32 and peer.flags.c_contiguous):
+                return None
+            xi = self._xinto = (h, pay, ln, peer, h.ctypes.data, pay.ctypes.data, pay.strides[0], pay.shape[1],
+                                ln.ctypes.data, peer.ctypes.data)
+        refill = copy and not len(self._fill_pending)  # pending frames go back first, in order
+        got = self._xlib.dblp_xsk_rx(self._xaddr["rx"], min(avail, cap), *xi[4:], not copy, refill,
+                                     self._xaddr["res"])
+        r = self._xres
+        if got < 0:
+            return None
+        self._taking = None  # consumed and refilled (or lent) in the call: nothing to give back on an error
+        res = r.tolist()
+        k, lent, base, w, invalid, trunc, nbytes, filled, left = res
+        if lent:  # payloads stay in their UMEM frames, refilled at the next receive
+            self._lent = self._xtaken[:got].copy()
+        elif filled < left:  # behind frames still pending for the fill ring
+            self._fill_push(self._xtaken[filled:left].copy())
+        return self._recv_done(into, got, res)
+
+    def _recv_done(self, into: Batch, got: int, res: list) -> Batch:
+        """The batch ``dblp_xsk_rx`` wrote ``into`` (its ``got`` descriptors' frames already given
+        back or lent): counters, and the payload rows lent from the UMEM when it lent them."""
+        k, lent, base, w, invalid, trunc, nbytes = res[:7]
+        c = self._c
+        c["rx_packets"] += k
+        c["rx_bytes"] += nbytes
+        c["rx_invalid"] += invalid
+        c["rx_truncated"] += trunc
+        into.n = k
+        if lent:
+            f0, s0 = divmod(base, self.frame_size)
+            return Batch(into.headers[:k], self._umem2d[f0: f0 + k, s0: s0 + w], into.lengths[:k], into.peer[:k], k)
+        return into.view(0, k)
 
     def _receive(self, into: Batch, cons: int, avail: int, cap: int, copy: bool) -> Batch:
         """Take up to ``cap`` of the ``avail`` frames from rx ring index ``cons`` into ``into``."""
@@ -44,6 +92,10 @@ class XskReceive:
         if n == 0:
             into.n = 0
             return into.view(0, 0)
+        if self._xlib is not None:
+            got = self._recv_native(into, avail, cap, copy)
+            if got is not None:
+                return got
         d = rx.at(cons, n)
         if self.sg and d["options"].any():  # frames spanning descriptors (multi-buffer)
             return self._recv_sg(into, cons, avail, cap)
