@@ -125,7 +125,7 @@ class XskTransport(XskReceive, Transport):
     the pure-Python reference when False, C where available when None
     (``DBLP_NATIVE`` decides as :mod:`pydblp.native` says); ``self.native``
     says which.  Both give the same frames, batches and counters
-    (docs/native-xsk.md).
+    (docs/architecture.md, "AF_XDP rings").
     """
 
     kind = "xsk"

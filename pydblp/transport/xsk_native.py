@@ -9,7 +9,7 @@ structures handed to C are built once per socket from the
 
 The library is checked once per process (:func:`_selftest`) against the
 pure-Python path over plain memory (:mod:`pydblp.transport.xsk_memory`) before
-any socket uses it.  docs/native-xsk.md says what moved and why.
+any socket uses it.  docs/architecture.md ("AF_XDP rings") says what moved and why.
 """
 
 from __future__ import annotations
