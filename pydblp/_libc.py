@@ -1,4 +1,4 @@
-"""The one handle on the C library that pydblp's modules call through ctypes.
+"""The one handle on the C library that pydblp's modules call through ctypes, and small OS helpers.
 
 Each module that calls into libc declares the ``argtypes`` of the calls it makes on
 :data:`libc` and checks their return codes with :func:`checked`.
@@ -23,3 +23,14 @@ def checked(rc: int, call: str) -> int:
         e = ctypes.get_errno()
         raise OSError(e, f"{call}: {os.strerror(e)}")
     return rc
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0; another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

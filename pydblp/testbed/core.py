@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from pydblp import bpf, net
-from pydblp._libc import libc
+from pydblp._libc import libc, pid_alive
 from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
 from pydblp.transport import frames
@@ -132,16 +132,6 @@ def resolve(name: str | None) -> str:
     if not found:
         raise TestbedError("no testbed is up (start one with `dblp testbed up`)")
     raise TestbedError(f"several testbeds are up ({', '.join(found)}): choose one with --name/--testbed")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---- host sysctls (shared by every testbed, restored by the last one down) ---------
@@ -302,7 +292,7 @@ def _kill_ns_processes(namespaces: list[str], grace: float = 1.0) -> list[int]:
             os.kill(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _pid_alive(p) and not _reap(p)]
+        pids = [p for p in pids if pid_alive(p) and not _reap(p)]
         time.sleep(0.02)
     for p in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -723,7 +713,7 @@ def status() -> list[dict]:
             continue
         present = [s for s in st.get("namespaces", []) if net.netns_exists(s)]
         st["present"] = len(present) == len(st.get("namespaces", [])) and bool(present)
-        st["creator_alive"] = _pid_alive(st.get("creator_pid", 0) or 0)
+        st["creator_alive"] = pid_alive(st.get("creator_pid", 0) or 0)
         if st.get("prog_id"):
             st["fabric_loaded"] = _fabric.prog_exists(st["prog_id"])
         out.append(st)

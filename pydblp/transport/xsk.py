@@ -89,6 +89,22 @@ SIOCGIFHWADDR = 0x8927
 PRESSURE_STEP = 50  # write the level when it moved this much (or reached 0)
 
 
+def wait_paced(poll, timeout: float | None, pace: float | None, avail, pump) -> int:
+    """Sleep in ``poll`` until ``avail()`` (received frames waiting) is non-zero or ``timeout``
+    passes; while paced frames wait to go (``pace``: seconds until the next may, None: none), wake
+    to release them (``pump()``, which returns the next ``pace``), as a qdisc's timer would.
+    Returns the last ``avail()``."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = timeout if pace is None else pace if end is None else \
+            builtins.max(0.0, builtins.min(pace, end - time.monotonic()))
+        poll.poll(None if wait is None else int(wait * 1000))
+        n = avail()
+        if n or pace is None or (end is not None and time.monotonic() >= end):
+            return n
+        pace = pump()
+
+
 class XskTransport(XskReceive, Transport):
     """An AF_XDP socket bound to (``netns``, ``ifname``, ``queue``).
 
@@ -379,15 +395,8 @@ class XskTransport(XskReceive, Transport):
             self._spin(ready, timeout)
             if avail == 0 and (self.need_wakeup and int(self._fill.flags[0]) & XDP_RING_NEED_WAKEUP or timeout != 0):
                 self._c["rx_polls"] += 1
-                end = None if timeout is None else time.monotonic() + timeout
-                while True:  # paced frames waiting: wake up to release them, as a qdisc would
-                    wait = timeout if pace is None else pace if end is None else \
-                        builtins.max(0.0, builtins.min(pace, end - time.monotonic()))
-                    self._poll.poll(None if wait is None else int(wait * 1000))
-                    avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
-                    if avail or pace is None or (end is not None and time.monotonic() >= end):
-                        break
-                    pace = self._pump()
+                avail = wait_paced(self._poll, timeout, pace, lambda: (int(rx.prod[0]) - cons) & 0xFFFFFFFF,
+                                   self._pump)
         seen = self._ctrl_count()
         if 0 < avail < want and linger > 0 and seen == self._ctrl_last:
             # coalesce: let more arrive, still releasing paced frames, until a control packet comes

@@ -66,10 +66,11 @@ import time
 from pathlib import Path
 
 from pydblp import net, wire
+from pydblp._libc import pid_alive
 from pydblp.host import MAX_QUEUES, PRESSURE_MAX
 from pydblp.transport import addresses, frames
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
-from pydblp.transport.xsk import PRESSURE_STEP, _U64, XskTransport
+from pydblp.transport.xsk import PRESSURE_STEP, _U64, XskTransport, wait_paced
 from pydblp.transport.xsk_ring import XDP_RING_NEED_WAKEUP
 
 log = logging.getLogger(__name__)
@@ -237,16 +238,6 @@ def unsteer(ifname: str, location: int, netns: str | None = None) -> None:
 
 # ---- the status files `dblp status` reads ----------------------------------------------------
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def published(root: Path | None = None) -> list[dict]:
     """The AF_XDP sockets open :class:`XskQueues` transports published (one dict per transport:
     ``pid``, ``netns``, ``ifname``, ``port``, ``tx``, ``queues``: per queue its ``queue``, ``mode``
@@ -259,7 +250,7 @@ def published(root: Path | None = None) -> list[dict]:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if not _pid_alive(int(rec.get("pid", 0))):
+        if not pid_alive(int(rec.get("pid", 0))):
             with _suppress():
                 p.unlink()
             continue
@@ -480,15 +471,7 @@ class XskQueues(Transport):
         total = self._avail()
         if total == 0 and timeout != 0 and not self._spin(lambda: self._avail() > 0, timeout):
             self._c["rx_polls"] += 1
-            end = None if timeout is None else time.monotonic() + timeout
-            while True:  # paced frames waiting: wake up to release them, as a qdisc would
-                wait = timeout if pace is None else pace if end is None else \
-                    builtins.max(0.0, builtins.min(pace, end - time.monotonic()))
-                self._poller.poll(None if wait is None else int(wait * 1000))
-                total = self._avail()
-                if total or pace is None or (end is not None and time.monotonic() >= end):
-                    break
-                pace = first.pump()
+            total = wait_paced(self._poller, timeout, pace, self._avail, first.pump)
         seen = self._ctrl_count()
         if 0 < total < want and linger > 0 and seen == self._ctrl_last:
             end = time.monotonic() + linger  # coalesce, until a control packet comes
