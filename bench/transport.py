@@ -10,6 +10,11 @@ the other CPU, is one of:
   (b) ``xsk_rx``    the host program + :class:`XskTransport` receiving into numpy
   (c) ``udp_rx``    the host program passing a 'udp' job + :class:`UdpTransport`
 
+  (b') ``xsk_rx_qN`` (``--queues``, e.g. 1,2,4: each N > 1) the host program + :class:`XskQueues`,
+                one AF_XDP socket on each of N receive queues, offered by N senders, one AF_XDP
+                socket each on transmit queue 0..N-1 (a veth delivers on the receive queue of
+                the sender's transmit queue): what every queue of a multi-queue NIC costs
+
 and transmit rate for the two transports into an XDP_DROP receiver:
 
   ``xsk_tx`` / ``udp_tx``  packets per second the sender pushes out
@@ -35,7 +40,7 @@ the ratios b/a, b/c and xsk_tx/udp_tx are taken between medians of the
 same run (see bench/README.md).  Needs root.  Bounded: about
 ``repeats * 5 * (duration + 0.5)`` seconds plus ~5 s of compiling.
 
-    .venv/bin/python bench/transport.py [--duration 1.5] [--repeats 5] [--json out.json]
+    .venv/bin/python bench/transport.py [--duration 1.5] [--repeats 5] [--queues 1,2,4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from pydblp import bpf, net, wire  # noqa: E402
 from pydblp.transport import Batch  # noqa: E402
 from pydblp.transport.udp import UdpTransport  # noqa: E402
 from pydblp.transport.xsk import XskTransport  # noqa: E402
+from pydblp.transport.xsk_queues import XskQueues  # noqa: E402
 
 A4, B4 = "198.18.9.1", "198.18.9.2"
 MACS = ("02:00:5e:13:00:01", "02:00:5e:13:00:02")
@@ -77,15 +83,16 @@ int xdp_count_drop(struct xdp_md *ctx) {
 VA, VB = "va", "vb"  # setup() makes them unique (the NAPI thread is found by name)
 
 
-def setup(tag: str):
+def setup(tag: str, queues: int = 1):
     global VA, VB
     VA, VB = f"dbta{tag}", f"dbtb{tag}"
     a, b = f"dblpbench{tag}a", f"dblpbench{tag}b"
     for ns in (a, b):
         net.netns_del(ns)
         net.netns_add(ns)
+    q = {"num_tx_queues": queues, "num_rx_queues": queues}
     with net.ipr(a) as ip:
-        ip.link("add", ifname=VA, kind="veth", peer={"ifname": VB, "net_ns_fd": b})
+        ip.link("add", ifname=VA, kind="veth", **q, peer={"ifname": VB, "net_ns_fd": b, **q})
     for ns, dev, i, addr, peer in ((a, VA, 0, A4, B4), (b, VB, 1, B4, A4)):
         with net.ipr(ns) as ip:
             idx = ip.link_lookup(ifname=dev)[0]
@@ -105,13 +112,14 @@ def batch(n: int, payload: int, job: int, peer: int) -> Batch:
     return Batch.fill(h, pay, None, peer)
 
 
-def sender(kind: str, ns: str, job: int, duration: float, payload: int, nbatch: int, cpu: int, go_r: int, res_w: int):
+def sender(kind: str, ns: str, job: int, duration: float, payload: int, nbatch: int, cpu: int, go_r: int, res_w: int,
+           queue: int = 0):
     """Child process: send as fast as possible for ``duration``; report (sent, elapsed)."""
     code = 1
     try:
         os.sched_setaffinity(0, {cpu})
         if kind == "xsk":
-            t = XskTransport(VA, netns=ns, rx_frames=64, tx_frames=4096)
+            t = XskTransport(VA, netns=ns, queue=queue, rx_frames=64, tx_frames=4096)
         else:
             t = UdpTransport(VA, netns=ns, port=0)
         with t:
@@ -133,38 +141,45 @@ def sender(kind: str, ns: str, job: int, duration: float, payload: int, nbatch: 
         os._exit(code)
 
 
-def run_one(kind_tx, ns_a, job, args, recv_fn):
-    """Fork a sender, run ``recv_fn(done)`` while it sends; return (sent, elapsed, received)."""
+def run_one(kind_tx, ns_a, job, args, recv_fn, senders: int = 1):
+    """Fork ``senders`` senders (on transmit queues 0..senders-1), run ``recv_fn(done)`` while they
+    send; return (sent, elapsed, received): their sum, the longest, what the receiver took."""
     go_r, go_w = os.pipe()
     res_r, res_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        sender(kind_tx, ns_a, job, args.duration, args.payload, args.batch, args.cpus[0], go_r, res_w)
+    pids = []
+    for q in range(senders):
+        pid = os.fork()
+        if pid == 0:
+            sender(kind_tx, ns_a, job, args.duration, args.payload, args.batch, args.cpus[0], go_r, res_w, q)
+        pids.append(pid)
     os.close(go_r)
     os.close(res_w)
-    time.sleep(0.1)  # let the child open its socket
-    os.write(go_w, b"g")
-    done = {"res": None}
+    time.sleep(0.1 * senders)  # let the children open their sockets
+    os.write(go_w, b"g" * senders)
+    done = {"res": []}
 
     def finished() -> bool:
-        if done["res"] is None and select.select([res_r], [], [], 0)[0]:
-            data = os.read(res_r, 16)
-            done["res"] = struct.unpack("=Qd", data) if len(data) == 16 else (0, args.duration)
-        return done["res"] is not None
+        while len(done["res"]) < senders and select.select([res_r], [], [], 0)[0]:
+            data = os.read(res_r, 16)  # (a 16-byte write to a pipe is atomic)
+            done["res"].append(struct.unpack("=Qd", data) if len(data) == 16 else (0, args.duration))
+            if len(data) != 16:
+                break
+        return len(done["res"]) == senders
 
+    statuses = []
     try:
         received = recv_fn(finished)
         deadline = time.monotonic() + args.duration + 5
         while not finished() and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
-        _, status = os.waitpid(pid, 0)
+        for pid in pids:
+            statuses.append(os.waitpid(pid, 0)[1])
         os.close(go_w)
         os.close(res_r)
-    if done["res"] is None or os.waitstatus_to_exitcode(status) != 0:
+    if len(done["res"]) < senders or any(os.waitstatus_to_exitcode(st) != 0 for st in statuses):
         raise RuntimeError(f"sender ({kind_tx}) failed")
-    sent, el = done["res"]
-    return sent, el, received
+    return sum(r[0] for r in done["res"]), max(r[1] for r in done["res"]), received
 
 
 def drain_loop(t, into, finished):
@@ -233,8 +248,16 @@ def main(argv=None) -> int:
     ap.add_argument("--spin", type=float, default=None,
                     help="receivers' busy-poll seconds before sleeping in poll(2) (default: 0 with threaded NAPI, "
                          "which needs the receiver CPU; 200e-6, the transports' own, inline)")
+    ap.add_argument("--queues", default="1,2,4",
+                    help="receive queue counts for xsk_rx (default 1,2,4; 1: the single-queue XskTransport)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
+    try:
+        queues = sorted({int(q) for q in args.queues.split(",")})
+    except ValueError:
+        queues = []
+    if not queues or queues[0] < 1 or queues[-1] > 16:
+        ap.error(f"--queues {args.queues!r}: counts 1..16, comma-separated, e.g. 1,2,4")
     spin = args.spin if args.spin is not None else (0.0 if args.napi == "threaded" else 200e-6)
     if os.geteuid() != 0:
         print("bench/transport.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
@@ -243,9 +266,11 @@ def main(argv=None) -> int:
 
     from pydblp.host import HostProgram
 
-    ns_a, ns_b = setup(str(os.getpid() % 100000))
+    ns_a, ns_b = setup(str(os.getpid() % 100000), queues[-1])
     host = drop = None
-    results: dict[str, list] = {k: [] for k in ("xdp_drop", "xsk_rx", "udp_rx", "xsk_tx", "udp_tx")}
+    many = [q for q in queues if q > 1]
+    results: dict[str, list] = {k: [] for k in ("xdp_drop", "xsk_rx", *(f"xsk_rx_q{q}" for q in many),
+                                                "udp_rx", "xsk_tx", "udp_tx")}
     try:
         drop = BPF(text=DROP_PROG)
         drop_fd = drop.load_func("xdp_count_drop", BPF.XDP).fd
@@ -275,6 +300,11 @@ def main(argv=None) -> int:
             with XskTransport(VB, netns=ns_b, host=host, spin=spin) as t:
                 sent, el, got = run_one("xsk", ns_a, JOB_X, args, lambda fin: drain_loop(t, into, fin))
                 results["xsk_rx"].append((got, sent, el))
+            # (b') every one of q receive queues, q senders
+            for q in many:
+                with XskQueues(VB, netns=ns_b, queues=list(range(q)), host=host, spin=spin) as t:
+                    sent, el, got = run_one("xsk", ns_a, JOB_X, args, lambda fin: drain_loop(t, into, fin), q)
+                    results[f"xsk_rx_q{q}"].append((got, sent, el))
             # (c) UDP transport (host program passes the 'udp' job up)
             with UdpTransport(VB, netns=ns_b, spin=spin) as t:
                 sent, el, got = run_one("xsk", ns_a, JOB_U, args, lambda fin: drain_loop(t, into, fin))
@@ -322,7 +352,10 @@ def main(argv=None) -> int:
     ratios = {"xsk_rx/xdp_drop (b/a)": f["xsk_rx"]["mpps"] / f["xdp_drop"]["mpps"],
               "xsk_rx/udp_rx (b/c)": f["xsk_rx"]["mpps"] / f["udp_rx"]["mpps"],
               "xsk_tx/udp_tx": f["xsk_tx"]["mpps"] / f["udp_tx"]["mpps"]}
+    for q in many:
+        ratios[f"xsk_rx_q{q}/xsk_rx"] = f[f"xsk_rx_q{q}"]["mpps"] / f["xsk_rx"]["mpps"]
     out["ratios"] = ratios
+    out["queues"] = queues
     print("\nratios (medians of this run):")
     for k, v in ratios.items():
         print(f"  {k:<24} {v:.2f}")
