@@ -105,6 +105,27 @@ def wait_paced(poll, timeout: float | None, pace: float | None, avail, pump) -> 
         pace = pump()
 
 
+def linger_paced(avail: int, want: int, linger: float, count, pump, ctrl, ctrl_last) -> tuple[int, int | None]:
+    """Coalesce a receive: while fewer than ``want`` frames are in (``count()``, ``avail`` now),
+    wait up to ``linger`` seconds, still releasing paced frames (``pump()``), until a control packet
+    comes (the host program's count ``ctrl()`` moves past ``ctrl_last``).  Returns (frames in,
+    the control count seen)."""
+    seen = ctrl()
+    if 0 < avail < want and linger > 0 and seen == ctrl_last:
+        end = time.monotonic() + linger
+        while avail < want:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            pace = pump()
+            time.sleep(builtins.min(left, 0.0005 if pace is None else builtins.min(pace, 0.0005)))
+            avail = count()
+            seen = ctrl()
+            if seen != ctrl_last:
+                break
+    return avail, seen
+
+
 class XskTransport(XskReceive, Transport):
     """An AF_XDP socket bound to (``netns``, ``ifname``, ``queue``).
 
@@ -397,21 +418,8 @@ class XskTransport(XskReceive, Transport):
                 self._c["rx_polls"] += 1
                 avail = wait_paced(self._poll, timeout, pace, lambda: (int(rx.prod[0]) - cons) & 0xFFFFFFFF,
                                    self._pump)
-        seen = self._ctrl_count()
-        if 0 < avail < want and linger > 0 and seen == self._ctrl_last:
-            # coalesce: let more arrive, still releasing paced frames, until a control packet comes
-            end = time.monotonic() + linger
-            while avail < want:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                pace = self._pump()
-                time.sleep(builtins.min(left, 0.0005 if pace is None else builtins.min(pace, 0.0005)))
-                avail = (int(rx.prod[0]) - cons) & 0xFFFFFFFF
-                seen = self._ctrl_count()
-                if seen != self._ctrl_last:
-                    break
-        self._ctrl_last = seen
+        avail, self._ctrl_last = linger_paced(avail, want, linger, lambda: (int(rx.prod[0]) - cons) & 0xFFFFFFFF,
+                                              self._pump, self._ctrl_count, self._ctrl_last)
         self._set_pressure(avail * PRESSURE_MAX // rx.n)
         self._taking, self._taken = (cons, avail), None
         got = self._receive(into, cons, avail, cap, copy)

@@ -70,7 +70,7 @@ from pydblp._libc import pid_alive
 from pydblp.host import MAX_QUEUES, PRESSURE_MAX
 from pydblp.transport import addresses, frames
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
-from pydblp.transport.xsk import PRESSURE_STEP, _U64, XskTransport, wait_paced
+from pydblp.transport.xsk import PRESSURE_STEP, _U64, XskTransport, linger_paced, wait_paced
 from pydblp.transport.xsk_ring import XDP_RING_NEED_WAKEUP
 
 log = logging.getLogger(__name__)
@@ -472,20 +472,8 @@ class XskQueues(Transport):
         if total == 0 and timeout != 0 and not self._spin(lambda: self._avail() > 0, timeout):
             self._c["rx_polls"] += 1
             total = wait_paced(self._poller, timeout, pace, self._avail, first.pump)
-        seen = self._ctrl_count()
-        if 0 < total < want and linger > 0 and seen == self._ctrl_last:
-            end = time.monotonic() + linger  # coalesce, until a control packet comes
-            while total < want:
-                left = end - time.monotonic()
-                if left <= 0:
-                    break
-                pace = first.pump()
-                time.sleep(builtins.min(left, 0.0005 if pace is None else builtins.min(pace, 0.0005)))
-                total = self._avail()
-                seen = self._ctrl_count()
-                if seen != self._ctrl_last:
-                    break
-        self._ctrl_last = seen
+        total, self._ctrl_last = linger_paced(total, want, linger, self._avail, first.pump, self._ctrl_count,
+                                              self._ctrl_last)
         self._set_pressure()
         n = len(socks)
         start, self._next = self._next, (self._next + 1) % n
