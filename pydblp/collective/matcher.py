@@ -41,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def native_lib() -> ctypes.CDLL | None:
     """csrc/matcher.c's loop (:mod:`pydblp.native`), or None: the pure-Python path."""
-    return native_mod.load("matcher", _declare, what="about 0.1 ms more per received batch")
+    return native_mod.load("matcher", _declare, what="about 20 numpy calls per received batch instead of one C call")
 
 
 @dataclass

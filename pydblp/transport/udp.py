@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def native_lib() -> ctypes.CDLL | None:
     """csrc/udp.c's loops (:mod:`pydblp.native`), or None: the pure-Python path."""
-    return native_mod.load("udp", _declare, what="about 1.2x the CPU per round")
+    return native_mod.load("udp", _declare, what="about 1.2x the CPU per round (bench/cpu.py)")
 
 
 def _sockaddr(family: int, ip, port: int) -> bytes:
