@@ -97,8 +97,8 @@ def build(name: str) -> Path:
     """The path of ``csrc/<name>.c`` compiled into the cache, compiling it first unless it is there.
 
     Raises:
-        OSError: no compiler, an unwritable cache, or an unsafe cached file.
-        subprocess.CalledProcessError: the compiler failed with every set of flags.
+        OSError: no compiler, an unwritable cache, an unsafe cached file, or the compiler failed
+            with every set of flags.
     """
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
@@ -132,7 +132,8 @@ def build(name: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise err
+    raise OSError(f"{cc} failed on {source.name} (exit status {err.returncode}; DEBUG logging shows its "
+                  "output)") from err
 
 
 def _installed(name: str) -> ctypes.CDLL | None:
