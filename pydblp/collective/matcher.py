@@ -39,6 +39,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dblp_absorb.restype = i64
 
 
+def _addr(a: np.ndarray) -> int:
+    """The address of ``a``'s first byte."""
+    return a.ctypes.data
+
+
 def native_lib() -> ctypes.CDLL | None:
     """csrc/matcher.c's loop (:mod:`pydblp.native`), or None: the pure-Python path."""
     return native_mod.load("matcher", _declare, what="about 20 numpy calls per received batch instead of one C call")
@@ -73,6 +78,8 @@ class Matcher:
         self.native = self._lib is not None
         self._got = np.zeros((3, 2 * world), np.int64)  # the compiled absorb's counts, bounds, rows
         self._rest = np.zeros(RECV_BATCH, np.int64)
+        self._fixed = (*(_addr(a) for a in (self._got[1], self._got[0], self._got[2])), _addr(self._rest))
+        self._addrs = None  # (round key, round, its arrays' addresses): see _absorb_native
         self.C = chunk_bytes // 4
         self.counters = counters
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
@@ -87,6 +94,7 @@ class Matcher:
         v["magic"], v["version"], v["kind"], v["job"] = wire.MAGIC, wire.VERSION, DATA, job
         v["dst"], v["dtype"], v["len"] = rank, F32, self.C * 4
         self._vals = np.tile(v.view(np.uint64), RECV_BATCH)
+        self._mask_vals = (_addr(self._mask), _addr(self._vals))
 
     def begin(self, st: Round) -> list[tuple]:
         """Match round ``st`` from now on; returns (and forgets) the packets stashed (this round's;
@@ -164,15 +172,18 @@ class Matcher:
         tol[:] = -1
         hi[:] = st.hi.reshape(-1)
         rs = not st.reduced
-        gather = st.gather
-        k = self._lib.dblp_absorb(
-            h.ctypes.data, n, pay.ctypes.data, pay.strides[0], self._mask.ctypes.data, self._vals.ctypes.data,
-            int(self.broadcast), self.rank, W, self.C * 4, int(not rs),
-            st.rflat.ctypes.data if rs else None, st.rmflat.ctypes.data if rs else None,
-            st.rmask.shape[1] if rs else 0, int(gather),
-            st.y.ctypes.data if gather else None, st.have.ctypes.data if gather else None,
-            st.ag_first.ctypes.data if gather else None, st.ag_n.ctypes.data if gather else None,
-            hi.ctypes.data, got.ctypes.data, tol.ctypes.data, self._rest.ctypes.data)
+        # (addresses of the round's arrays, once a round and stage: .ctypes.data costs ~1 us a call)
+        key = (id(st), rs, id(st.y))
+        if self._addrs is None or self._addrs[0] != key or self._addrs[1] is not st:
+            gather = st.gather
+            self._addrs = (key, st, (
+                int(self.broadcast), self.rank, W, self.C * 4, int(not rs),
+                _addr(st.rflat) if rs else None, _addr(st.rmflat) if rs else None,
+                st.rmask.shape[1] if rs else 0, int(gather),
+                _addr(st.y) if gather else None, _addr(st.have) if gather else None,
+                _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
+                *self._fixed))
+        k = self._lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2])
         if k < 0:
             return None
         st.hi[:] = hi.reshape(2, W)

@@ -212,6 +212,8 @@ class UdpTransport(Transport):
         self.ifname, self.netns, self.queue, self.port = ifname, netns, queue, check_port(port, zero_ok=True)
         self._lib = native_mod.choose(native, None if native is False else native_lib(), "udp")
         self.native = self.reads_addresses = self._lib is not None
+        self._send_res = np.zeros(8, np.int64)  # the compiled send's results
+        self._send_fixed = None  # (names, v6peer, bcast, the arguments made of them): _send_addrs
         self.spin = spin
         self._sock = None
         self._fd = -1
@@ -778,6 +780,19 @@ class UdpTransport(Transport):
                 break
         return sent
 
+    def _send_addrs(self) -> tuple:
+        """The compiled send's fixed arguments: the peer tables' and scratch arrays' addresses
+        (computed again after ``add_peer`` replaces the tables; ``.ctypes.data`` costs ~1 us)."""
+        names, v6, bc = self._names, self._v6peer, self._bcast
+        if self._send_fixed is None or self._send_fixed[0] is not names or self._send_fixed[1] is not v6 \
+                or self._send_fixed[2] is not bc:
+            namelen = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
+            self._send_fixed = (names, v6, bc, (names.ctypes.data, namelen, SOCKADDR_LEN, v6.ctypes.data,
+                                                bc.ctypes.data, self._tx_mmsg.ctypes.data,
+                                                self._tx_iov.ctypes.data, self._tx_cmsg.ctypes.data,
+                                                self.max_batch, self._send_res.ctypes.data))
+        return self._send_fixed[3]
+
     def _send_native(self, batch: Batch, n: int, timeout: float | None) -> int:
         """``send`` with its per-packet work in compiled code (``dblp_udp_send``: the same
         messages, datagrams and counts as the Python path; a few packets go one per message,
@@ -797,22 +812,21 @@ class UdpTransport(Transport):
                 pay = np.ascontiguousarray(pay)
         hdrs = np.ascontiguousarray(batch.headers[:n])
         tos = None if self._tos is None else np.ascontiguousarray(self._tos[hdrs["prio"]], np.uint8)
-        names, v6, bc = self._names, self._v6peer, self._bcast  # (held for the call: messages point into names)
-        namelen = SOCKADDR_LEN if self.family == socket.AF_INET6 else 16
         gso = self.gso and n > FEW_SEND
         deadline = None if timeout is None else time.monotonic() + timeout
-        res = np.zeros(8, np.int64)
+        res = self._send_res
+        fixed = self._send_addrs()
         ps = pay.strides[0]
+        h0, p0, l0, q0 = hdrs.ctypes.data, pay.ctypes.data, lens.ctypes.data, peer.ctypes.data
+        a0 = None if addr is None else addr.ctypes.data
+        t0 = None if tos is None else tos.ctypes.data
         sent = 0
         while sent < n:
             res[:] = 0
             k = self._lib.dblp_udp_send(
-                self._fd, hdrs.ctypes.data + sent * wire.HEADER_LEN, pay.ctypes.data + sent * ps, ps,
-                None if addr is None else addr.ctypes.data + sent * 8,
-                lens.ctypes.data + sent * 8, peer.ctypes.data + sent * 8, n - sent,
-                None if tos is None else tos.ctypes.data + sent, names.ctypes.data, namelen, SOCKADDR_LEN,
-                v6.ctypes.data, bc.ctypes.data, int(gso), int(self.gro), self._tx_mmsg.ctypes.data,
-                self._tx_iov.ctypes.data, self._tx_cmsg.ctypes.data, self.max_batch, res.ctypes.data)
+                self._fd, h0 + sent * wire.HEADER_LEN, p0 + sent * ps, ps, None if a0 is None else a0 + sent * 8,
+                l0 + sent * 8, q0 + sent * 8, n - sent, None if t0 is None else t0 + sent, *fixed[:5], int(gso),
+                int(self.gro), *fixed[5:])
             c = self._c
             c["tx_packets"] += int(res[1])
             c["tx_bytes"] += int(res[2])
