@@ -65,6 +65,7 @@ BACKEND = "dblp"
 TOLERATE = ("backward", "none")
 ALLGATHERS = ("exact", "tolerant")
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+RESULT_BUFFERS = 8  # allreduce result buffers a group keeps, one per tensor size (ProcessGroupDblp._result)
 _R = dist.ReduceOp
 # local reductions of the exact path: gathered (world, ...) tensors -> one
 _LOCAL = {
@@ -284,6 +285,7 @@ class ProcessGroupDblp(dist.ProcessGroup):
         self._step: _Step | None = None   # the backward pass running, if an operation came from one
         self._failure: BaseException | None = None  # the first round that failed (until re-formed)
         self._staging: _Staging | None = None
+        self._results: dict[int, np.ndarray] = {}  # size -> the buffer allreduce writes a result into
         self._closed = False
         _OPEN.add(self)
 
@@ -493,9 +495,24 @@ class ProcessGroupDblp(dist.ProcessGroup):
         if op in (_R.SUM, _R.AVG) and t.dtype in GRADIENT_DTYPES:
             if tolerant:
                 col.controller.count_steps()
-            out = col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()), op="mean", exact=not tolerant)
+            out = col.allreduce(x.float().numpy(), tensor=self._id("ar", t.numel()), op="mean", exact=not tolerant,
+                                out=self._result(t.numel()))
             return out, (self.size() if op == _R.SUM else 1)
         return _LOCAL[op](torch.stack(self._gather_bytes(col, x, alive_only=True)))
+
+    def _result(self, n: int) -> np.ndarray:
+        """A float32 buffer of ``n`` values an allreduce writes its result into, kept per size (a
+        few: DDP's bucket sizes repeat): no fresh array, no page faults, per round.  Safe to reuse:
+        the group's rounds run one at a time, and each result is copied into its tensor
+        (:meth:`_write`) before the next begins; the tensor itself is not written if the round
+        fails."""
+        buf = self._results.pop(n, None)
+        if buf is None:
+            buf = np.empty(n, np.float32)
+            while len(self._results) >= RESULT_BUFFERS:  # the least recently used size goes
+                self._results.pop(next(iter(self._results)))
+        self._results[n] = buf
+        return buf
 
     def _reduce_scatter(self, col, t, x, op, tolerant) -> np.ndarray | torch.Tensor:
         n = t.numel() // self.size()
