@@ -5,7 +5,8 @@ capability.  Under ``DBLP_REQUIRE_PRIVILEGED=1`` (CI, the VM runs) every skip
 is a failure, so a missing install step cannot hide behind a skip, except one
 for a kernel feature the running kernel is too old to have
 (:func:`tests.helpers.skip_without`, whose reason starts with
-:data:`tests.helpers.KERNEL_FEATURE_SKIP`).
+:data:`tests.helpers.KERNEL_FEATURE_SKIP`) and one of a compiled path that
+``DBLP_NATIVE=0`` turned off (:func:`tests.helpers.require_native`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 
 import pytest
 
-from tests.helpers import KERNEL_FEATURE_SKIP, NS_PREFIX, unique_name
+from tests.helpers import KERNEL_FEATURE_SKIP, NATIVE_OFF_SKIP, NS_PREFIX, unique_name
 
 REQUIRE_PRIVILEGED = os.environ.get("DBLP_REQUIRE_PRIVILEGED") == "1"
 
@@ -25,8 +26,8 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if REQUIRE_PRIVILEGED and rep.skipped and not hasattr(rep, "wasxfail"):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        if KERNEL_FEATURE_SKIP in reason:
-            return  # the kernel predates the feature: allowed (tests.helpers.skip_without)
+        if KERNEL_FEATURE_SKIP in reason or NATIVE_OFF_SKIP in reason:
+            return  # the kernel predates the feature (skip_without), or DBLP_NATIVE=0 (require_native)
         rep.outcome = "failed"
         rep.longrepr = f"skipped under DBLP_REQUIRE_PRIVILEGED=1 (a missing install step?): {reason}"
 

@@ -64,11 +64,19 @@ def skip_without(feature: str):
                 "a kernel configured without it, or a broken probe")
 
 
+# The reason's prefix of a skip of the compiled path asked for by DBLP_NATIVE=0 (a run of the
+# pure-Python paths): DBLP_REQUIRE_PRIVILEGED=1 accepts it (tests/conftest.py).
+NATIVE_OFF_SKIP = "compiled path off (DBLP_NATIVE=0):"
+
+
 def require_native(name: str = "udp"):
-    """Skip the test: compiled ``name`` (pydblp/csrc) did not load here (no compiler?).  Under
-    ``DBLP_REQUIRE_PRIVILEGED=1`` (CI) the skip is a failure: CI must build and test both paths."""
+    """Skip the test: compiled ``name`` (pydblp/csrc) did not load here.  Under
+    ``DBLP_REQUIRE_PRIVILEGED=1`` (CI) the skip is a failure (CI must build the compiled path),
+    unless ``DBLP_NATIVE=0`` asked for the Python paths."""
     from pydblp import native
 
+    if native.mode() is False:
+        pytest.skip(f"{NATIVE_OFF_SKIP} {name}")
     pytest.skip(f"compiled {name} unavailable: {native.why(name)}")
 
 

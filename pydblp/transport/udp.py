@@ -213,6 +213,8 @@ class UdpTransport(Transport):
         self._lib = native_mod.choose(native, None if native is False else native_lib(), "udp")
         self.native = self.reads_addresses = self._lib is not None
         self._send_res = np.zeros(8, np.int64)  # the compiled send's results
+        self._gro_res = np.zeros(8, np.int64)   # the compiled GRO read's
+        self._gro_fixed = None  # (frames, names, the read's arguments made of them): _recv_gro_native
         self._send_fixed = None  # (names, v6peer, bcast, the arguments made of them): _send_addrs
         self.spin = spin
         self._sock = None
@@ -490,12 +492,15 @@ class UdpTransport(Transport):
                          copy: bool) -> Batch:
         """``_recv_gro`` with its reads in compiled code (``dblp_udp_gro_read``: the same rows,
         lengths, peers and counts); the waiting and lingering here, as there."""
-        lib, res = self._lib, np.zeros(8, np.int64)
+        lib, res = self._lib, self._gro_res
+        res[:] = 0
         names = self._names
-        key = (8, 16) if self.family == socket.AF_INET6 else (4, 4)  # the address in a sockaddr row
-        args = (self._frames.ctypes.data, len(self._frames), row)
-        tail = (names.ctypes.data, len(names), SOCKADDR_LEN, *key, self._gro_plen.ctypes.data,
-                self._gro_peer.ctypes.data, res.ctypes.data)
+        if self._gro_fixed is None or self._gro_fixed[0] is not self._frames or self._gro_fixed[1] is not names:
+            key = (8, 16) if self.family == socket.AF_INET6 else (4, 4)  # the address in a sockaddr row
+            self._gro_fixed = (self._frames, names, (self._frames.ctypes.data, len(self._frames), row),
+                               (names.ctypes.data, len(names), SOCKADDR_LEN, *key, self._gro_plen.ctypes.data,
+                                self._gro_peer.ctypes.data, res.ctypes.data))
+        args, tail = self._gro_fixed[2], self._gro_fixed[3]
 
         def read(used: int) -> int:
             used = lib.dblp_udp_gro_read(self._fd, *args, used, cap, *tail)

@@ -53,6 +53,7 @@ most :data:`PUBLISH_EVERY` s old) in a small JSON file under
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -251,19 +252,11 @@ def published(root: Path | None = None) -> list[dict]:
         except (OSError, ValueError):
             continue
         if not pid_alive(int(rec.get("pid", 0))):
-            with _suppress():
+            with contextlib.suppress(OSError):
                 p.unlink()
             continue
         out.append(rec)
     return sorted(out, key=lambda r: (r.get("netns") or "", r["ifname"], r["pid"]))
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, *_):
-        return typ is not None and issubclass(typ, OSError)
 
 
 # ---- the transport ---------------------------------------------------------------------------
@@ -551,7 +544,7 @@ class XskQueues(Transport):
         for s in socks:
             s.close()
         if self._pressure_fn is not None and self._pressure > 0:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 self._pressure_fn(0)
         self._pressure = -1
         if self._ep is not None:
@@ -561,9 +554,9 @@ class XskQueues(Transport):
             self._ctrl.close()
             self._ctrl = None
         if self._status_path is not None:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 self._status_path.unlink()
             for d in (self._status_path.parent, self._status_path.parent.parent):  # the last one out: no dirs
-                with _suppress():
+                with contextlib.suppress(OSError):
                     d.rmdir()
             self._status_path = None
