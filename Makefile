@@ -1,4 +1,5 @@
-# make test: set the host up and run the whole suite (root for the privileged part).
+# make test: set the host up, run the whole suite (root for the privileged part), then the data
+#   path's tests on the pure-Python paths (DBLP_NATIVE=0).
 # make demo: set the host up and run the main job (about 4 minutes).
 # make paper: the main job's paper scenario, 3 seeds (docs/experiment.md).
 # make smoke: build sdist + wheel and check they install and load in clean venvs (root).
@@ -11,8 +12,15 @@ PYTEST_ARGS ?=
 setup:
 	tools/setup
 
+# the data path's tests once more on the pure-Python paths (the compiled loops' reference)
+PYTHON_PATH_TESTS := tests/unit/test_collective.py tests/unit/test_collective_shards.py \
+	tests/unit/test_transport_udp_loopback.py tests/unit/test_matcher_properties.py \
+	tests/linux/test_fuzz_matrix.py tests/linux/test_transport_xsk.py tests/linux/test_dataplane_xsk.py \
+	tests/linux/test_multiqueue.py
+
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+	DBLP_NATIVE=0 $(PY) -m pytest -q $(PYTEST_ARGS) $(PYTHON_PATH_TESTS)
 
 demo: setup
 	.venv/bin/dblp experiment

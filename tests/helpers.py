@@ -69,6 +69,18 @@ def skip_without(feature: str):
 NATIVE_OFF_SKIP = "compiled path off (DBLP_NATIVE=0):"
 
 
+def needs_native(name: str, available: bool):
+    """A skip mark for tests of compiled ``name`` when it is not ``available``: under
+    ``DBLP_NATIVE=0`` an accepted skip; otherwise a skip only outside CI (under
+    ``DBLP_REQUIRE_PRIVILEGED=1`` the test runs and fails: CI must build the compiled path)."""
+    from pydblp import native
+
+    if native.mode() is False:
+        return pytest.mark.skipif(not available, reason=f"{NATIVE_OFF_SKIP} {name}")
+    return pytest.mark.skipif(not available and not os.environ.get("DBLP_REQUIRE_PRIVILEGED"),
+                              reason=f"compiled {name} unavailable: {native.why(name)}")
+
+
 def require_native(name: str = "udp"):
     """Skip the test: compiled ``name`` (pydblp/csrc) did not load here.  Under
     ``DBLP_REQUIRE_PRIVILEGED=1`` (CI) the skip is a failure (CI must build the compiled path),

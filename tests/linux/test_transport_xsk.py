@@ -19,8 +19,8 @@ from pydblp import net, wire
 from pydblp.transport import Batch, xsk_native
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import (ADDR, JOB, JOB_UDP, MAC, MAXLEN, N, Checker, both_ways, foreign_xskmap, make_pair, packets,
-                           transfer, xsk)
+from tests.helpers import (ADDR, JOB, JOB_UDP, MAC, MAXLEN, N, Checker, both_ways, foreign_xskmap, make_pair,
+                           needs_native, packets, transfer, xsk)
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -66,8 +66,8 @@ def test_recv_without_copy_lends_the_umem_frames(pair):
         assert s["rx_packets"] == 20 * 512 + len(r) and s["rx_dropped"] == s["rx_ring_full"] == 0, s
 
 
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
-    xsk_native.load_lib() is None, reason="no compiled xsk loops"))], ids=["python", "c"])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native(
+    "xsk", xsk_native.load_lib() is not None))], ids=["python", "c"])
 def test_xsk_mixed_families_in_one_batch(pair, native):
     """IPv4 and IPv6 frames interleaved in every batch: receive's general path (not the one-layout
     one) on the Python path; the compiled path takes every frame the same way."""

@@ -16,10 +16,10 @@ import pytest
 from pydblp import net, wire
 from pydblp.transport import Batch, xsk_native
 from pydblp.transport.xsk import XskTransport
-from tests.helpers import ADDR, MAC, foreign_xskmap, make_pair, packets, xsk
+from tests.helpers import ADDR, MAC, foreign_xskmap, make_pair, needs_native, packets, xsk
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns,
-              pytest.mark.skipif(xsk_native.load_lib() is None, reason="no compiled xsk loops")]
+              needs_native("xsk", xsk_native.load_lib() is not None)]
 
 TOTAL = 3000
 

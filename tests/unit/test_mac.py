@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pydblp import mac, native, wire
+from pydblp import mac, wire
 from pydblp.transport import auth
 from pydblp.transport.udp import UdpTransport
+from tests.helpers import needs_native
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # tools/setup installs the compiler: where the suite must run whole (CI), a missing C path fails
-needs_cc = pytest.mark.skipif(not mac.native_available() and not os.environ.get("DBLP_REQUIRE_PRIVILEGED"),
-                              reason=f"no batched C MAC: {native.why('mac')}")
+needs_cc = needs_native("mac", mac.native_available())
 PATHS = [pytest.param(True, marks=needs_cc, id="c"), pytest.param(False, id="hashlib")]
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pydblp import native, wire
+from pydblp import wire
 from pydblp.transport import Batch, frames, xsk_native
 from pydblp.transport.xsk_memory import MemoryXsk, agree, seeded_batch
+from tests.helpers import needs_native
 
 LIB = xsk_native.load_lib()
-needs_cc = pytest.mark.skipif(LIB is None and not os.environ.get("DBLP_REQUIRE_PRIVILEGED"),
-                              reason=f"no compiled xsk loops: {native.why('xsk')}")
+needs_cc = needs_native("xsk", LIB is not None)
 PORT = wire.DEFAULT_PORT
 V4, V6 = ("198.18.0.2", "198.18.0.3"), ("2001:db8::2", "2001:db8::3")
 
