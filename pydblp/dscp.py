@@ -103,16 +103,22 @@ def resolve(spec) -> np.ndarray:
     return out
 
 
-def tos_table(spec) -> np.ndarray | None:
-    """The IP TOS / traffic-class byte (DSCP << 2, ECN bits 0) per header ``prio`` byte 0..255, or
-    None when every priority maps to DSCP 0 (nothing to write).  A prio above 7 (not a DBLP
-    priority) takes priority 0's.
+ECT0 = 0b10  # ECN field: ECN-capable transport (RFC 3168), what pydblp sends with ``ect``
+CE = 0b11    # ECN field: congestion experienced (a switch's mark)
+
+
+def tos_table(spec, ect: bool = False) -> np.ndarray | None:
+    """The IP TOS / traffic-class byte (DSCP << 2, ECN bits ECT(0) with ``ect``, else 0) per header
+    ``prio`` byte 0..255, or None when every byte would be 0 (nothing to write).  A prio above 7
+    (not a DBLP priority) takes priority 0's.
     """
     d = resolve(spec)
-    if not d.any():
+    if not d.any() and not ect:
         return None
     table = np.full(256, d[0] << 2, np.uint8)
     table[: len(d)] = d << 2
+    if ect:
+        table |= ECT0
     return table
 
 

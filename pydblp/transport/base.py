@@ -14,6 +14,9 @@ Batch layout (:class:`Batch`)
              :meth:`Transport.add_peer`; on receive, the sender's peer id when
              its address was registered with :meth:`Transport.add_peer`, else -1
 ``n``        rows in use (``len(batch)``)
+``ecn``      optional, receive: (cap,) uint8, the IP header's ECN field of each packet as it
+             arrived (0 Not-ECT, 1 ECT(1), 2 ECT(0), 3 CE: a switch's congestion mark); None
+             where a transport does not report it
 ``addr``     optional, send only: (cap,) uint64, the address of each packet's payload
              bytes, read there instead of ``payload``'s row by a transport whose
              :attr:`Transport.reads_addresses` is True (no staging copy of the
@@ -78,12 +81,13 @@ class Batch:
     peer: np.ndarray
     n: int = 0
     addr: np.ndarray | None = None
+    ecn: np.ndarray | None = None
 
     @classmethod
     def empty(cls, cap: int, maxlen: int = 1500) -> "Batch":
         """A batch with room for ``cap`` packets of up to ``maxlen`` payload bytes (n = 0)."""
         return cls(wire.empty_batch(cap), np.zeros((cap, maxlen), np.uint8),
-                   np.zeros(cap, np.int32), np.full(cap, -1, np.int32), 0)
+                   np.zeros(cap, np.int32), np.full(cap, -1, np.int32), 0, None, np.zeros(cap, np.uint8))
 
     @classmethod
     def fill(cls, headers: np.ndarray, payload: np.ndarray, lengths=None, peer=0) -> "Batch":
@@ -118,7 +122,7 @@ class Batch:
         stop = self.n if stop is None else min(stop, self.n)
         s = slice(start, stop)
         return Batch(self.headers[s], self.payload[s], self.lengths[s], self.peer[s], max(0, stop - start),
-                     None if self.addr is None else self.addr[s])
+                     None if self.addr is None else self.addr[s], None if self.ecn is None else self.ecn[s])
 
     def payloads(self) -> list[bytes]:
         """Per-packet payload bytes, from ``addr`` where set (a Python loop: for tests and inspection only)."""
@@ -269,6 +273,17 @@ class Transport(abc.ABC):
         if self._drop_log is None:
             self._drop_log = DropLog(log, f"{self.kind} transport")
         self._drop_log(e, self._c["rx_errors"])
+
+    ect: bool = False  # packets sent go out ECN-capable, ECT(0) (set_ect)
+
+    def set_ect(self, on: bool) -> None:
+        """Send every packet ECN-capable, ECT(0) in the IP header (RFC 3168), or not (the default):
+        a switch that marks then sets CE on it instead of dropping it, and the receiving
+        transport reports the mark in ``Batch.ecn``.  The collective turns it on with
+        ``Config.cc`` (its congestion control reads the marks).  A transport that cannot write
+        the IP header's ECN field leaves it 0 and reports ``ect`` False.
+        """
+        self.ect = False
 
     def tx_backlog(self) -> float:
         """Seconds until what ``send`` queued here has been handed to the network (0: nothing waits).
