@@ -52,6 +52,7 @@ RECORDS_MAX = 4096  # round records a Collective keeps by default (Config.record
 CHUNK_MAX = 8000  # Config.check's bound
 ALLGATHERS = ("unicast", "broadcast")
 ORDERS = ("shuffle", "rows")
+CCS = ("ecn", "off")
 
 
 def link_chunk_bytes(mtu: int) -> int:
@@ -142,6 +143,17 @@ class Config:
     burst: int = 1024                # packets sent per loop turn before draining receive; what every
                                      # sender has in flight must fit the receivers' rings (there is no
                                      # pacing): AF_XDP's 16384 receive frames by default
+    cc: str = "ecn"                  # congestion control per destination (pydblp.collective.cc): "ecn"
+                                     # (DATA goes out ECT(0); receivers echo CE marks in their STOPs and
+                                     # a sender whose packets were marked paces itself, DCTCP-style) or
+                                     # "off".  Loss alone, marked by nothing, never slows a sender down:
+                                     # bounded loss is for that.  docs/protocol.md, "Congestion control"
+    cc_gain: float = 1.0             # weight of the newest marked fraction in the running one (DCTCP's g;
+                                     # 1: an echo covers a whole message, hundreds of packets, not an RTT)
+    cc_increase: float = 50e6        # bits/s a paced destination's rate grows per clean echo
+    cc_min_rate: float = 10e6        # bits/s below which a destination is never paced
+    cc_delay: float = 0.0            # s of STOP delay above the least seen counted as a mark (a fabric
+                                     # without ECN that queues); 0: delay is not a signal
     records_max: int = RECORDS_MAX   # round records Collective.records keeps (the latest; older ones
                                      # are dropped, so a long run's memory stays flat)
     on_record: Callable[[RoundRecord], None] | None = None  # called with each round's record as the
@@ -185,6 +197,15 @@ class Config:
         if self.fill == "carry" and not (self.consistent and self.allgather_bound):
             raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
                              "and allgather_bound=True, or use fill 'stale' or 'local'")
+        if self.cc not in CCS:
+            raise ValueError(f"cc {self.cc!r}: use {', '.join(CCS)}")
+        if not 0 < self.cc_gain <= 1:
+            raise ValueError(f"cc_gain {self.cc_gain}: use a weight in (0, 1] (DCTCP's is 1/16)")
+        for name, value in (("cc_increase", self.cc_increase), ("cc_min_rate", self.cc_min_rate)):
+            if not value > 0:
+                raise ValueError(f"{name} {value}: use a positive rate in bits/s (e.g. 50e6)")
+        if not self.cc_delay >= 0:
+            raise ValueError(f"cc_delay {self.cc_delay}: use seconds >= 0 (0: delay is no signal)")
         if self.records_max < 0:
             raise ValueError(f"records_max {self.records_max}: use 0 or more records")
         if self.on_record is not None and not callable(self.on_record):

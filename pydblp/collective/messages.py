@@ -67,6 +67,7 @@ class OutMessage:
         self.trailing = False                # the round has returned; this waits for its STOP (trailing)
         self.abandoned = False               # neighbour round: its receiver was skipped (timeout); never sent again
         self.t_heard = 0.0                   # when its receiver last answered (a BITMAP); trailing: or it began
+        self.t_first = None                  # when its first chunk went out
         self.t_sent_all = None
         self.t_last = 0.0
         self.probes = 0        # all probes sent

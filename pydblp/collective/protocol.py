@@ -21,12 +21,14 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import struct
 from collections.abc import Callable
 
 import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
+from pydblp.collective.cc import RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
@@ -39,6 +41,8 @@ from pydblp.transport.base import Batch, DropLog, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
 log = logging.getLogger(__name__)
+STOP_PAYLOAD = struct.Struct("!HII")  # a STOP's payload: probe timeout estimate (100 us), echo (received, CE)
+CE = 3                                # the ECN field of a packet a switch marked
 
 
 class Protocol:
@@ -95,7 +99,7 @@ class Protocol:
         self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
-                                       "stray", "rx_errors"), 0)
+                                       "stray", "rx_errors", "ce_received"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
@@ -110,6 +114,15 @@ class Protocol:
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
         self._began: tuple[int, dict] = (0, {})   # (last round, {rank: when its message began arriving}: a
                                                   # neighbour round's, Round.began; empty after other kinds)
+        self.frame = c.chunk_bytes + wire.DATAGRAM_OVERHEAD  # bytes a DATA packet takes on the wire (at most)
+        self.cc = RateControl(world, c, self.frame) if c.cc == "ecn" else None  # per destination's rate
+        self.ce_from = [0] * world                # per sender: its DATA packets that arrived CE-marked (echoed
+                                                  # in STOPs with Matcher.rx_from, both cumulative)
+        if self.cc is not None:
+            transport.set_ect(True)
+            if not transport.ect:
+                log.info("rank %d: the %s transport cannot send ECN-capable packets: congestion control "
+                         "reacts to no switch's marks", rank, transport.kind)
 
     @property
     def estimate(self) -> float:
@@ -424,12 +437,25 @@ class Protocol:
         """
         b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
         if b.n:
+            if b.ecn is not None and self.cc is not None:
+                self._count_marks(b)
             try:
                 self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], self.clock())
             except Exception as e:  # what arrives never ends a round: drop the batch, repair as loss
                 self.counters["rx_errors"] += 1
                 self._drop_log(e, self.counters["rx_errors"])
         return b.n
+
+    def _count_marks(self, b: Batch) -> None:
+        """Count the DATA packets of ``b`` that arrived CE-marked, per sender (echoed in STOPs)."""
+        ce = b.ecn[: b.n] == CE
+        if not ce.any():
+            return
+        h = b.headers[: b.n][ce]
+        src = h["src"][(h["kind"] == DATA) & (h["job"] == self.cfg.job)].astype(np.int64)
+        for r, k in zip(*np.unique(src[src < self.world], return_counts=True)):
+            self.ce_from[r] += int(k)
+        self.counters["ce_received"] += len(src)
 
     def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
         """Handle received packets (``st`` None: between rounds): data goes into the round
@@ -525,18 +551,33 @@ class Protocol:
             total = min(total, max(len(active), int(TXQ_LIMIT / self.pkt_s)))
         share = max(1, total // len(active))
         parts = []
+        cc = self.cc if self.cc is not None and self.cc.rate.any() else None
+        held, wait = set(), None  # messages the rate control holds back now, and how long for
         for o in active:
             budget = share
+            if cc is not None:
+                allowed = self._allowed(cc, o.dst, now)
+                if allowed <= 0:
+                    held.add(id(o))
+                    w = self._cc_wait(cc, o.dst)
+                    wait = w if wait is None else min(wait, w)
+                    continue
+                budget = min(budget, allowed)
+            n0 = len(parts)
             if o.nretx:
                 idx = self._resend(o, budget, now)
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
             if o.sent < o.avail and budget > 0:
                 idx = np.arange(o.sent, min(o.avail, o.sent + budget))
+                if o.t_first is None:
+                    o.t_first = now
                 o.sent += len(idx)
                 parts.append((o, idx, 0))
                 if o.sent == o.n:
                     o.t_sent_all = now
+            if cc is not None:
+                self._cc_spend(cc, o.dst, sum(len(p[1]) for p in parts[n0:]))
             o.t_last = now
         if bc is not None:
             for o in bc.members:  # they went out with the group's copy
@@ -549,10 +590,28 @@ class Protocol:
         grown = self.t.tx_backlog() - backlog
         if k >= 16 and grown > 0:  # what a packet costs the pacer: learnt, the protocol has no rate
             self.pkt_s = grown / k
-        more = any(o.sent < o.avail or o.nretx for o in active)
-        if not more and st.ag_rest is not None:
+        more = any((o.sent < o.avail or o.nretx) and id(o) not in held for o in active)
+        if not more and held:  # the rate control holds the rest back: wait for its tokens
+            self.tx_wait = max(wait, 50e-6)
+        elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more
+
+    def _allowed(self, cc: RateControl, dst: int, now: float) -> int:
+        """Frames the rate control lets go to ``dst`` now (``DST_ALL``: to every other rank)."""
+        if dst != wire.DST_ALL:
+            return cc.allowed(dst, now)
+        return min(cc.allowed(d, now) for d in range(self.world) if d != self.rank)
+
+    def _cc_wait(self, cc: RateControl, dst: int) -> float:
+        if dst != wire.DST_ALL:
+            return cc.wait(dst)
+        return max(cc.wait(d) for d in range(self.world) if d != self.rank)
+
+    def _cc_spend(self, cc: RateControl, dst: int, frames: int) -> None:
+        for d in (range(self.world) if dst == wire.DST_ALL else (dst,)):
+            if d != self.rank:
+                cc.spend(d, frames)
 
     def _resend(self, o: OutMessage, budget: int, now: float) -> np.ndarray:
         idx = o.resend(budget, now)
@@ -633,8 +692,10 @@ class Protocol:
     def _ctrl_packet(self, st_round: int, tensor: int, kind: int, flag: int, dst: int, n: int,
                      tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
         """Queue a control packet about a message whose kind ``flag`` marks (AG, NB or 0)."""
-        if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units
-            payload = min(0xFFFF, round(self.estimate * 1e4)).to_bytes(2, "big")
+        if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units, and the
+            # echo: DATA packets received from dst and how many of them came CE-marked, both cumulative
+            payload = STOP_PAYLOAD.pack(min(0xFFFF, round(self.estimate * 1e4)),
+                                        self.matcher.rx_from[dst] & MASK32, self.ce_from[dst] & MASK32)
         self.ctrl.append(Control(st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
 
     def flush_ctrl(self) -> None:
@@ -671,13 +732,23 @@ class Protocol:
             else:
                 self._bitmap(rnd, tensor, inn)
             return
+        echo = None
         if kind == STOP and len(payload) >= 2:
             self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
+            if len(payload) >= STOP_PAYLOAD.size and self.cc is not None:
+                echo = STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:]
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
+            if echo is not None:  # (the counts are cumulative: any STOP's are news)
+                self.cc.echo(src, *echo, now, None)
             self.counters["stray"] += 1
             return
         if kind == STOP:
+            if echo is not None:
+                span = now - o.t_first if o.t_first is not None else 0.0
+                rate = o.sent * self.frame * 8 / span if span > 0 else None
+                delay = now - o.t_sent_all if o.t_sent_all is not None and o.timeouts == 0 else None
+                self.cc.echo(src, *echo, now, rate, delay)
             self._out_done(o, now)
         elif kind == BITMAP:
             if current:

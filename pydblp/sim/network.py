@@ -150,6 +150,8 @@ class Network:
         self.rng = np.random.default_rng(seed)
         self.drops = {c: 0 for c in CAUSES}   # packets dropped, by cause, all ports
         self.delivered = 0
+        self.mark_at = [0] * world            # per port: CE-mark threshold in bytes (0: no marking)
+        self.marks = 0                        # packets marked CE, all ports
 
     def _ports(self, port) -> list[int]:
         if port is None:
@@ -184,14 +186,28 @@ class Network:
         for k in self._ports(port):
             self.faults[k].bursts.append(Burst(start, duration, ratio, every, count))
 
-    def send(self, src: int, now: float, sizes: np.ndarray, dsts: np.ndarray) -> tuple[int, list, float]:
+    def mark(self, threshold: int, port=None) -> None:
+        """Mark ECN-capable packets CE at ``port``'s queue (a rank, a list of them; None: all)
+        once it would hold more than ``threshold`` bytes with the packet (DCTCP's step marking,
+        as the testbed fabric's ``Fabric.queue(mark=)``); 0 turns it off.  Packets that are not
+        ECN-capable meet the drop-tail queue as before."""
+        if not 0 <= threshold:
+            raise ValueError(f"mark threshold {threshold}: use bytes >= 0 (0: no marking)")
+        for k in self._ports(port):
+            if threshold and threshold > self.links[k].queue:
+                raise ValueError(f"mark threshold {threshold} is above port {k}'s queue ({self.links[k].queue} "
+                                 "bytes): a packet would be dropped before it is marked; use a smaller one")
+            self.mark_at[k] = int(threshold)
+
+    def send(self, src: int, now: float, sizes: np.ndarray, dsts: np.ndarray,
+             ect: bool = False) -> tuple[int, list, float]:
         """Hand rank ``src``'s packets (bytes on the wire, and each one's destination rank; -1:
-        every other rank) to its uplink at ``now``.
+        every other rank) to its uplink at ``now``; ``ect``: they are ECN-capable.
 
         Returns ``(taken, arrivals, retry)``: how many were taken (a prefix: the send queue was
-        full for the next); ``(packet, rank, arrival time)`` of each copy that arrives (the
-        rest are dropped and counted in :attr:`drops`); when the next would fit (inf when all
-        were taken).
+        full for the next); ``(packet, rank, arrival time, marked CE)`` of each copy that
+        arrives (the rest are dropped and counted in :attr:`drops`); when the next would fit
+        (inf when all were taken).
         """
         q, lk = self.up[src], self.links[src]
         arrivals = []
@@ -203,23 +219,27 @@ class Network:
             at_switch = left + lk.latency
             for d in (range(self.world) if dst < 0 else (dst,)):
                 if d != src or dst >= 0:
-                    t = self._port(d, at_switch, size)
+                    t = self._port(d, at_switch, size, ect)
                     if t is not None:
-                        arrivals.append((i, d, t))
+                        arrivals.append((i, d, *t))
         return len(sizes), arrivals, math.inf
 
-    def _port(self, d: int, t: float, size: int) -> float | None:
-        """A packet reaching the switch's port to rank ``d`` at ``t``: its arrival time, or None."""
+    def _port(self, d: int, t: float, size: int, ect: bool = False) -> tuple[float, bool] | None:
+        """A packet reaching the switch's port to rank ``d`` at ``t``: its arrival time and whether
+        it was marked CE, or None (dropped)."""
         if self.dead[d]:
             self.drops["dead"] += 1
             return None
         cause = self.faults[d].drop(t, self.rng)
         if cause is None:
-            left = self.port[d].put(t, size)
+            q = self.port[d]
+            ce = bool(ect and self.mark_at[d] and q.backlog(t) + size > self.mark_at[d])
+            left = q.put(t, size)
             if left is not None:
                 self.delivered += 1
+                self.marks += ce
                 t = self.last[d] = max(self.last[d], left + self.links[d].latency)
-                return t
+                return t, ce
             cause = "tail"
         self.drops[cause] += 1
         return None

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from pydblp import wire
+from pydblp.dscp import CE, ECT0
 from pydblp.sim.network import FRAME_OVERHEAD, QUANTUM
 from pydblp.transport.base import Batch, Transport
 
@@ -29,10 +30,11 @@ def rank_addr(rank: int) -> str:
 class _Arrivals:
     """Packets on their way to one rank, in arrival order: ``times`` non-decreasing."""
 
-    __slots__ = ("times", "headers", "payload", "lengths", "src", "at", "ctrl")
+    __slots__ = ("times", "headers", "payload", "lengths", "src", "at", "ctrl", "ecn")
 
-    def __init__(self, times, headers, payload, lengths, src):
+    def __init__(self, times, headers, payload, lengths, src, ecn=None):
         self.times, self.headers, self.payload, self.lengths, self.src = times, headers, payload, lengths, src
+        self.ecn = np.zeros(len(times), np.uint8) if ecn is None else ecn  # each packet's ECN field
         self.at = 0  # the first not taken yet
         self.ctrl = np.flatnonzero(headers["kind"] != wire.Kind.DATA)  # the control packets, by index
 
@@ -86,7 +88,7 @@ class SimTransport(Transport):
         end = math.inf if timeout is None else sim.now + timeout
         done = 0
         while True:
-            taken, arrivals, retry = sim.network.send(self.rank, sim.now, sizes[done:], dsts[done:])
+            taken, arrivals, retry = sim.network.send(self.rank, sim.now, sizes[done:], dsts[done:], self.ect)
             if arrivals:
                 self._hand(batch, done, arrivals)
             done += taken
@@ -127,6 +129,10 @@ class SimTransport(Transport):
         self._open = False
         self._rx.clear()
 
+    def set_ect(self, on: bool) -> None:
+        """Send ECN-capable packets (a port that marks, ``Network.mark``, then sets CE on them)."""
+        self.ect = bool(on)
+
     def drop_arrivals(self) -> None:
         """Forget what is on its way here (the rank died)."""
         self._rx.clear()
@@ -135,14 +141,16 @@ class SimTransport(Transport):
     def _hand(self, batch: Batch, base: int, arrivals: list) -> None:
         """Give each receiver its copies of packets ``base + i`` (``arrivals``: (i, rank, time))."""
         by = collections.defaultdict(list)
-        for i, d, t in arrivals:
-            by[d].append((base + i, t))
+        for i, d, t, ce in arrivals:
+            by[d].append((base + i, t, ce))
+        sent = ECT0 if self.ect else 0
         for d, got in by.items():
-            rows = np.fromiter((i for i, _ in got), np.int64, len(got))
-            times = np.fromiter((t for _, t in got), np.float64, len(got))
+            rows = np.fromiter((i for i, _, _ in got), np.int64, len(got))
+            times = np.fromiter((t for _, t, _ in got), np.float64, len(got))
+            ecn = np.fromiter((CE if ce else sent for _, _, ce in got), np.uint8, len(got))
             w = int(batch.lengths[rows].max())
             self.sim.arrive(d, _Arrivals(times, batch.headers[rows].copy(), batch.payload[rows, :w].copy(),
-                                         batch.lengths[rows].copy(), self.rank))
+                                         batch.lengths[rows].copy(), self.rank, ecn))
 
     def queue_arrivals(self, a: _Arrivals) -> None:
         """Packets from the network (the scheduler calls it); nothing once closed."""
@@ -193,6 +201,8 @@ class SimTransport(Transport):
                 self._c["rx_truncated"] += int((lens > into.maxlen).sum())
                 into.lengths[k: k + m] = np.minimum(lens, into.maxlen)
                 into.peer[k: k + m] = self._peer[a.src]
+                if into.ecn is not None:
+                    into.ecn[k: k + m] = a.ecn[s]
                 self._c["rx_bytes"] += int(lens.sum()) + m * wire.HEADER_LEN
                 k += m
                 a.at = j

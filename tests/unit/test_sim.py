@@ -63,7 +63,7 @@ def test_a_message_takes_its_bytes_at_the_link_rate_plus_two_hops():
     last = arrivals[-1][2]
     # serialised on the uplink (100 x 8 us), then the last one again on the port, plus 2 hops
     assert last == pytest.approx(100 * 8e-6 + 8e-6 + 2 * 10e-6)
-    times = [t for _, _, t in arrivals]
+    times = [t for _, _, t, _ in arrivals]
     assert times == sorted(times)
 
 

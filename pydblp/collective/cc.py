@@ -1,0 +1,140 @@
+"""Congestion control: a rate per destination that backs off on switches' CE marks.
+
+Bounded loss makes a sender ignore loss within a round's bound; that is right for microbursts
+and random loss, and wrong where the loss is a shared link saying "too much".  Only a mark
+says the latter: a switch that marks (RFC 3168, DCTCP-style at a queue threshold) sets CE on
+an ECT packet instead of dropping it.  So the sender sends ECT(0), each receiver counts, per
+sender, the DATA packets it got and how many came marked, and echoes both counts, cumulative
+and modulo 2**32 (as AccECN does: a lost echo loses no marks), in every STOP.
+
+Per destination, at each echo (one a message: a round at the latest) with new packets:
+
+- ``F`` = marked / received since the last echo; ``alpha <- (1 - g) alpha + g F`` (``g``:
+  ``Config.cc_gain``; alpha starts at 1, as Linux's DCTCP does, so the first mark halves).
+- Marked (``F > 0``): an unpaced destination becomes paced at the rate its last message went
+  out at (bytes of it sent over the time from its first send to the STOP), then the rate is
+  cut to ``rate (1 - alpha / 2)``, never below ``Config.cc_min_rate``; the rate before the
+  cut is remembered as ``peak``.
+- Clean: the rate grows back toward ``peak`` by half the gap at a time (BIC's binary search:
+  a round is one echo, so recovery must not take one ``cc_increase`` per round), at least by
+  ``Config.cc_increase``; past 1.25x the fastest any message of this rank went out
+  (``top``), the destination is unpaced again (the link's own rate then paces it: a
+  transport's TBF or pacer).
+- ``Config.cc_delay`` > 0 also counts a STOP delay more than that above the least seen (the
+  round trip of the message's last packets, a queue's growth) as a marked echo with ``F = 1``.
+
+Loss that no mark and no delay go with (random loss, bursts) changes nothing: bounded loss and
+repair deal with it.  A paced destination gets a token bucket of ``BUCKET_S`` of its rate
+(at least ``BUCKET_FRAMES`` frames); :class:`~pydblp.collective.protocol.Protocol` sends to it
+only what the tokens cover.  Everything here is bookkeeping over times passed in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pydblp.collective.config import MASK32, Config
+
+ALPHA0 = 1.0          # alpha before the first echo (Linux's DCTCP starts at 1: the first mark halves)
+CEILING_OVER = 1.25   # a paced destination is unpaced again once its rate passes this x the fastest send
+BUCKET_S = 0.002      # s of a paced destination's rate its token bucket holds
+BUCKET_FRAMES = 8     # ... and at least this many frames
+BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by this share of the gap
+
+
+class RateControl:
+    """The rate of each destination rank (see the module docstring).
+
+    Args:
+        world: ranks.
+        config: the collective's (``cc_gain``, ``cc_increase``, ``cc_min_rate``, ``cc_delay``).
+        frame: bytes a DATA packet takes on the wire (the token bucket's unit).
+    """
+
+    def __init__(self, world: int, config: Config, frame: int):
+        self.g, self.increase, self.min_rate = config.cc_gain, config.cc_increase, config.cc_min_rate
+        self.delay = config.cc_delay
+        self.frame = frame
+        self.rate = np.zeros(world)           # bits/s; 0: not paced
+        self.peak = np.zeros(world)           # bits/s: the rate before the latest cut
+        self.top = 0.0                        # bits/s: the fastest any message of this rank went out
+        self.alpha = np.full(world, ALPHA0)
+        self.tokens = np.zeros(world)         # bytes
+        self.t_tok = np.zeros(world)
+        self.last: list[tuple[int, int] | None] = [None] * world  # the latest echo's (received, marked)
+        self.base = np.full(world, np.inf)    # least STOP delay seen (s)
+        self.counters = dict.fromkeys(("echoes", "marked_echoes", "marks", "cuts", "unpaced"), 0)
+
+    def paced(self, dst: int) -> bool:
+        return bool(self.rate[dst])
+
+    def echo(self, dst: int, received: int, marked: int, now: float, sent_rate: float | None,
+             delay: float | None = None) -> None:
+        """A STOP from ``dst``: its cumulative counts of this rank's DATA packets (``received``,
+        ``marked`` CE), when it came, the rate (bits/s) the message it ends went out at (None:
+        unknown), and its delay (s from the message's last send; None: not measured)."""
+        prev, self.last[dst] = self.last[dst], (received & MASK32, marked & MASK32)
+        if sent_rate:
+            self.top = max(self.top, sent_rate)
+        late = False
+        if delay is not None and self.delay:
+            base = self.base[dst]
+            late = delay - base > self.delay
+            self.base[dst] = delay if delay < base else base + (delay - base) * BASE_DRIFT
+        if prev is None:
+            return
+        got = (received - prev[0]) & MASK32
+        if got == 0 or got >= 1 << 31:  # nothing new, or an older STOP overtaken by a newer one
+            if late:
+                self._update(dst, 1.0, now, sent_rate)
+            return
+        ce = min((marked - prev[1]) & MASK32, got)
+        self.counters["echoes"] += 1
+        self.counters["marks"] += ce
+        self._update(dst, 1.0 if late else ce / got, now, sent_rate)
+
+    def _update(self, dst: int, f: float, now: float, sent_rate: float | None) -> None:
+        self.alpha[dst] = (1 - self.g) * self.alpha[dst] + self.g * f
+        if f > 0:
+            self.counters["marked_echoes"] += 1
+            if not self.rate[dst]:
+                if not sent_rate:
+                    return  # no rate to start from: the next marked echo sets one
+                self.rate[dst] = max(sent_rate, self.min_rate)
+                self.tokens[dst], self.t_tok[dst] = self._bucket(dst), now
+            self.peak[dst] = self.rate[dst]
+            self.rate[dst] = max(self.min_rate, self.rate[dst] * (1 - self.alpha[dst] / 2))
+            self.counters["cuts"] += 1
+        elif self.rate[dst]:
+            self.rate[dst] += max(self.increase, (self.peak[dst] - self.rate[dst]) / 2)
+            if self.rate[dst] > CEILING_OVER * self.top:
+                self.rate[dst] = 0.0
+                self.counters["unpaced"] += 1
+
+    def _bucket(self, dst: int) -> float:
+        return max(BUCKET_FRAMES * self.frame, self.rate[dst] / 8 * BUCKET_S)
+
+    def allowed(self, dst: int, now: float) -> int:
+        """Frames ``dst`` may be sent now (refills its bucket; a large number when not paced)."""
+        rate = self.rate[dst]
+        if not rate:
+            return 1 << 30
+        tokens = min(self._bucket(dst), self.tokens[dst] + (now - self.t_tok[dst]) * rate / 8)
+        self.tokens[dst], self.t_tok[dst] = tokens, now
+        return int(tokens // self.frame)
+
+    def spend(self, dst: int, frames: int) -> None:
+        """``frames`` went to ``dst``."""
+        if self.rate[dst]:
+            self.tokens[dst] -= frames * self.frame
+
+    def wait(self, dst: int) -> float:
+        """Seconds (from the last :meth:`allowed`) until ``dst`` may be sent a frame."""
+        rate = self.rate[dst]
+        if not rate:
+            return 0.0
+        return max(0.0, (self.frame - self.tokens[dst]) * 8 / rate)
+
+    def state(self) -> dict:
+        """Per destination rank: ``rate`` (bits/s; 0 not paced) and ``alpha``; and the counters."""
+        return {"rate": self.rate.tolist(), "alpha": self.alpha.tolist(), **self.counters}

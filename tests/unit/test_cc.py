@@ -1,0 +1,156 @@
+"""Congestion control (pydblp.collective.cc): the rate controller by hand, and in the simulator.
+
+The simulator's switch marks CE at a queue threshold (``Network.mark``) as the testbed
+fabric does; every run is deterministic, so the comparisons below are exact for a seed.
+"""
+
+import numpy as np
+import pytest
+
+from pydblp.collective import Config
+from pydblp.collective.cc import CEILING_OVER, RateControl
+from pydblp.collective.config import MASK32
+from pydblp.sim import Link, Sim
+
+FRAME = 1408 + 80
+
+
+def ctl(**kw) -> RateControl:
+    return RateControl(4, Config(**kw), FRAME)
+
+
+def test_a_first_echo_only_sets_the_baseline():
+    rc = ctl()
+    rc.echo(0, 1000, 900, 1.0, 800e6)  # everything marked, but nothing to compare with yet
+    assert not rc.paced(0) and rc.counters["echoes"] == 0
+
+
+def test_marks_pace_the_destination_and_cut_by_half_the_marked_fraction():
+    rc = ctl()  # cc_gain 1: alpha is the last echo's marked fraction
+    rc.echo(1, 0, 0, 0.0, None)
+    rc.echo(1, 1000, 500, 0.1, 800e6)
+    assert rc.paced(1) and not rc.paced(2)
+    assert rc.rate[1] == pytest.approx(800e6 * (1 - 0.5 / 2))
+    rc.echo(1, 2000, 500, 0.2, 600e6)  # clean: half way back to the rate before the cut
+    assert rc.rate[1] == pytest.approx(600e6 + (800e6 - 600e6) / 2)
+
+
+def test_the_running_fraction_weighs_echoes_by_gain():
+    rc = ctl(cc_gain=0.25)
+    rc.echo(0, 0, 0, 0.0, None)
+    rc.echo(0, 100, 100, 0.1, 400e6)
+    assert rc.alpha[0] == pytest.approx(1.0)  # starts at 1 (Linux's DCTCP)
+    rc.echo(0, 200, 100, 0.2, 400e6)
+    assert rc.alpha[0] == pytest.approx(0.75)
+
+
+def test_clean_echoes_unpace_it_past_the_fastest_send():
+    rc = ctl(cc_increase=100e6)
+    rc.echo(0, 0, 0, 0.0, None)
+    rc.echo(0, 10, 10, 0.1, 400e6)
+    n = 0
+    while rc.paced(0):
+        n += 1
+        rc.echo(0, 10 + 10 * n, 10, 0.1 + n, 300e6)
+        assert n < 50
+    assert rc.counters["unpaced"] == 1 and rc.top == 400e6
+    assert rc.rate[0] == 0 and n >= 2  # (it went past CEILING_OVER x 400e6)
+    assert CEILING_OVER * 400e6 < 400e6 * (1 + n)
+
+
+def test_counters_wrap_and_an_overtaken_stop_is_ignored():
+    rc = ctl()
+    rc.echo(2, MASK32 - 9, MASK32 - 9, 0.0, None)
+    rc.echo(2, 90, MASK32 - 9, 0.1, 500e6)  # 100 new packets across the wrap, none marked
+    assert rc.counters["echoes"] == 1 and not rc.paced(2)
+    rc.echo(2, 50, 40, 0.2, 500e6)  # older than the last: (50 - 90) mod 2**32 is huge
+    assert rc.counters["echoes"] == 1 and not rc.paced(2)
+
+
+def test_delay_counts_as_a_mark_only_when_asked():
+    for delay, paced in ((0.0, False), (0.001, True)):
+        rc = ctl(cc_delay=delay)
+        rc.echo(0, 0, 0, 0.0, None, delay=0.0002)
+        rc.echo(0, 100, 0, 0.1, 500e6, delay=0.0003)
+        assert not rc.paced(0)
+        rc.echo(0, 200, 0, 0.2, 500e6, delay=0.003)  # 2.8 ms above the least seen
+        assert rc.paced(0) is paced
+
+
+def test_the_token_bucket_lets_the_rate_through():
+    rc = ctl()
+    rc.echo(0, 0, 0, 0.0, None)
+    rc.echo(0, 100, 100, 1.0, 100e6)  # paced at 50 Mbit/s
+    rate = rc.rate[0]
+    sent, t = 0, 1.0
+    while t < 2.0:
+        k = rc.allowed(0, t)
+        rc.spend(0, k)
+        sent += k
+        t += max(rc.wait(0), 1e-4)
+    assert sent * FRAME * 8 == pytest.approx(rate, rel=0.05)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"cc": "dctcp"}, "cc 'dctcp': use ecn, off"),
+    ({"cc_gain": 0}, "cc_gain 0: use a weight in (0, 1]"),
+    ({"cc_increase": -1}, "cc_increase -1: use a positive rate"),
+    ({"cc_min_rate": 0}, "cc_min_rate 0: use a positive rate"),
+    ({"cc_delay": -0.1}, "cc_delay -0.1: use seconds >= 0"),
+])
+def test_bad_knobs_are_refused_in_one_line(kw, says):
+    with pytest.raises(ValueError) as e:
+        Config(**kw).check()
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def incast(cc: str, steps: int = 8, loss: float = 0.0, mark: int = 32 << 10):
+    """Three workers' parameter-server rounds into rank 0's port (256 KiB, marking at ``mark``)."""
+    sim = Sim(4, Config(job=1, mode="ps", cc=cc), link=Link("1gbit", latency=20e-6, queue=256 << 10), seed=3)
+    if mark:
+        sim.network.mark(mark)
+    if loss:
+        sim.network.loss(loss)
+
+    first = {}
+
+    def program(node):
+        x = np.full(1 << 18, node.rank + 1.0, np.float32)
+        out = None
+        for step in range(steps):
+            out = node.collective.allreduce(x)
+            if step == 0 and node.rank == 0:  # the first round goes before any echo: drops as without
+                first["tail"] = sim.network.drops["tail"]
+            node.compute(0.002)
+        return out
+
+    nodes = sim.run(program)
+    sim.tail_after_first = sim.network.drops["tail"] - first["tail"]
+    assert [n.error for n in nodes] == [None] * 4
+    for n in nodes:  # static:0 rounds are exact whatever the rates
+        np.testing.assert_array_equal(n.result, np.full(1 << 18, 2.5, np.float32))  # the mean
+    return sim, nodes
+
+
+def test_incast_with_marks_drops_far_less():
+    off, _ = incast("off")
+    on, nodes = incast("ecn")
+    assert off.network.marks == 0 < on.network.marks
+    assert on.network.drops["tail"] * 4 <= off.network.drops["tail"]
+    assert on.tail_after_first * 5 <= off.tail_after_first  # once echoes come (seed 3: 1470 vs 10602)
+    assert any(n.collective.protocol.cc.paced(0) for n in nodes[1:])
+    assert sum(n.collective.protocol.counters["ce_received"] for n in nodes) > 0
+
+
+def test_loss_without_marks_never_slows_a_sender():
+    sim, nodes = incast("ecn", loss=0.05, mark=0)
+    assert sim.network.drops["loss"] > 0 and sim.network.marks == 0
+    for n in nodes:
+        cc = n.collective.protocol.cc
+        assert not cc.rate.any() and cc.counters["cuts"] == 0 and cc.counters["echoes"] > 0
+
+
+def test_a_mark_threshold_above_the_queue_is_refused():
+    sim = Sim(2, Config(job=1), link=Link("1gbit", queue=64 << 10))
+    with pytest.raises(ValueError, match="above port 0's queue"):
+        sim.network.mark(128 << 10, port=0)
