@@ -15,11 +15,14 @@
  * pass thresh[p]; prio 0 and non-DBLP traffic never; with FABRIC_F_DSCP p is
  * the IP header's DSCP through dscp_prio, as a DiffServ switch ranks it), at most
  * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
- * src, dst, all-gather or not).  The queue decides drops only; it never
- * delays a frame.  TCP, UDP and everything else unicast are treated alike.  A frame that
- * survives is forwarded: XDP_REDIRECT to its egress port (a switch in XDP:
- * no skb, bridge or netfilter work per frame); what the fdb does not know
- * goes up to the Linux bridge with XDP_PASS.
+ * src, dst, all-gather or not).  An ECN-capable frame (ECT(0) or ECT(1), any
+ * IPv4/IPv6 protocol) the queue admits while the backlog would pass `mark` is
+ * set to CE (RFC 3168), as an AQM switch marks instead of dropping.  The
+ * queue decides drops and marks only; it never delays a frame.  TCP, UDP and
+ * everything else unicast are treated alike.  A frame that survives is
+ * forwarded: XDP_REDIRECT to its egress port (a switch in XDP: no skb, bridge
+ * or netfilter work per frame); what the fdb does not know goes up to the
+ * Linux bridge with XDP_PASS.
  *
  * Broadcast and multicast frames: DBLP DATA to every rank (dst DBLP_DST_ALL,
  * a broadcast all-gather) is replicated here to every other port through the
@@ -85,6 +88,55 @@ static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 
 	return h;
 }
 
+/* ECN field (RFC 3168): the low two bits of the IPv4 TOS byte and of the IPv6 traffic class. */
+#define ECN_MASK 3
+#define ECN_CE   3
+
+/* Set the ECN field of the IPv4/IPv6 frame at data (Ethernet, at most one VLAN tag) to CE if it
+ * is ECT(0) or ECT(1): 1 if marked; 0 (the frame untouched) if it is not IP, Not-ECT or CE already.
+ * Only the fixed header is read and written, after its bounds check. */
+static __always_inline int mark_ce(void *data, void *data_end)
+{
+	struct hdr_cursor nh = { .pos = data };
+	struct ethhdr *eth;
+	int proto = parse_ethhdr(&nh, data_end, &eth);
+
+	if (proto_is_vlan(proto))
+		proto = parse_vlanhdr(&nh, data_end);
+	if (proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = nh.pos;
+
+		if ((void *)(ip + 1) > data_end)
+			return 0;
+		u8 tos = ip->tos;
+		if ((tos & ECN_MASK) == 0 || (tos & ECN_MASK) == ECN_CE)
+			return 0;
+		/* RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), m the 16-bit word holding the TOS byte
+		 * (version/IHL, TOS), in host order on both sides */
+		u32 m = ((u32)(*(u8 *)ip) << 8) | tos;
+		u32 sum = (~(u32)bpf_ntohs(ip->check) & 0xffff) + (~m & 0xffff) + (m | ECN_CE);
+		sum = (sum & 0xffff) + (sum >> 16);
+		sum = (sum & 0xffff) + (sum >> 16);
+		ip->tos = tos | ECN_CE;
+		ip->check = bpf_htons((u16)~sum);
+		return 1;
+	}
+	if (proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = nh.pos;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return 0;
+		/* traffic class = the low nibble of byte 0 and the high nibble of byte 1 (flow_lbl[0]):
+		 * its ECN bits are flow_lbl[0] & 0x30 */
+		u8 b = ip6->flow_lbl[0];
+		if ((b & (ECN_MASK << 4)) == 0 || (b & (ECN_MASK << 4)) == (ECN_CE << 4))
+			return 0;
+		ip6->flow_lbl[0] = b | (ECN_CE << 4);
+		return 1;
+	}
+	return 0;
+}
+
 /* Burst window armed on this port and `now` inside one. */
 static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
 {
@@ -101,7 +153,8 @@ static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
 	return off < cfg->burst_dur_ns;
 }
 
-/* Apply egress port `out_if`'s faults to a frame: 0 forward it, 1 drop it
+/* Apply egress port `out_if`'s faults to a frame: 0 forward it (set to CE
+ * first if the queue admitted it past its mark and it is ECN-capable), 1 drop it
  * (counted either way), -1 the port has no state (forward, counted PASS).
  * `bcast`: a copy of a broadcast frame (its early-drop budget is per port). */
 static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u32 out_if, int bcast)
@@ -173,8 +226,9 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 			spent = msgs.lookup(&key);
 		}
 	}
-	u64 rate = cfg->rate, buffer = cfg->buffer;
+	u64 rate = cfg->rate, buffer = cfg->buffer, mark = cfg->mark;
 	int verdict;  /* 0 admit, 1 tail drop, 2 early drop, 3 admit: bound spent */
+	int ce = 0;   /* admitted past the mark: set CE if ECN-capable */
 
 	bpf_spin_lock(&st->lock);
 	u64 dt = now > st->last_ns ? now - st->last_ns : 0;
@@ -195,6 +249,7 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 		verdict = 2;
 	} else {
 		verdict = (thresh && backlog + len > thresh) ? 3 : 0;
+		ce = mark && backlog + len > mark;
 		backlog += len;
 		if (backlog > st->peak)
 			st->peak = backlog;
@@ -212,6 +267,8 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	}
 	if (verdict == 3)
 		count(out_if, FABRIC_C_BOUND, len);
+	if (ce && mark_ce(eth, data_end))
+		count(out_if, FABRIC_C_MARK, len);
 	count(out_if, FABRIC_C_PASS, len);
 	return 0;
 }

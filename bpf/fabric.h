@@ -30,6 +30,7 @@
 #define FABRIC_C_TAIL   4  /* virtual queue full */
 #define FABRIC_C_BOUND  5  /* early drop refused: the message's bound was spent (forwarded) */
 #define FABRIC_C_FLOOD  6  /* not a known unicast destination: forwarded, no faults (ingress port) */
+#define FABRIC_C_MARK   7  /* ECN-capable, admitted past the queue's mark: set to CE (also counted PASS) */
 #define FABRIC_C_EARLY  8  /* + DBLP prio: priority-aware early drop */
 #define FABRIC_NCAUSES  16
 
@@ -50,6 +51,8 @@ struct fabric_cfg {
 	__u32 flags;           /* FABRIC_F_* */
 	__u32 thresh[FABRIC_NPRIO]; /* early drop of DBLP prio p when backlog + len > thresh[p]; 0 = never */
 	__u8  dscp_prio[FABRIC_NDSCP]; /* FABRIC_F_DSCP: DSCP -> prio (pydblp.dscp.prio_table; 0 never) */
+	__u32 mark;            /* ECN: set CE on ECT frames admitted while backlog + len > mark; 0 = never */
+	__u32 pad;             /* 0 */
 };
 
 /* Per egress port, kernel-owned. */

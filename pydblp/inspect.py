@@ -23,6 +23,7 @@ import datetime as _dt
 import logging
 import os
 import socket
+import struct
 from collections.abc import Callable, Iterator
 
 from pydblp._extras import require
@@ -135,6 +136,18 @@ def dscp_of(pkt: Packet) -> int | None:
     return None
 
 
+ECN_NAMES = {0: "Not-ECT", 1: "ECT1", 2: "ECT0", 3: "CE"}  # RFC 3168: ECT(1), ECT(0), Congestion Experienced
+
+
+def ecn_of(pkt: Packet) -> int | None:
+    """The packet's ECN field (IPv4 TOS or IPv6 traffic class, lower two bits); None without IP."""
+    if IP in pkt:
+        return int(pkt[IP].tos) & 3
+    if IPv6 in pkt:
+        return int(pkt[IPv6].tc) & 3
+    return None
+
+
 def _time(pkt: Packet) -> str:
     return _dt.datetime.fromtimestamp(float(pkt.time)).strftime("%H:%M:%S.%f")
 
@@ -181,7 +194,8 @@ def tag_status(data: bytes, key: bytes) -> str:
 
 def summary(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
     """One line, tcpdump style: time, endpoints, then the DBLP fields or ``malformed (reason)``,
-    the IP header's DSCP when not 0 (``dscp AF41``: :mod:`pydblp.dscp`);
+    the IP header's DSCP when not 0 (``dscp AF41``: :mod:`pydblp.dscp`), its ECN field when
+    not Not-ECT (``ecn ECT0``, ``ecn ECT1``, ``ecn CE``: a congested switch's mark);
     with the job ``key``, then the tag's verdict (:func:`tag_status`).
 
     Packets that are not on a DBLP port get scapy's own summary.
@@ -195,11 +209,16 @@ def summary(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None
         return f"{head} malformed ({reason.name.lower()}) {len(data)} bytes"
     d = dscp_of(pkt)
     mark = f" dscp {dscp_mod.name(d)}" if d else ""  # (best effort, the usual, is not shown)
+    e = ecn_of(pkt)
+    mark += f" ecn {ECN_NAMES[e]}" if e else ""  # (Not-ECT, the usual, is not shown)
     return f"{head} {header_line(wire.Header.unpack(data))}{mark}" + (f" {tag_status(data, key)}" if key else "")
 
 
 def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = None) -> str:
-    """The summary line followed by every header field, one per line (``key`` as :func:`summary`)."""
+    """The summary line followed by every header field, one per line (``key`` as :func:`summary`),
+    the IP header's DSCP and ECN, the payload, and a STOP's payload decoded: the receiver's
+    probe-timeout ``estimate`` (100 us units) and, from senders that send it, the ``echo`` of
+    what it received from the STOP's destination (``rx`` DATA packets, ``ce`` of them CE-marked)."""
     line = summary(pkt, ports, key)
     data = dblp_payload(pkt, ports)
     if data is None:
@@ -217,13 +236,32 @@ def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = Non
     d = dscp_of(pkt)
     if d is not None:  # the IP header's mark of the priority (pydblp.dscp)
         out.append(f"    {'dscp':<8} {dscp_mod.name(d)} ({d})")
+    e = ecn_of(pkt)
+    if e is not None:  # RFC 3168: set to CE by a congested switch (the testbed's queue: mark)
+        out.append(f"    {'ecn':<8} {ECN_NAMES[e]} ({e})")
     taglen = wire.TAG_LEN if h.flags & wire.Flag.TAG else 0
     body = data[wire.HEADER_LEN: len(data) - taglen] if len(data) - wire.HEADER_LEN >= taglen else b""
     out.append(f"    {'payload':<8} {len(body)} bytes" + (f": {body[:16].hex()}{'...' if len(body) > 16 else ''}"
                                                          if body else ""))
+    if h.kind == wire.Kind.STOP:
+        out += _stop_lines(body)
     if taglen:
         out.append(f"    {'tag':<8} {data[-taglen:].hex() if len(data) >= wire.HEADER_LEN + taglen else 'missing'}")
     return "\n".join(out)
+
+
+def _stop_lines(body: bytes) -> list[str]:
+    """A STOP's payload: ``!H`` the probe-timeout estimate in 100 us units, then (10 bytes and
+    more; older senders send 2) ``!II`` the echo: DATA packets received from the STOP's
+    destination rank and how many of them arrived CE-marked, both mod 2^32."""
+    out = []
+    if len(body) >= 2:
+        (est,) = struct.unpack_from("!H", body)
+        out.append(f"    {'estimate':<8} {est} ({est / 10:g} ms)")
+    if len(body) >= 10:
+        rx, ce = struct.unpack_from("!II", body, 2)
+        out.append(f"    {'echo':<8} rx {rx} ce {ce}")
+    return out
 
 
 # ---- capture sources -------------------------------------------------------------

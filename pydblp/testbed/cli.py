@@ -31,6 +31,7 @@ examples:
   dblp fault burst --ratio 0.8 --duration 50ms      one 50 ms burst of 80 % loss, now
   dblp fault burst --ratio 0.9 --duration 100ms --in 2s --every 1s --count 5
   dblp fault queue --rate 1gbit --buffer 256k       virtual egress queue, priority early drop
+  dblp fault queue --rate 100mbit --mark 32k        ECN too: CE-mark ECT frames past 32 KiB
   dblp fault clear                                  remove every fault
   dblp fault stats                                  per port and cause: packets dropped/passed
 
@@ -199,6 +200,9 @@ def add_fault(sub) -> None:
     a.add_argument("--rate", required=True, help="line rate, e.g. 1gbit (0 removes the queue)")
     a.add_argument("--buffer", default="256k", help="buffer bytes: tail drop beyond (default 256k)")
     a.add_argument("--thresholds", help="8 comma-separated early-drop backlogs in bytes, prio 0..7")
+    a.add_argument("--mark", metavar="SIZE",
+                   help="ECN: set CE on ECN-capable frames admitted past this backlog, e.g. 32k "
+                        "(at most --buffer; default 0: no marking)")
     add("clear", "remove faults (and reset queue and Gilbert-Elliott state)")
     a = add("stats", "counters per port and cause")
     a.add_argument("--json", action="store_true", help="machine-readable")
@@ -215,8 +219,11 @@ def _port(args):
 
 def cmd_fault(args) -> int:
     from pydblp.testbed import Testbed
-    from pydblp.testbed.fabric import parse_duration
+    from pydblp.testbed.fabric import parse_duration, parse_mark, parse_size
 
+    mark = None
+    if args.action == "queue" and args.mark is not None:  # refused before looking for the testbed
+        mark = parse_mark(args.mark, parse_size(args.buffer))
     tb = Testbed.open(args.testbed)
     try:
         port = _port(args)
@@ -241,8 +248,9 @@ def cmd_fault(args) -> int:
                     thr = [int(x) for x in args.thresholds.split(",")]
                 except ValueError:
                     raise UsageError("--thresholds: 8 comma-separated integers (bytes)") from None
-            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port)
-            print(f"{tb.name}: virtual queue rate {args.rate} buffer {args.buffer} on {where}")
+            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark)
+            ecn = f" ECN mark {args.mark}" if mark else ""
+            print(f"{tb.name}: virtual queue rate {args.rate} buffer {args.buffer}{ecn} on {where}")
         elif args.action == "clear":
             tb.clear(port=port)
             print(f"{tb.name}: faults cleared on {where}")

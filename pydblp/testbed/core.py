@@ -622,8 +622,9 @@ class Testbed:
         return self.fabric.burst(ratio=ratio, duration=duration, at=at, delay=delay,
                                  every=every, count=count, port=port)
 
-    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None) -> None:
-        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port)
+    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, mark=None) -> None:
+        """:meth:`Fabric.queue`; ``mark``: CE-mark ECN-capable frames admitted past this backlog."""
+        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port, mark=mark)
 
     def clear(self, port=None) -> None:
         self.fabric.clear(port=port)

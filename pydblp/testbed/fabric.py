@@ -35,18 +35,19 @@ F_DSCP = 1 << 2
 NDSCP = 64
 
 # counter causes (bpf/fabric.h FABRIC_C_*)
-C_PASS, C_LOSS, C_GE, C_BURST, C_TAIL, C_BOUND, C_FLOOD, C_EARLY = 0, 1, 2, 3, 4, 5, 6, 8
+C_PASS, C_LOSS, C_GE, C_BURST, C_TAIL, C_BOUND, C_FLOOD, C_MARK, C_EARLY = 0, 1, 2, 3, 4, 5, 6, 7, 8
 NCAUSES = 16
 CAUSES = {C_PASS: "pass", C_LOSS: "loss", C_GE: "ge", C_BURST: "burst", C_TAIL: "tail",
-          C_BOUND: "bound", C_FLOOD: "flood"}
+          C_BOUND: "bound", C_FLOOD: "flood", C_MARK: "mark"}
 CAUSES.update({C_EARLY + p: f"early{p}" for p in range(NPRIO)})
 DROP_CAUSES = ("loss", "ge", "burst", "tail") + tuple(f"early{p}" for p in range(NPRIO))
 
 # struct layouts (native byte order, as the kernel sees them)
-CFG = struct.Struct("=11QII8I64B")  # struct fabric_cfg
+CFG = struct.Struct("=11QII8I64BII")  # struct fabric_cfg
 CFG_FIELDS = ("loss", "ge_p", "ge_r", "ge_loss_good", "ge_loss_bad", "burst_ratio",
               "burst_start_ns", "burst_dur_ns", "burst_period_ns", "burst_count", "rate",
-              "buffer", "flags", "thresh", "dscp_prio")
+              "buffer", "flags", "thresh", "dscp_prio", "mark", "pad")
+_SCALARS = CFG_FIELDS[:CFG_FIELDS.index("thresh")]  # the fields before the arrays
 STATE = struct.Struct("=IIQQQ")      # struct fabric_state (lock, ge_bad, backlog, last_ns, peak)
 CKEY = struct.Struct("=II")          # struct fabric_ckey
 CVAL = struct.Struct("=QQ")          # struct fabric_cval
@@ -88,15 +89,18 @@ class PortConfig:
     flags: int = 0
     thresh: tuple = (0,) * NPRIO
     dscp_prio: tuple = (0,) * NDSCP
+    mark: int = 0  # ECN: CE-mark ECT frames admitted past this backlog (bytes); 0 never
 
     def pack(self) -> bytes:
-        vals = [getattr(self, f) for f in CFG_FIELDS[:-2]]
-        return CFG.pack(*vals, *self.thresh, *self.dscp_prio)
+        vals = [getattr(self, f) for f in _SCALARS]
+        return CFG.pack(*vals, *self.thresh, *self.dscp_prio, self.mark, 0)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "PortConfig":
         vals = CFG.unpack(raw)
-        return cls(*vals[:13], thresh=tuple(vals[13:13 + NPRIO]), dscp_prio=tuple(vals[13 + NPRIO:]))
+        n = len(_SCALARS)
+        return cls(*vals[:n], thresh=tuple(vals[n:n + NPRIO]),
+                   dscp_prio=tuple(vals[n + NPRIO:n + NPRIO + NDSCP]), mark=vals[n + NPRIO + NDSCP])
 
     def describe(self) -> dict:
         """Human units: what ``dblp fault stats``/``status`` print."""
@@ -113,7 +117,7 @@ class PortConfig:
                             "count": self.burst_count or None}
         if self.flags & F_QUEUE:
             out["queue"] = {"rate_bps": self.rate * 8, "buffer": self.buffer, "thresh": list(self.thresh),
-                            "classify": "dscp" if self.flags & F_DSCP else "header"}
+                            "classify": "dscp" if self.flags & F_DSCP else "header", "mark": self.mark}
         return out
 
 
@@ -152,6 +156,26 @@ def _parsed(parse, text):
         return parse(text)
     except ValueError as e:
         raise FabricError(str(e)) from None
+    except OverflowError:  # int(float("inf"))
+        raise FabricError(f"{text!r} is out of range") from None
+
+
+def parse_mark(mark, buffer: int) -> int:
+    """A queue's CE-marking threshold in bytes (``mark``: bytes or a size, '32k'; None or 0: no
+    marking), checked against its ``buffer`` (bytes): a FabricError saying what is wrong and the fix."""
+    if mark is None:
+        return 0
+    try:
+        value = parse_size(mark)
+    except FabricError as e:
+        raise FabricError(f"queue mark: {e} (0: no marking)") from None
+    if value < 0:
+        raise FabricError(f"queue mark {value} bytes is negative: give a backlog in bytes, e.g. 32k "
+                          "(0: no marking)")
+    if value > buffer:
+        raise FabricError(f"queue mark {value} bytes is above the buffer ({buffer} bytes), where frames are "
+                          "dropped, not marked: use a mark <= the buffer or a larger buffer")
+    return value
 
 
 class Fabric:
@@ -253,7 +277,7 @@ class Fabric:
         return start_ns / 1e9
 
     def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, classify: str = "header",
-              dscp="default") -> None:
+              dscp="default", mark=None) -> None:
         """Virtual queue on the egress port: drain at ``rate`` (bits/s or '1gbit'), ``buffer`` bytes.
 
         ``thresholds``: early-drop backlog per DBLP prio (8 values, bytes; prio 0
@@ -262,6 +286,9 @@ class Fabric:
         the queue.  ``classify``: a packet's prio from its DBLP header
         (``"header"``) or from its IP header's DSCP (``"dscp"``, through
         ``dscp``, a map as ``Config.dscp``: :func:`pydblp.dscp.prio_table`).
+        ``mark``: ECN, bytes or a size ('32k', at most ``buffer``): an ECN-capable frame (ECT(0) or
+        ECT(1), any IP protocol) admitted while the backlog would pass it is set to CE, counted
+        ``mark``; None or 0: no marking.  Not-ECT frames only meet the drops.
         """
         if classify not in ("header", "dscp"):
             raise FabricError(f"classify {classify!r}: use header or dscp")
@@ -276,6 +303,7 @@ class Fabric:
         if bits and size < 64:
             raise FabricError(f"queue buffer {size} bytes is too small (one frame at least)")
         _field(size, U32_MAX, "queue buffer (bytes)")
+        ce = parse_mark(mark, size)
         if thresholds is None:
             thresholds = default_thresholds(size)
         thresholds = tuple(_field(int(t), U32_MAX, "queue threshold (bytes)") for t in thresholds)
@@ -288,6 +316,7 @@ class Fabric:
             cfg.flags = (cfg.flags | F_QUEUE) if bits else (cfg.flags & ~F_QUEUE)
             cfg.flags = (cfg.flags | F_DSCP) if bits and classify == "dscp" else (cfg.flags & ~F_DSCP)
             cfg.dscp_prio = dscp_prio
+            cfg.mark = ce if bits else 0
             self.maps["port_cfg"].update(U32.pack(idx), cfg.pack())
             self._reset_state(idx, keep_queue=False)
 
@@ -312,7 +341,8 @@ class Fabric:
         """``{port: {cause: {'packets', 'bytes'}, ..., 'backlog', 'peak', 'config'}}``.
 
         Causes: pass, loss, ge, burst, tail, early0..7, bound (early drop refused
-        because the message's bound was spent; forwarded), flood (broadcast or
+        because the message's bound was spent; forwarded), mark (ECN-capable, set to
+        CE past the queue's mark; forwarded, so also in pass), flood (broadcast or
         unknown destination handed to the bridge, counted on the ingress port; a
         broadcast all-gather's copies count on their egress ports like unicast).
         """

@@ -101,7 +101,7 @@ def _layout(ctype) -> list[tuple[str, int, int]]:
 
 def test_struct_mirrors_match_compiled_types(compiled):
     b, _ = compiled
-    assert ctypes.sizeof(b[b"port_cfg"].Leaf) == fb.CFG.size == 192
+    assert ctypes.sizeof(b[b"port_cfg"].Leaf) == fb.CFG.size == 200
     assert ctypes.sizeof(b[b"port_state"].Leaf) == fb.STATE.size
     assert ctypes.sizeof(b[b"msgs"].Key) == fb.MSG.size
     assert ctypes.sizeof(b[b"fdb"].Key) == fb.MAC.size
@@ -112,6 +112,7 @@ def test_struct_mirrors_match_compiled_types(compiled):
     assert names == list(fb.CFG_FIELDS)
     offs = {n: o for n, o, _ in _layout(b[b"port_cfg"].Leaf)}
     assert offs["buffer"] == 88 and offs["flags"] == 92 and offs["thresh"] == 96
+    assert offs["dscp_prio"] == 128 and offs["mark"] == 192 and offs["pad"] == 196
     assert [n for n, _, _ in _layout(b[b"port_state"].Leaf)] == ["lock", "ge_bad", "backlog", "last_ns", "peak"]
 
 
@@ -121,6 +122,7 @@ def test_constants_match_header():
               "FABRIC_NDSCP": fb.NDSCP, "FABRIC_C_PASS": fb.C_PASS,
               "FABRIC_C_LOSS": fb.C_LOSS, "FABRIC_C_GE": fb.C_GE, "FABRIC_C_BURST": fb.C_BURST,
               "FABRIC_C_TAIL": fb.C_TAIL, "FABRIC_C_BOUND": fb.C_BOUND, "FABRIC_C_FLOOD": fb.C_FLOOD,
+              "FABRIC_C_MARK": fb.C_MARK,
               "FABRIC_C_EARLY": fb.C_EARLY, "FABRIC_NCAUSES": fb.NCAUSES, "FABRIC_NPRIO": fb.NPRIO}
     import re
 
@@ -424,3 +426,157 @@ def test_jumbo_frames_are_counted_and_queued_whole(fab):
     # a 20 kB queue holds two 9000-byte frames, not five first buffers (1 byte/s: it only fills)
     fab.queue(8, buffer=20_000, port="a")
     assert verdicts(fab, frame, 4) == [FORWARD, FORWARD, XDP_DROP, XDP_DROP]
+
+
+# ---- ECN: CE marking past the queue's mark ------------------------------------------------
+
+NOT_ECT, ECT1, ECT0, CE = 0, 1, 2, 3
+
+
+def ip_sum(hdr: bytes) -> int:
+    """The one's complement sum of a header's 16-bit words (0xffff: its checksum is valid)."""
+    s = sum(struct.unpack(f"!{len(hdr) // 2}H", hdr))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return s
+
+
+def with_checksum(ip: bytes) -> bytes:
+    """``ip`` (an IPv4 header) with its checksum computed from scratch."""
+    ip = ip[:10] + b"\0\0" + ip[12:]
+    return ip[:10] + struct.pack("!H", ~ip_sum(ip) & 0xFFFF) + ip[12:]
+
+
+def ecn_frame(ecn: int, family: int = 4, size: int = 1000, proto: int = 17, dscp_: int = 0,
+              ident: int = 1, ttl: int = 64, options: bytes = b"", vlan: bool = False) -> bytes:
+    """An Ethernet/IPv4|IPv6 frame of ``size`` bytes, traffic class ``dscp_ << 2 | ecn``, a valid
+    IPv4 checksum, UDP (or ``proto``'s bytes) to a port that is not DBLP's."""
+    tc = dscp_ << 2 | ecn
+    eth = MAC_A + SRC_MAC + (b"\x81\x00\x00\x2a" if vlan else b"")
+    if family == 4:
+        l4len = size - len(eth) - 2 - 20 - len(options)
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45 + len(options) // 4, tc, 20 + len(options) + l4len, ident,
+                         0x4000, ttl, proto, 0, bytes([198, 18, 0, 1]), bytes([198, 18, 0, 2])) + options
+        l3 = b"\x08\x00" + with_checksum(ip)
+    else:
+        l4len = size - len(eth) - 2 - 40
+        l3 = b"\x86\xdd" + struct.pack("!IHBB", 6 << 28 | tc << 20 | 0xABCDE, l4len, proto, ttl) + \
+            bytes.fromhex("fd00" + "00" * 13 + "01" + "fd00" + "00" * 13 + "02")
+    l4 = struct.pack("!HHHH", 40000, 9, l4len, 0) + bytes(range(256)) * 8
+    return eth + l3 + l4[:l4len]
+
+
+def as_ce(frame: bytes) -> bytes:
+    """What a CE mark makes of ``frame``: the ECN field 3 and (IPv4) the checksum computed afresh."""
+    off = 18 if frame[12:14] == b"\x81\x00" else 14
+    f = bytearray(frame)
+    if f[off - 2:off] == b"\x08\x00":
+        ihl = (f[off] & 0xF) * 4
+        f[off + 1] |= CE
+        f[off:off + ihl] = with_checksum(bytes(f[off:off + ihl]))
+    else:
+        f[off + 1] |= CE << 4
+    return bytes(f)
+
+
+def ecn_of(frame: bytes) -> int:
+    off = 18 if frame[12:14] == b"\x81\x00" else 14
+    return frame[off + 1] & 3 if frame[off - 2:off] == b"\x08\x00" else (frame[off + 1] >> 4) & 3
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("ecn", [ECT0, ECT1], ids=["ect0", "ect1"])
+def test_queue_marks_ect_frames_admitted_past_the_mark(fab, family, ecn):
+    """1000-byte frames into a queue that only fills (1 byte/s), mark 3500, buffer 10500: the
+    first three are admitted as they came (backlog + len <= 3500), the next seven with CE (IPv4:
+    a valid checksum, every other byte as it was), the rest are tail-dropped, never marked."""
+    fab.queue(8, buffer=10_500, mark=3_500, thresholds=[0] * 8, port="a")
+    frame = ecn_frame(ecn, family)
+    got = [bpf.test_run(fab.prog_fd, frame) for _ in range(12)]
+    assert [v for v, _ in got] == [FORWARD] * 10 + [XDP_DROP] * 2
+    assert [out for _, out in got[:10]] == [frame] * 3 + [as_ce(frame)] * 7
+    if family == 4:
+        assert all(ip_sum(out[14:34]) == 0xFFFF for _, out in got[:10])
+    c = counts(fab)
+    assert (c["mark"], c["pass"], c["tail"]) == (7, 10, 2)  # a marked frame is forwarded: in pass too
+    assert fab.stats()["a"]["mark"]["bytes"] == 7000
+    assert fab.dropped("a") == 2, "a mark is no drop"
+
+
+def test_queue_marks_only_ect_and_leaves_not_ect_and_ce_alone(fab):
+    """Not-ECT frames past the mark are forwarded as they came (they only meet the tail drop at the
+    buffer), frames already CE too and not counted; any IP protocol is marked (TCP here), and a
+    VLAN-tagged frame's IP header is found behind its tag."""
+    fab.queue(8, buffer=40_500, mark=2_500, thresholds=[0] * 8, port="a")
+    frames = [ecn_frame(e, fam, proto=p, vlan=v) for e in (NOT_ECT, ECT0, CE, ECT1)
+              for fam, p, v in ((4, 17, False), (4, 6, False), (6, 6, False), (4, 17, True))]
+    assert len(frames) == 16
+    early = [bpf.test_run(fab.prog_fd, ecn_frame(ECT0)) for _ in range(2)]  # 2000 bytes: below the mark
+    assert early == [(FORWARD, ecn_frame(ECT0))] * 2
+    want, marked = [], 0
+    for f in frames:  # 3000 bytes and up: past the mark, within the buffer
+        if ecn_of(f) in (ECT0, ECT1):
+            want.append((FORWARD, as_ce(f)))
+            marked += 1
+        else:
+            want.append((FORWARD, f))
+    assert [bpf.test_run(fab.prog_fd, f) for f in frames] == want
+    assert counts(fab)["mark"] == marked == 8
+    # a frame that is not IP at all is forwarded untouched past the mark
+    arp = MAC_A + SRC_MAC + b"\x08\x06" + bytes(28)
+    assert bpf.test_run(fab.prog_fd, arp) == (FORWARD, arp)
+    assert counts(fab)["mark"] == 8
+
+
+def test_queue_without_a_mark_never_marks(fab):
+    for mark in (None, 0, "0"):
+        fab.queue(8, buffer=10_500, mark=mark, thresholds=[0] * 8, port="a")
+        assert fab.config(PORT_A).mark == 0
+        frame = ecn_frame(ECT0)
+        assert [bpf.test_run(fab.prog_fd, frame) for _ in range(10)] == [(FORWARD, frame)] * 10
+        assert "mark" not in counts(fab)
+
+
+def test_mark_checksum_is_a_full_recompute(fab):
+    """The incremental checksum update (RFC 1624) agrees with a full recompute over headers of
+    every kind: DSCPs, options, VLAN tags, and checksums at the edges of one's complement
+    (0x0000, 0x0001, 0xfffe, 0xffff before or after the mark)."""
+    import random
+
+    rng = random.Random(47)
+    fab.queue(8, buffer=4_000_000, mark=64, thresholds=[0] * 8, port="a")  # every frame is past the mark
+    frames = [ecn_frame(rng.choice((ECT0, ECT1)), size=100, proto=rng.choice((6, 17, 132)),
+                        dscp_=rng.randrange(64), ident=rng.randrange(65536), ttl=rng.randrange(1, 256),
+                        options=rng.choice((b"", b"\x01" * 4, b"\x01" * 40)), vlan=rng.random() < 0.2)
+              for _ in range(300)]
+    edges = {0x0000, 0x0001, 0xFFFE, 0xFFFF}
+    for ecn in (ECT0, ECT1):
+        found = 0
+        for ident in range(65536):
+            f = ecn_frame(ecn, size=100, ident=ident)
+            if struct.unpack_from("!H", f, 24)[0] in edges or struct.unpack_from("!H", as_ce(f), 24)[0] in edges:
+                frames.append(f)
+                found += 1
+        assert found >= 4
+    for f in frames:
+        verdict, out = bpf.test_run(fab.prog_fd, f)
+        assert (verdict, out) == (FORWARD, as_ce(f)), f.hex()
+        off = 18 if f[12:14] == b"\x81\x00" else 14
+        assert ip_sum(out[off:off + (out[off] & 0xF) * 4]) == 0xFFFF
+    assert counts(fab)["mark"] == len(frames)
+
+
+def test_queue_mark_is_checked_and_described(fab):
+    fab.queue("1mbit", buffer="64k", mark="16k", port="a")
+    assert fab.config(PORT_A).mark == 16384
+    assert fab.config(PORT_A).describe()["queue"]["mark"] == 16384
+    fab.queue("1mbit", buffer=65536, mark=65536, port="b")  # the buffer itself is allowed
+    before = {idx: fab.config(idx) for idx in (PORT_A, PORT_B)}
+    for mark, match in (("65537", "above the buffer"), ("1m", "above the buffer"), ("big", "bad size"),
+                        ("-5", "negative"), ("inf", "out of range")):
+        with pytest.raises(fb.FabricError, match=match) as e:
+            fab.queue("1mbit", buffer="64k", mark=mark)
+        assert "\n" not in str(e.value) and "mark" in str(e.value)
+    assert {idx: fab.config(idx) for idx in (PORT_A, PORT_B)} == before, "nothing written"
+    fab.queue(0, mark="16k", port="a")  # removing the queue removes its mark
+    assert fab.config(PORT_A).mark == 0 and "queue" not in fab.config(PORT_A).describe()

@@ -217,3 +217,20 @@ def test_key_file_marks_each_tag(tmp_path, capsys):
     kf.write_bytes(b"short")
     rc, out, err = dump(capsys, "-r", path, "--key-file", kf)
     assert rc == 2 and len(err) == 1 and "holds 5 bytes" in err[0] and "head -c 32 /dev/urandom" in err[0]
+
+
+def test_verbose_shows_ecn_and_a_stops_echo(tmp_path, capsys):
+    """A CE-marked DATA frame and a STOP echoing what arrived (rx, ce), as ``dblp dump -v`` shows them."""
+    data = Ether(**MACS) / IP(src="198.18.0.1", dst="198.18.0.2", tos=(34 << 2) | 3) / \
+        UDP(sport=40000, dport=wire.DEFAULT_PORT) / Raw(wire.encode(Header(job=7, nchunks=2), b"d" * 8))
+    stop = v4(wire.encode(Header(kind=Kind.STOP, job=7, src=1, dst=0, nchunks=2),
+                          bytes.fromhex("0032") + (1000).to_bytes(4, "big") + (25).to_bytes(4, "big")))
+    path = tmp_path / "ecn.pcap"
+    wrpcap(str(path), [data, stop])
+    rc, out, err = dump(capsys, "-r", path)
+    assert (rc, err) == (0, [])
+    assert out[0].endswith("flags - dscp AF41 ecn CE") and out[1].endswith("flags -")
+    rc, out, err = dump(capsys, "-r", path, "-v")
+    assert (rc, err) == (0, [])
+    assert "    ecn      CE (3)" in out and "    ecn      Not-ECT (0)" in out
+    assert "    estimate 50 (5 ms)" in out and "    echo     rx 1000 ce 25" in out

@@ -212,3 +212,59 @@ def test_summary_leaves_out_best_effort_but_describe_shows_it():
     pkt = frame(wire.encode(Header(nchunks=8), b"x" * 8))
     assert "dscp" not in inspect.summary(pkt)
     assert "    dscp     BE (0)" in inspect.describe(pkt).splitlines()
+
+
+@pytest.mark.parametrize("v6", [False, True])
+def test_summary_and_describe_show_the_ecn(v6):
+    """The IP header's ECN field: in the line when not Not-ECT (after the DSCP), in -v always."""
+    for ecn, name in ((0, "Not-ECT"), (1, "ECT1"), (2, "ECT0"), (3, "CE")):
+        for ds in (0, 34):  # best effort, AF41
+            tc = ds << 2 | ecn
+            udp = wire.encode(Header(prio=1, nchunks=8), b"x" * 8)
+            ip = IPv6(src="2001:db8::1", dst="2001:db8::2", tc=tc) if v6 else \
+                IP(src="198.18.0.1", dst="198.18.0.2", tos=tc)
+            pkt = Ether(bytes(Ether(**MACS) / ip / UDP(sport=40000, dport=wire.DEFAULT_PORT) / Raw(udp)))
+            line = inspect.summary(pkt)
+            tail = "flags -" + (" dscp AF41" if ds else "") + (f" ecn {name}" if ecn else "")
+            assert line.endswith(tail), line
+            assert inspect.ecn_of(pkt) == ecn
+            body = {ln.split()[0]: ln.split(None, 1)[1] for ln in inspect.describe(pkt).splitlines()[1:]}
+            assert body["ecn"] == f"{name} ({ecn})"
+            assert body["dscp"] == ("AF41 (34)" if ds else "BE (0)")  # the ECN bits are not the DSCP's
+
+
+def test_summary_puts_the_ecn_before_the_tag_verdict():
+    udp = wire.encode(Header(nchunks=8), b"x" * 8, key=KEY)
+    pkt = Ether(bytes(Ether(**MACS) / IP(src="198.18.0.1", dst="198.18.0.2", tos=3) /
+                      UDP(sport=40000, dport=wire.DEFAULT_PORT) / Raw(udp)))
+    assert inspect.summary(pkt, key=KEY).endswith("flags TAG ecn CE tag valid (epoch 0x00000000)")
+
+
+def stop_body(pkt) -> dict[str, str]:
+    return {ln.split()[0]: ln.split(None, 1)[1] for ln in inspect.describe(pkt).splitlines()[1:]}
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_describe_decodes_a_stop(keyed):
+    """A STOP's payload: the probe-timeout estimate (100 us units); from 10 bytes on, the echo of
+    DATA received from the STOP's destination and how many arrived CE (!HII).  A 2-byte STOP
+    (older senders) has no echo; a tag is not payload."""
+    key = KEY if keyed else None
+    stop = Header(kind=wire.Kind.STOP, job=42, src=2, dst=0, nchunks=6)
+    old = stop_body(frame(wire.encode(stop, (258).to_bytes(2, "big"), key=key)))
+    assert old["estimate"] == "258 (25.8 ms)" and "echo" not in old
+    new = stop_body(frame(wire.encode(stop, bytes.fromhex("000c") + (2**32 - 1).to_bytes(4, "big")
+                                      + (37).to_bytes(4, "big"), key=key)))
+    assert new["estimate"] == "12 (1.2 ms)" and new["echo"] == "rx 4294967295 ce 37"
+    assert new["payload"].startswith("10 bytes: ")
+    lines = inspect.describe(frame(wire.encode(stop, bytes(10), key=key))).splitlines()
+    assert [ln.split()[0] for ln in lines[-4 if keyed else -3:]] == ["payload", "estimate", "echo"] + \
+        (["tag"] if keyed else [])
+
+
+def test_describe_decodes_only_stop_payloads():
+    for kind, payload in ((wire.Kind.DATA, bytes(10)), (wire.Kind.BITMAP, b"\xff" * 10)):
+        body = stop_body(frame(wire.encode(Header(kind=kind, nchunks=80), payload)))
+        assert "estimate" not in body and "echo" not in body
+    body = stop_body(frame(wire.encode(Header(kind=wire.Kind.STOP), b"\x01")))  # too short for an estimate
+    assert "estimate" not in body and "echo" not in body

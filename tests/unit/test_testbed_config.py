@@ -48,7 +48,7 @@ def test_port_config_round_trip_and_describe():
                       thresh=fb.default_thresholds(65536), burst_dur_ns=50_000_000,
                       burst_ratio=fb.prob(0.8), burst_start_ns=10**9, dscp_prio=tuple(range(64)))
     raw = c.pack()
-    assert len(raw) == fb.CFG.size == 192
+    assert len(raw) == fb.CFG.size == 200
     assert fb.PortConfig.unpack(raw) == c
     d = c.describe()
     assert d["loss"] == 0.25 and d["ge"]["r"] == 0.5 and d["queue"]["rate_bps"] == 10**9
@@ -113,3 +113,32 @@ def test_jumbo_mtu_fabric_mode_follows_multibuffer_xdp(monkeypatch):
     with pytest.raises(TestbedError, match="multi-buffer"):
         Testbed(mtu=9000, mode="native")
     assert Testbed(mtu=9000, mode="skb").mode == "skb"
+
+
+def test_queue_mark_parsed_and_checked_against_the_buffer():
+    assert fb.parse_mark(None, 65536) == 0 and fb.parse_mark(0, 65536) == 0 and fb.parse_mark("0", 1) == 0
+    assert fb.parse_mark("32k", 65536) == 32768 and fb.parse_mark(1500, 1500) == 1500
+    for mark, buffer, msg in (("65537", 65536, "above the buffer (65536 bytes)"), ("big", 65536, "bad size"),
+                              ("-1k", 65536, "negative"), ("inf", 65536, "out of range")):
+        with pytest.raises(fb.FabricError) as e:
+            fb.parse_mark(mark, buffer)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    c = fb.PortConfig(flags=fb.F_QUEUE, rate=125_000, buffer=65536, mark=32768)
+    assert fb.PortConfig.unpack(c.pack()) == c and c.describe()["queue"]["mark"] == 32768
+    assert fb.CAUSES[fb.C_MARK] == "mark" and "mark" not in fb.DROP_CAUSES  # a mark forwards the frame
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--mark", "lots"], "queue mark: bad size 'lots'"),
+    (["--mark", "-5"], "queue mark -5 bytes is negative"),
+    (["--buffer", "64k", "--mark", "128k"], "queue mark 131072 bytes is above the buffer (65536 bytes)"),
+    (["--mark", "300k"], "is above the buffer (262144 bytes)"),  # the default buffer
+])
+def test_cli_fault_queue_refuses_a_bad_mark_in_one_line(argv, msg, capsys, tmp_path, monkeypatch):
+    """Refused before any testbed is looked for (none is up here: that would be another error)."""
+    monkeypatch.setenv("DBLP_TESTBED_DIR", str(tmp_path))
+    assert cli.main(["fault", "queue", "--rate", "1mbit", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith("dblp fault: ") and msg in err, err
+    a = cli.build_parser().parse_args(["fault", "queue", "--rate", "1mbit", "--mark", "32k"])
+    assert a.mark == "32k"
