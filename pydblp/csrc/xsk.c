@@ -3,9 +3,10 @@
  * Receive (dblp_xsk_rx): take rx descriptors, parse Ethernet/IPv4|IPv6/UDP
  * as pydblp.transport.frames.parse does, check DBLP headers as
  * wire.validate_batch does (when the host program did not), match the
- * source address to a peer id as frames.Sources.match does, copy header and
- * payload into a Batch's rows (or leave the payload in UMEM to be lent),
- * count, and give the frames back to the fill ring.
+ * source address to a peer id as frames.Sources.match does, read the ECN
+ * field as frames.ecn_of does, copy header and payload into a Batch's rows
+ * (or leave the payload in UMEM to be lent), count, and give the frames back
+ * to the fill ring.
  * Transmit (dblp_xsk_tx): build frames as frames.build_one + set_tos do,
  * straight into free UMEM frames, and write tx descriptors.
  * Ring helpers: produce, reclaim (completion ring), publish.
@@ -154,9 +155,15 @@ static inline int32_t match(const struct rx_ctx *x, const uint8_t *f, int fam) {
     return -1;
 }
 
+/* frames.ecn_of for one frame: the IPv4 TOS byte's or the IPv6 traffic class's low two bits. */
+static inline uint8_t ecn_of(const uint8_t *f, int fam) {
+    return fam == 4 ? (uint8_t)(f[15] & 3) : (uint8_t)((f[15] >> 4) & 3);
+}
+
 /* Receive up to n descriptors (n <= what the caller saw available) from the
  * rx ring into a batch: headers (32-byte records), payload rows (stride
- * pstride, maxlen wide), lengths, peer.  With lend, a batch of consecutive
+ * pstride, maxlen wide), lengths, peer, and each packet's ECN field (ecn:
+ * one byte a row, or NULL: not reported).  With lend, a batch of consecutive
  * frames, all valid, one payload offset, none truncated, keeps its payloads
  * in UMEM (res[1] = 1, res[2] = the first payload's UMEM offset, frames not
  * refilled: x->taken holds them); otherwise payloads are copied and the
@@ -168,7 +175,7 @@ static inline int32_t match(const struct rx_ctx *x, const uint8_t *f, int fam) {
  * payload, [4] rx_invalid, [5] rx_truncated, [6] rx_bytes, [7] frames refilled,
  * [8] frames to refill (x->taken[0..res[8]), unless lent: the caller refills the rest). */
 int64_t dblp_xsk_rx(const struct rx_ctx *x, size_t n, uint8_t *hdrs, uint8_t *pay, size_t pstride, size_t maxlen,
-                    int32_t *lengths, int32_t *peer, int lend, int refill, int64_t *res) {
+                    int32_t *lengths, int32_t *peer, uint8_t *ecn, int lend, int refill, int64_t *res) {
     uint32_t cons = *x->rx.cons;
     uint32_t avail = load_acquire(x->rx.prod) - cons;
     if (n > avail) n = avail;
@@ -212,6 +219,7 @@ int64_t dblp_xsk_rx(const struct rx_ctx *x, size_t n, uint8_t *hdrs, uint8_t *pa
         memcpy(hdrs + HDR_LEN * k, h, HDR_LEN);
         lengths[k] = (int32_t)len;
         peer[k] = match(x, f, fam);
+        if (ecn) ecn[k] = ecn_of(f, fam);
         int64_t src = (int64_t)(e.addr + off + HDR_LEN);
         if (lend) {
             x->src[k] = src;

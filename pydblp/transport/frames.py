@@ -12,7 +12,9 @@ computed; the UDP checksum is 0 on IPv4 (allowed, RFC 768) and computed on
 IPv6 (mandatory, RFC 8200 section 8.1).  A batch may carry a TOS byte per
 packet (``tos``: :func:`pydblp.dscp.tos_table` of the header's priority),
 written into the IPv4 TOS byte (the header checksum adjusted, RFC 1624) or
-the IPv6 traffic class; the UDP checksum covers neither.
+the IPv6 traffic class; the UDP checksum covers neither.  The byte's low two
+bits are the ECN field (ECT(0) when the transport sends ECN-capable,
+``set_ect``); :func:`ecn_of` reads it back from received frames.
 """
 
 from __future__ import annotations
@@ -229,6 +231,16 @@ def dscp_of(block: np.ndarray, family) -> np.ndarray:
     v4 = b[:, 15] >> 2
     v6 = ((b[:, 14] & 0x0F) << 2) | (b[:, 15] >> 6)
     return np.where(np.asarray(family) == 4, v4, v6)
+
+
+def ecn_of(block: np.ndarray, family) -> np.ndarray:
+    """The ECN field of each frame of ``block`` as uint8 (Ethernet without VLAN tag; ``family`` 4
+    or 6 per frame or one int): the IPv4 TOS byte's or the IPv6 traffic class's low two bits
+    (0 Not-ECT, 1 ECT(1), 2 ECT(0), 3 CE; RFC 3168), what a receive reports in ``Batch.ecn``."""
+    b = block[:, 15]  # IPv4: the TOS byte; IPv6: the traffic class's low nibble, then the flow label's
+    if isinstance(family, (int, np.integer)):
+        return b & 3 if family == 4 else (b >> 4) & 3
+    return np.where(np.asarray(family) == 4, b & 3, (b >> 4) & 3).astype(np.uint8)
 
 
 def parse(block: np.ndarray, frame_lens: np.ndarray, port: int | None = None):

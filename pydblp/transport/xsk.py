@@ -143,6 +143,14 @@ class XskTransport(XskReceive, Transport):
     like a line-rate link (module docstring: qdiscs never see AF_XDP frames).
     ``dscp`` (as ``Config.dscp``, :mod:`pydblp.dscp`): the DSCP written into
     each frame's IP header from its DBLP priority.
+    ECN: :meth:`set_ect` (True) sends every frame ECN-capable, ECT(0) in the
+    IP header's ECN field beside the DSCP (data and control packets alike;
+    ``self.ect`` says whether it is on; with ``tx="kernel"`` the UDP socket
+    does it, and ``ect`` is what that socket reports); receive reports each
+    returned packet's ECN field (0 Not-ECT, 1 ECT(1), 2 ECT(0), 3 CE: a
+    switch's congestion mark) in ``Batch.ecn`` when the ``into`` batch has
+    that array (``Batch.empty`` makes one; None: not reported), on every
+    receive path, lent batches included.
     ``sg``: multi-buffer (``XDP_USE_SG``; None: where the kernel has it,
     6.6+): a frame longer than a UMEM frame (jumbo MTUs) spans several
     descriptors, chained with ``XDP_PKT_CONTD``, on receive and transmit;
@@ -219,6 +227,7 @@ class XskTransport(XskReceive, Transport):
         self.rate, self.rate_burst = self._pacer.rate, self._pacer.burst
         self._sources = frames.Sources()
         self._tmpl = frames.Templates()
+        self._dscp = dscp
         self._tos = dscp_mod.tos_table(dscp)  # header prio -> TOS / traffic class byte; None: 0
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
                                  "rx_truncated", "rx_errors", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
@@ -359,6 +368,29 @@ class XskTransport(XskReceive, Transport):
             self._host.xsk_remove(self.queue)
         else:
             self._xskmap.delete(struct.pack("=I", self.queue))
+
+    # ---- ECN -----------------------------------------------------------
+
+    def set_ect(self, on: bool) -> None:
+        """Send ECT(0) in every frame's IP header (RFC 3168) from now on, or stop (``on`` False).
+
+        AF_XDP transmit writes the TOS table (:func:`pydblp.dscp.tos_table` with ``ect``) into
+        each frame, on the Python and the compiled path alike; with ``tx="kernel"`` the UDP
+        socket that transmits sets it, and ``self.ect`` is what that socket reports.
+        Taken under the transmit lock: a ``send`` in another thread builds each batch with
+        one table.
+        """
+        on = bool(on)
+        tos = dscp_mod.tos_table(self._dscp, ect=on)
+        with self._tx_lock:
+            self._tos = tos
+            if self._xlib is not None:
+                self._xtos = None if tos is None else tos.ctypes.data
+        if self._ktx is not None:
+            self._ktx.set_ect(on)
+            self.ect = bool(self._ktx.ect)
+        else:
+            self.ect = on
 
     # ---- peers ---------------------------------------------------------
 

@@ -64,6 +64,7 @@ class MemoryXsk(XskTransport):
         self._pacer = Pacer(rate, None, tx_frames, 4 * frame_size)
         self.rate, self.rate_burst = self._pacer.rate, self._pacer.burst
         self._sources, self._tmpl = frames.Sources(), frames.Templates()
+        self._dscp = dscp
         self._tos = dscp_mod.tos_table(dscp)
         self._c = dict.fromkeys(("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "rx_invalid",
                                  "rx_truncated", "rx_errors", "tx_busy_drops", "tx_kicks", "rx_polls", "tx_held"), 0)
@@ -164,23 +165,27 @@ def seeded_batch(n: int, peers, seed: int, width: int = 600) -> Batch:
 
 def agree(lib) -> bool:
     """Whether ``lib`` and the Python path build the same frames from a seeded batch (IPv4 and
-    IPv6 peers, DSCP set) and receive the same batch from them plus malformed ones."""
+    IPv6 peers, DSCP set, half of them ECN-capable) and receive the same batch (ECN fields
+    included) from them plus malformed ones and CE-marked ones."""
     out = []
     for native in (False, True):
         t = MemoryXsk(native, dscp="default", lib=lib if native else None)
         peers = [t.add_peer("198.18.0.2"), t.add_peer("2001:db8::2")]
-        t.send(seeded_batch(12, peers, 5))
+        t.send(seeded_batch(6, peers, 5))
+        t.set_ect(True)
+        t.send(seeded_batch(6, peers, 6))
         out.append(t.wire)
     if out[0] != out[1]:
         return False
     bad = [f[:60] for f in out[0][:2]] + [f[:30] + b"\0" + f[31:] for f in out[0][2:4]]
+    ce = [f[:15] + bytes([f[15] | (3 if f[12:14] == b"\x08\x00" else 0x30)]) + f[16:] for f in out[0][:2]]
     got = []
     for native in (False, True):
         r = MemoryXsk(native, lib=lib if native else None)
         r.add_peer("198.18.0.1")
         r.add_peer("2001:db8::1")
-        r.deliver(out[0] + bad)
+        r.deliver(out[0] + bad + ce)
         b = r.recv(Batch.empty(32, 400))
-        got.append((b.headers.tobytes(), b.lengths.tolist(), b.peer.tolist(),
-                    [b.payload[i, : b.lengths[i]].tobytes() for i in range(b.n)], r.stats()))
-    return got[0] == got[1]
+        got.append((b.headers.tobytes(), b.lengths.tolist(), b.peer.tolist(), b.ecn.tolist(),
+                     [b.payload[i, : b.lengths[i]].tobytes() for i in range(b.n)], r.stats()))
+    return got[0] == got[1] and got[0][3][:12] + got[0][3][-2:] == [0] * 6 + [2] * 6 + [3] * 2

@@ -62,7 +62,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dblp_xsk_produce.restype = _z
     lib.dblp_xsk_reclaim.argtypes = [_p, _p, _u32, _u32]
     lib.dblp_xsk_reclaim.restype = _z
-    lib.dblp_xsk_rx.argtypes = [_p, _z, _p, _p, _z, _z, _p, _p, ctypes.c_int, ctypes.c_int, _p]
+    # ctx, n, hdrs, pay, pstride, maxlen, lengths, peer, ecn (NULL: none), lend, refill, res
+    lib.dblp_xsk_rx.argtypes = [_p, _z, _p, _p, _z, _z, _p, _p, _p, ctypes.c_int, ctypes.c_int, _p]
     lib.dblp_xsk_rx.restype = _i64
     lib.dblp_xsk_tx.argtypes = [_p, _p, _u32, _p, _u32, _u32, _u32, _p, _z, _p, _p, _p, _p, _p, _z, _p, _p, _p,
                                 _z, _p, ctypes.c_int]

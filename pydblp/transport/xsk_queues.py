@@ -11,11 +11,11 @@ of the host program's ``xsks`` map, and offers them as one
 :class:`~pydblp.transport.base.Transport`:
 
 * receive polls every socket and drains the ready ones into consecutive rows
-  of the caller's batch (starting from a different queue each call, so a busy
-  queue cannot starve the others when the batch is small);
+  of the caller's batch (its ``ecn`` rows too; starting from a different queue
+  each call, so a busy queue cannot starve the others when the batch is small);
 * transmit goes out through the first queue's socket (its tx ring, or with
-  ``tx="kernel"`` its UDP socket); the others keep a token share of transmit
-  frames (:data:`TOKEN_TX_FRAMES`) they never use;
+  ``tx="kernel"`` its UDP socket; ``set_ect`` is that socket's); the others keep
+  a token share of transmit frames (:data:`TOKEN_TX_FRAMES`) they never use;
 * the pressure written to the host program is the highest receive-ring
   occupancy of any queue (the program sheds by one level for the interface);
 * :meth:`XskQueues.stats` sums the sockets' counters and adds a breakdown
@@ -420,6 +420,13 @@ class XskQueues(Transport):
         self._check_open()
         return self._socks[0].send(batch, timeout)
 
+    def set_ect(self, on: bool) -> None:
+        """:meth:`XskTransport.set_ect` of the transmitting socket (the first); ``ect`` is its."""
+        self._check_open()
+        first = self._socks[0]
+        first.set_ect(on)
+        self.ect = first.ect
+
     def flush(self, timeout: float = 1.0) -> bool:
         """:meth:`XskTransport.flush` of the transmitting socket."""
         return self._socks[0].flush(timeout)
@@ -475,16 +482,19 @@ class XskQueues(Transport):
             if not self._ready[i] and socks[i].wants_wakeup():
                 socks[i].wake()
         lend = not copy and len(busy) == 1  # one UMEM: its frames can be the payload rows
+        ecn = into.ecn  # each socket writes its rows' ECN field there (None: not reported)
         k = 0
         for i in busy:
             if k >= cap:
                 break
-            part = Batch(into.headers[k:cap], into.payload[k:cap], into.lengths[k:cap], into.peer[k:cap], 0)
+            part = Batch(into.headers[k:cap], into.payload[k:cap], into.lengths[k:cap], into.peer[k:cap], 0,
+                         None, None if ecn is None else ecn[k:cap])
             got = socks[i].recv(part, 0.0, copy=not lend)
             if lend:
                 m = got.n
                 into.n = m
-                return Batch(into.headers[:m], got.payload, into.lengths[:m], into.peer[:m], m)
+                return Batch(into.headers[:m], got.payload, into.lengths[:m], into.peer[:m], m,
+                             None, None if ecn is None else ecn[:m])
             k += got.n
         into.n = k
         return into.view(0, k)

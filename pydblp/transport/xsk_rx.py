@@ -18,8 +18,10 @@ not its shape:
 * :meth:`XskReceive._recv_sg`: any multi-buffer frames, gathered segment by segment.
 
 Every path hands the frames it consumed back to the fill ring (except those
-it lends) and counts ``rx_packets``, ``rx_bytes``, ``rx_invalid`` and
-``rx_truncated``.
+it lends), counts ``rx_packets``, ``rx_bytes``, ``rx_invalid`` and
+``rx_truncated``, and, where ``into.ecn`` is an array, writes each returned
+packet's ECN field there (the IPv4 TOS / IPv6 traffic class's low two bits,
+:func:`~pydblp.transport.frames.ecn_of`; rows compacted with the rest).
 """
 
 from __future__ import annotations
@@ -46,17 +48,20 @@ class XskReceive:
     def _recv_native(self, into: Batch, avail: int, cap: int, copy: bool) -> Batch | None:
         """``_receive`` in one C call; None (nothing consumed) for a batch it leaves to Python:
         multi-buffer frames, or an ``into`` whose arrays are not the layout C writes."""
-        h, pay, ln, peer = into.headers, into.payload, into.lengths, into.peer
+        h, pay, ln, peer, ecn = into.headers, into.payload, into.lengths, into.peer, into.ecn
         xi = self._xinto  # the last batch's arrays and their addresses: most calls receive into the same one
-        if not (xi is not None and xi[0] is h and xi[1] is pay and xi[2] is ln and xi[3] is peer):
+        if not (xi is not None and xi[0] is h and xi[1] is pay and xi[2] is ln and xi[3] is peer and xi[4] is ecn):
             if not (h.flags.c_contiguous and h.dtype == wire.HEADER_DTYPE and pay.ndim == 2 and pay.strides[1] == 1
                     and pay.strides[0] >= pay.shape[1] and ln.dtype == np.int32 and ln.flags.c_contiguous
-                    and peer.dtype == np.int32 and peer.flags.c_contiguous):
+                    and peer.dtype == np.int32 and peer.flags.c_contiguous
+                    and (ecn is None or (ecn.dtype == np.uint8 and ecn.flags.c_contiguous and len(ecn) >= len(h)))):
                 return None
-            xi = self._xinto = (h, pay, ln, peer, h.ctypes.data, pay.ctypes.data, pay.strides[0], pay.shape[1],
-                                ln.ctypes.data, peer.ctypes.data)
+            # (C's argument order after the ring context and the count: headers, payload, its row
+            # stride and width, lengths, peer, ecn; NULL ecn: not reported)
+            xi = self._xinto = (h, pay, ln, peer, ecn, h.ctypes.data, pay.ctypes.data, pay.strides[0], pay.shape[1],
+                                ln.ctypes.data, peer.ctypes.data, None if ecn is None else ecn.ctypes.data)
         refill = copy and not len(self._fill_pending)  # pending frames go back first, in order
-        got = self._xlib.dblp_xsk_rx(self._xaddr["rx"], min(avail, cap), *xi[4:], not copy, refill,
+        got = self._xlib.dblp_xsk_rx(self._xaddr["rx"], min(avail, cap), *xi[5:], not copy, refill,
                                      self._xaddr["res"])
         r = self._xres
         if got < 0:
@@ -82,7 +87,8 @@ class XskReceive:
         into.n = k
         if lent:
             f0, s0 = divmod(base, self.frame_size)
-            return Batch(into.headers[:k], self._umem2d[f0: f0 + k, s0: s0 + w], into.lengths[:k], into.peer[:k], k)
+            return Batch(into.headers[:k], self._umem2d[f0: f0 + k, s0: s0 + w], into.lengths[:k], into.peer[:k], k,
+                         None, None if into.ecn is None else into.ecn[:k])
         return into.view(0, k)
 
     def _receive(self, into: Batch, cons: int, avail: int, cap: int, copy: bool) -> Batch:
@@ -153,7 +159,10 @@ class XskReceive:
                         rows = np.flatnonzero(start == s)
                         ww = min(w, fs - int(s))
                         into.payload[rows, :ww] = self._umem2d[fsel[rows], int(s): int(s) + ww]
-            into.peer[:k] = self._sources.match(block if allok else block[sel], fam[sel])
+            kept = block if allok else block[sel]
+            into.peer[:k] = self._sources.match(kept, fam[sel])
+            if into.ecn is not None:
+                into.ecn[:k] = frames.ecn_of(kept, fam[sel])
             self._c["rx_packets"] += k
             self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
         self._fill_push((frame * fs).astype(np.uint64))
@@ -234,6 +243,8 @@ class XskReceive:
                     into.payload[rows[g], c: c + w] = self._umem2d[fr[g], o: o + w]
                 col[rows] += seg
             into.peer[:k] = self._sources.match(block[sel], fam[sel])
+            if into.ecn is not None:
+                into.ecn[:k] = frames.ecn_of(block[sel], fam[sel])
             self._c["rx_packets"] += k
             self._c["rx_bytes"] += int(lens.sum()) + k * wire.HEADER_LEN
         self._fill_push((frame * fs).astype(np.uint64))
@@ -280,6 +291,8 @@ class XskReceive:
             c += w
         into.lengths[:npk] = lens
         into.peer[:npk] = self._sources.match(block, fam)
+        if into.ecn is not None:
+            into.ecn[:npk] = frames.ecn_of(block, fam)
         self._c["rx_packets"] += npk
         self._c["rx_bytes"] += int(lens.sum()) + npk * wire.HEADER_LEN
         self._fill_push((frame * fs).astype(np.uint64))
@@ -318,6 +331,10 @@ class XskReceive:
             return None
         into.lengths[:n] = lens
         into.peer[:n] = self._sources.match(block, fam)
+        ecn = into.ecn
+        if ecn is not None:
+            ecn[:n] = frames.ecn_of(block, fam)
+            ecn = ecn[:n]
         self._c["rx_packets"] += n
         self._c["rx_bytes"] += int(lens.sum()) + n * wire.HEADER_LEN
         into.n = n
@@ -325,7 +342,7 @@ class XskReceive:
         if not copy:  # lend the frames: no payload copy; they go back to the fill ring next call
             self._lent = lent
             return Batch(into.headers[:n], self._umem2d[f0: f0 + n, s0: s0 + w], into.lengths[:n],
-                         into.peer[:n], n)
+                         into.peer[:n], n, None, ecn)
         into.payload[:n, :w] = self._umem2d[f0: f0 + n, s0: s0 + w]
         self._fill_push(lent)
         return into.view(0, n)

@@ -56,11 +56,13 @@ def pair(bpf_xdp, netns):
 
 def _flows(ns: str) -> None:
     """32 UDP flows (one socket, one source port each) x 20 DATA packets to rank 1 of JOB; the
-    payload's bytes are its chunk id's low byte, 100 + chunk % 50 of them."""
+    payload's bytes are its chunk id's low byte, 100 + chunk % 50 of them; flow f's IP header
+    carries ECN field f % 4 (Not-ECT, ECT(1), ECT(0), CE)."""
     with net.in_netns(ns):
         socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(FLOWS)]
     try:
         for f, s in enumerate(socks):
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, f % 4)
             for c in range(f * PER_FLOW, (f + 1) * PER_FLOW):
                 pay = bytes([c & 0xFF]) * (100 + c % 50)
                 s.sendto(wire.encode(wire.Header(job=JOB, src=0, dst=1, chunk=c, nchunks=FLOWS * PER_FLOW), pay),
@@ -71,7 +73,8 @@ def _flows(ns: str) -> None:
 
 
 def _take(t, copy: bool, cap: int = 64, quiet: float = 0.5) -> np.ndarray:
-    """Receive until ``quiet`` s pass without a packet; the chunk ids, each payload checked."""
+    """Receive until ``quiet`` s pass without a packet; the chunk ids, each payload and ECN field
+    checked (the rows of several queues' sockets merged into one batch, or one socket's lent)."""
     chunks, into, last = [], Batch.empty(cap), time.monotonic()
     while time.monotonic() - last < quiet:
         b = t.recv(into, timeout=0.05, copy=copy)
@@ -79,6 +82,7 @@ def _take(t, copy: bool, cap: int = 64, quiet: float = 0.5) -> np.ndarray:
             last = time.monotonic()
             c = b.headers["chunk"].astype(np.int64)
             assert np.array_equal(b.lengths, 100 + c % 50)
+            assert b.ecn is not None and np.array_equal(b.ecn, (c // PER_FLOW) % 4), (c, b.ecn)
             for i in range(b.n):  # (a few hundred rows: a loop is fine in a test)
                 assert (b.payload[i, : b.lengths[i]] == (c[i] & 0xFF)).all(), f"payload of chunk {c[i]}"
             chunks.append(c)
@@ -106,6 +110,43 @@ def test_every_flow_arrives_on_every_queue_where_one_queue_misses_some(pair, cop
     assert len(one) < FLOWS * PER_FLOW and nosock == FLOWS * PER_FLOW - len(one), (len(one), nosock)
     print(f"\n32 flows x 20 DATA packets, 4-queue veth: {len(got)} received on every queue {per}, "
           f"{len(one)} on queue 0 alone")
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_set_ect_is_the_transmitting_sockets(pair, kind):
+    """``set_ect`` on the queue set reaches the socket that sends (the first; with ``xsk-ktx`` its
+    UDP socket): what leaves the device carries ECT(0) where ``ect`` says so, Not-ECT after off."""
+    (a, dev_a), (b, dev) = pair
+    with net.ipr(a) as ip:
+        mac = ip.get_links(ip.link_lookup(ifname=dev_a)[0])[0].get_attr("IFLA_ADDRESS")
+    with net.in_netns(a):
+        cap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800))
+    with cap, open_dataplane(kind, dev, netns=b, job=JOB, rank=1, world=2) as dp:
+        cap.bind((dev_a, 0))
+        cap.settimeout(0.2)
+        t = dp.transport
+        assert isinstance(t, XskQueues) and len(t.sockets) == QUEUES and not t.ect
+        peer = t.add_peer(ADDR[0], mac=mac)
+        for on in (True, False):
+            t.set_ect(on)
+            first = t.sockets[0]
+            assert t.ect == first.ect == (on and (first._ktx is None or first._ktx.ect))
+            assert not any(s.ect for s in t.sockets[1:])
+            h = wire.empty_batch(8)
+            h["kind"], h["job"], h["src"], h["dst"], h["nchunks"] = wire.Kind.DATA, JOB, 1, 0, 8
+            h["chunk"] = np.arange(8)
+            assert t.send(Batch.fill(h, np.zeros((8, 64), np.uint8), peer=peer)) == 8
+            ecn, deadline = [], time.monotonic() + 5  # (with xsk-ktx a GSO batch may cross the veth as one)
+            while time.monotonic() < deadline:
+                try:
+                    f = cap.recv(65536)
+                except TimeoutError:
+                    if ecn:
+                        break
+                    continue
+                if f[23] == socket.IPPROTO_UDP and int.from_bytes(f[36:38], "big") == wire.DEFAULT_PORT:
+                    ecn.append(f[15] & 3)
+            assert ecn and set(ecn) == {2 if t.ect else 0} and (kind != "xsk" or len(ecn) == 8), ecn
 
 
 def test_stats_and_dblp_status_show_each_queues_socket(pair):

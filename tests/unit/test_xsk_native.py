@@ -2,8 +2,9 @@
 
 Both paths run inside the same transport code over plain-memory rings and UMEM
 (:class:`pydblp.transport.xsk_memory.MemoryXsk`, the kernel's part played in numpy): the
-frames sent must be byte-identical, and frames received (well-formed, malformed, forged,
-multi-buffer, lent with ``copy=False``) must give identical batches, counters and fill rings.
+frames sent must be byte-identical (ECT(0) with ``set_ect``), and frames received (well-formed,
+malformed, forged, multi-buffer, lent with ``copy=False``, each ECN codepoint) must give
+identical batches (``Batch.ecn`` included), counters and fill rings.
 Without a compiler (or with ``DBLP_NATIVE=0``) the Python path runs, after one warning.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pydblp import wire
+from pydblp import dscp, wire
 from pydblp.transport import Batch, frames, xsk_native
 from pydblp.transport.xsk_memory import MemoryXsk, agree, seeded_batch
 from tests.helpers import needs_native
@@ -37,11 +38,14 @@ def add_peers(t, addrs=V4 + V6):
     return [t.add_peer(a) for a in addrs]
 
 
-def sent_frames(peers_of=lambda ids: ids, n=40, seed=1, width=600, batches=1, **kw):
-    """The frames each path puts on the wire for the same seeded batches."""
+def sent_frames(peers_of=lambda ids: ids, n=40, seed=1, width=600, batches=1, ect=False, **kw):
+    """The frames each path puts on the wire for the same seeded batches (``ect``: after ``set_ect(True)``)."""
     wires = []
     for t in pair(**kw):
         ids = add_peers(t)
+        if ect:
+            t.set_ect(True)
+            assert t.ect
         for b in range(batches):
             assert t.send(seeded_batch(n, peers_of(ids), seed + b, width)) == n
         assert t.flush(5)
@@ -49,9 +53,10 @@ def sent_frames(peers_of=lambda ids: ids, n=40, seed=1, width=600, batches=1, **
     return wires
 
 
-def received(frame_list, cap=64, maxlen=1500, copy=True, rounds=None, **kw):
-    """What each path receives from ``frame_list``: per recv call the batch's rows, then the counters
-    and the fill ring's entries."""
+def received(frame_list, cap=64, maxlen=1500, copy=True, rounds=None, ecn=True, **kw):
+    """What each path receives from ``frame_list``: per recv call the batch's rows (the ECN field of
+    each too; ``ecn`` False: into a batch without ``ecn``, which must come back None), then the
+    counters and the fill ring's entries."""
     out = []
     for t in pair(**kw):
         add_peers(t, ("198.18.0.1", "2001:db8::1"))
@@ -59,9 +64,14 @@ def received(frame_list, cap=64, maxlen=1500, copy=True, rounds=None, **kw):
         got = []
         for _ in range(rounds or 1 + len(left) // 8):
             left = left[t.deliver(left):]
-            b = t.recv(Batch.empty(cap, maxlen), copy=copy)
+            into = Batch.empty(cap, maxlen)
+            if not ecn:
+                into.ecn = None
+            b = t.recv(into, copy=copy)
+            assert (b.ecn is None) == (not ecn) and (b.ecn is None or len(b.ecn) == b.n)
             got.append((wire.encode_batch(b.headers[: b.n]).tobytes(), b.lengths[: b.n].tolist(),
-                        b.peer[: b.n].tolist(), [b.payload[i, : b.lengths[i]].tobytes() for i in range(b.n)]))
+                        b.peer[: b.n].tolist(), [b.payload[i, : b.lengths[i]].tobytes() for i in range(b.n)],
+                        None if b.ecn is None else b.ecn[: b.n].tolist()))
         s = t.stats()
         fill = t._fill
         out.append((got, {k: s[k] for k in ("rx_packets", "rx_bytes", "rx_invalid", "rx_truncated", "rx_errors")},
@@ -101,11 +111,84 @@ def test_sent_frames_identical_at_full_frame_width_and_when_paced():
     assert len(a) == 60 and a == b
 
 
-def valid_frames(n=24, seed=3):
-    t = MemoryXsk(False)
+def valid_frames(n=24, seed=3, **kw):
+    t = MemoryXsk(False, **kw)
     ids = add_peers(t)
     t.send(seeded_batch(n, ids, seed))
     return t.wire
+
+
+def is_v4(f: bytes) -> bool:
+    return f[12:14] == b"\x08\x00"
+
+
+def ip_fields(f: bytes) -> tuple[int, int]:
+    """(ECN field, DSCP) of frame ``f``'s IP header."""
+    b, fam = np.frombuffer(f[:16], np.uint8)[None], 4 if is_v4(f) else 6
+    return int(frames.ecn_of(b, fam)[0]), int(frames.dscp_of(b, fam)[0])
+
+
+def with_ecn(f: bytes, e: int) -> bytes:
+    """Frame ``f`` with its IP header's ECN field set to ``e`` (a switch's mark: the IPv4 header
+    checksum recomputed, the DSCP kept)."""
+    b = bytearray(f)
+    if is_v4(f):
+        end = frames.ETH_LEN + (b[14] & 0x0F) * 4
+        b[15] = (b[15] & 0xFC) | e
+        b[24:26] = b"\0\0"
+        b[24:26] = frames.checksum(bytes(b[14:end])).to_bytes(2, "big")
+    else:
+        b[15] = (b[15] & 0xCF) | (e << 4)
+    return bytes(b)
+
+
+def checksums_verify(f: bytes) -> bool:
+    """The IPv4 header checksum, or the IPv6 UDP checksum, of frame ``f`` verifies."""
+    if is_v4(f):
+        return frames.checksum(f[14:34]) == 0
+    udp = f[54:]
+    return frames.checksum(f[22:54] + len(udp).to_bytes(4, "big") + b"\0\0\0\x11" + udp) == 0
+
+
+@needs_cc
+@pytest.mark.parametrize("spec", ["off", "default"])
+@pytest.mark.parametrize("peers", ["v4", "v6", "mixed"])
+def test_set_ect_sends_ect0_beside_the_dscp_byte_identically(peers, spec):
+    pick = {"v4": lambda ids: ids[:2], "v6": lambda ids: ids[2:], "mixed": lambda ids: ids}[peers]
+    a, b = sent_frames(pick, batches=3, dscp=spec, ect=True)
+    assert len(a) == 120 and a == b
+    table = dscp.resolve(spec)
+    for f in a:
+        prio = f[(frames.HDR4 if is_v4(f) else frames.HDR6) + 18]
+        assert ip_fields(f) == (dscp.ECT0, table[prio]) and checksums_verify(f)
+
+
+@needs_cc
+@pytest.mark.parametrize("case", ["rows", "full", "paced", "addr", "multi-buffer"])
+def test_ect_marks_every_kind_on_every_send_path_and_turns_off(case):
+    """Control packets (prio 0, every kind) and data alike, through in-place and scratch builds,
+    paced release, ``Batch.addr`` and multi-buffer frames; ``set_ect(False)`` sends Not-ECT again."""
+    width, kw = {"rows": (600, {}), "full": (2048 - 62 - 32, {}), "paced": (600, {"rate": 2e9}),
+                 "addr": (600, {}), "multi-buffer": (3000, {"sg": True})}[case]
+    wires = []
+    for t in pair(dscp="default", **kw):
+        ids = add_peers(t)
+        for on in (True, False):
+            t.set_ect(on)
+            assert t.ect is on
+            b = seeded_batch(20, ids, 12, width)
+            b.headers["kind"] = np.resize(np.array(list(wire.Kind), np.uint8), 20)
+            b.headers["prio"][b.headers["kind"] != wire.Kind.DATA] = 0
+            if case == "addr" and t.native:
+                src = b.payload.copy()
+                b = Batch(b.headers, np.zeros_like(b.payload), b.lengths, b.peer, b.n,
+                          np.uint64(src.ctypes.data) + np.arange(20, dtype=np.uint64) * np.uint64(width))
+            assert t.send(b) == 20 and t.flush(5)
+        wires.append(t.wire)
+    assert wires[0] == wires[1] and len(wires[0]) == 40
+    assert [ip_fields(f)[0] for f in wires[0]] == [dscp.ECT0] * 20 + [0] * 20
+    assert all(checksums_verify(f) for f in wires[0])
+    assert max(map(len, wires[0])) > 2048 if case == "multi-buffer" else True
 
 
 def edit(f: bytes, at: int, value: bytes) -> bytes:
@@ -153,6 +236,28 @@ def test_receive_is_identical_for_well_formed_and_malformed_frames(validated):
 
 
 @needs_cc
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("layout", ["v4", "v6", "mixed"])
+def test_receive_reports_each_ecn_codepoint_alike(layout, copy):
+    """Frames with ECN 0, 1, 2, 3 (a DSCP beside it) in one batch: one layout (the run path, lent
+    with ``copy=False``) or both families (the general path); then the same with malformed frames
+    between them (rows compacted, ECN with them)."""
+    good = [f for f in valid_frames(32, seed=7, dscp="default")
+            if layout == "mixed" or is_v4(f) == (layout == "v4")]
+    marked = [with_ecn(f, i % 4) for i, f in enumerate(good)]
+    want = [i % 4 for i in range(len(good))]
+    py, c = received(marked, copy=copy, rounds=2)
+    assert py == c and sum((g[4] for g in py[0]), []) == want and py[1]["rx_packets"] == len(good)
+    mixed = sum(([f, f[:50], edit(f, 36 if is_v4(f) else 56, (PORT + 1).to_bytes(2, "big"))] if i % 3 == 1 else [f]
+                 for i, f in enumerate(marked)), [])
+    py, c = received(mixed, copy=copy, rounds=3)
+    assert py == c and sum((g[4] for g in py[0]), []) == want and py[1]["rx_invalid"] > 0
+    # into a batch without ecn: the same rows, ecn None
+    py, c = received(marked, copy=copy, rounds=2, ecn=False)
+    assert py == c and [g[4] for g in py[0]] == [None, None]
+
+
+@needs_cc
 def test_receive_truncates_and_caps_alike():
     good = valid_frames(40)
     py, c = received(good, cap=7, maxlen=300, rounds=8)
@@ -179,13 +284,15 @@ def test_receive_fuzzed_frames_alike():
 @needs_cc
 def test_copy_false_lends_umem_frames_and_refills_them_next_call():
     good = valid_frames(16)
-    v4s = [f for f in good if f[12:14] == b"\x08\x00"]
+    v4s = [with_ecn(f, i % 4) for i, f in enumerate(f for f in good if f[12:14] == b"\x08\x00")]
     for t in pair():
         add_peers(t, ("198.18.0.1", "2001:db8::1"))
         t.deliver(v4s)
-        b = t.recv(Batch.empty(32), copy=False)
+        into = Batch.empty(32)
+        b = t.recv(into, copy=False)
         assert b.n == len(v4s) and np.shares_memory(b.payload, t._umem)  # lent: no payload copy
         assert [b.payload[i, : b.lengths[i]].tobytes() for i in range(b.n)] == [f[frames.HDR4 + 32:] for f in v4s]
+        assert b.ecn.tolist() == [i % 4 for i in range(b.n)] and np.shares_memory(b.ecn, into.ecn)
         used = t._fill.used()
         t.recv(Batch.empty(32), copy=False)
         assert t._fill.used() == used + len(v4s)  # given back at the next receive
@@ -199,16 +306,29 @@ def test_multi_buffer_frames_take_the_python_path_on_both():
     t = MemoryXsk(False, frame_size=2048)
     ids = add_peers(t)
     t.send(seeded_batch(8, ids[:2], 9, width=1400))
-    py, c = received(t.wire, sg=True, rounds=2, maxlen=1500)
-    assert py == c and py[1]["rx_packets"] == 8
-    # the same frames split over two descriptors each (XDP_PKT_CONTD)
-    outs = []
-    for r in pair(sg=True):
-        add_peers(r, ("198.18.0.1",))
-        r.deliver(t.wire, segment=1000)
-        b = r.recv(Batch.empty(16, 1500))
-        outs.append((b.n, b.lengths[: b.n].tolist(), b.payload[: b.n].tobytes()))
-    assert outs[0] == outs[1] and outs[0][0] == 8
+    marked = [with_ecn(f, i % 4) for i, f in enumerate(t.wire)]
+    py, c = received(marked, sg=True, rounds=2, maxlen=1500)
+    assert py == c and py[1]["rx_packets"] == 8 and py[0][0][4] == [0, 1, 2, 3] * 2
+    # the same frames split over two descriptors each (XDP_PKT_CONTD): lengths differ (the general
+    # gather), then all alike (one strided copy per segment index); ECN read from the first segment
+    same = seeded_batch(8, ids[:1], 10, width=1400)
+    same.lengths[:] = 1400
+    same.headers["len"] = 1400
+    t.wire = []
+    t.send(same)
+    for fl in (marked, [with_ecn(f, 3 - i % 4) for i, f in enumerate(t.wire)]):
+        outs = []
+        for r in pair(sg=True):
+            add_peers(r, ("198.18.0.1",))
+            r.deliver(fl, segment=1000)
+            b = r.recv(Batch.empty(16, 1500))
+            outs.append((b.n, b.lengths[: b.n].tolist(), b.payload[: b.n].tobytes(), b.ecn.tolist()))
+            into = Batch.empty(16, 1500)
+            into.ecn = None
+            r.deliver(fl, segment=1000)
+            assert r.recv(into).ecn is None
+        assert outs[0] == outs[1] and outs[0][0] == 8
+        assert outs[0][3] == [ip_fields(f)[0] for f in fl]
 
 
 @needs_cc
