@@ -520,6 +520,10 @@ def _add_experiment(sub):
     p.add_argument("--queue", type=float, metavar="MBIT",
                    help="a finite switch buffer draining at MBIT Mbit/s on --queue-port (incast: 1000)")
     p.add_argument("--queue-kb", type=float, metavar="KB", help="its buffer in KiB (default 128)")
+    p.add_argument("--mark-kb", type=float, metavar="KB",
+                   help="its ECN threshold in KiB: ECN-capable frames admitted past it are marked CE (default: none)")
+    p.add_argument("--cc", metavar="MODES",
+                   help="pydblp congestion control, one run each: ecn (default: back off on CE marks) and/or off")
     p.add_argument("--queue-port", metavar="PORTS",
                    help="workers whose incoming link has the queue: all, or e.g. 0 (default: 0 with --mode ps, else all)")
     p.add_argument("--drop-policy", metavar="POLICIES",
@@ -595,14 +599,18 @@ def _experiment_options(args):
               else None)
     queue = args.queue if args.queue is not None else base.queue_mbit
     queue_kb = args.queue_kb if args.queue_kb is not None else base.queue_kb
+    cc = _choices(args.cc, "--cc", runner.CCS) if args.cc is not None else None
+    mark_kb = args.mark_kb if args.mark_kb is not None else base.mark_kb
+    if mark_kb is not None and not 0 < mark_kb <= queue_kb:
+        raise UsageError(f"--mark-kb {mark_kb:g}: use a threshold within the queue's buffer, 0 < KB <= {queue_kb:g}")
     if queue is not None and not 1 <= queue <= 100000:
         raise UsageError(f"--queue {queue:g}: use a drain rate of 1..100000 Mbit/s")
     if not 1.5 <= queue_kb <= 4 * 1024 * 1024:
         raise UsageError(f"--queue-kb {queue_kb:g}: use 1.5 (one frame) .. 4194304 KiB")
-    if queue is None and (args.queue_kb is not None or args.queue_port is not None
+    if queue is None and (args.queue_kb is not None or args.queue_port is not None or args.mark_kb is not None
                           or (policy is not None and policy != ("priority",))):
         what = "--queue-kb" if args.queue_kb is not None else "--queue-port" if args.queue_port is not None \
-            else "--drop-policy"
+            else "--mark-kb" if args.mark_kb is not None else "--drop-policy"
         raise UsageError(f"{what} needs a queue: add --queue MBIT (e.g. --queue 1000) or use --scenario incast")
     qports = _ports(args.queue_port, eff["workers"], "--queue-port") if args.queue_port is not None else None
     starve = _starve(args.starve, eff["workers"]) if args.starve is not None else None
@@ -612,8 +620,8 @@ def _experiment_options(args):
         raise UsageError(f"--algo fsdp shards the model itself: --consistency {eff['consistency']} does not apply "
                          f"(add --consistency allgather)")
     return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
-                          burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy,
-                          queue_mbit=queue, queue_kb=queue_kb, queue_ports=qports, starve=starve, **v)
+                          burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc,
+                          queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 
 def _cmd_experiment(args) -> int:

@@ -92,9 +92,10 @@ def table(rep: dict) -> str:
         ("queue tail drops (packets)", "queue_tail_drops", "d"),
         ("queue early drops, by priority (packets)", "queue_early_drops", "d"),
         ("early drops refused: budget spent", "queue_bound_refusals", "d"),
+        ("queue CE marks (packets)", "queue_marks", "d"),
         ("host-program sheds (packets)", "host_shed", "d"),
     ]
-    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "host_shed"}
+    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "queue_marks", "host_shed"}
     lines = [ln for ln in lines if ln[1] not in optional or any(v.get(ln[1]) is not None for v in s.values())]
     for arm in s:
         b = s[arm].get("retransmit_bytes")

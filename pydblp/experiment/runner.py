@@ -32,6 +32,7 @@ ARMS = ("gloo", "static", "dblp")  # Arm.method: Gloo, static tolerance, DBLP (t
 LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
+CCS = ("ecn", "off")  # pydblp Config.cc of the pydblp runs
 log = logging.getLogger(__name__)
 CLOSE_S = 30.0  # s the ranks have to exit once the result is in
 TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fraction of its steps
@@ -71,10 +72,13 @@ class Options:
                                     # all-gather tolerates loss) or "broadcast:N" (that, plus a
                                     # ParameterBroadcaster every N steps)
     priority: tuple = ("magnitude",)  # pydblp runs: one per Config.priority given ...
-    drop_policy: tuple = ("priority",)  # ... times one per queue drop policy given
+    drop_policy: tuple = ("priority",)  # ... times one per queue drop policy given ...
+    cc: tuple = ("ecn",)            # ... times one per Config.cc given (congestion control)
     queue_mbit: float | None = None  # a virtual queue (finite buffer) on queue_ports draining at this
                                     # rate; None: none (drops come only from the loss models)
     queue_kb: float = 128.0         # its buffer, KiB: beyond it every frame is dropped (tail)
+    mark_kb: float | None = None    # its ECN threshold, KiB: ECN-capable frames admitted past it are marked
+                                    # CE (pydblp's with Config.cc "ecn"); None: no marking
     queue_ports: tuple | str | None = None  # None: where the traffic converges (rank 0 in ps mode, else all)
     starve: tuple | None = None     # (rank, share): cap that rank's CPU at share of one core
     target: float | None = None     # accuracy (digits, mlp) or perplexity (text); None: from the Gloo run
@@ -148,6 +152,7 @@ class Arm:
     method: str
     priority: str = "magnitude"
     drop_policy: str = "priority"
+    cc: str = "ecn"
 
 
 def arms(opt: Options) -> list[Arm]:
@@ -161,7 +166,9 @@ def arms(opt: Options) -> list[Arm]:
             continue
         for pr in opt.priority:
             for pol in opt.drop_policy:
-                out.append(Arm(f"{m}/{pr}/{pol}" if many else m, m, pr, pol))
+                for cc in opt.cc:
+                    name = f"{m}/{pr}/{pol}" if many else m
+                    out.append(Arm(f"{name}/cc-{cc}" if len(opt.cc) > 1 else name, m, pr, pol, cc))
     return out
 
 
@@ -239,7 +246,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       "--order", opt.order, "--consistency", opt.consistency,
                       "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
-                      "--priority", arm.priority, "--grad-error-every", str(opt.grad_error_every),
+                      "--priority", arm.priority, "--cc", arm.cc, "--grad-error-every", str(opt.grad_error_every),
                       "--eval-at", str(target_step(opt)),
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
@@ -418,13 +425,14 @@ def drop_summary(run: Run) -> dict:
         "queue_early_drops": sum(fab.get(f"early{p}", 0) for p in range(nprio)) if fab else None,
         "queue_early_by_prio": [fab.get(f"early{p}", 0) for p in range(nprio)] if fab else None,
         "queue_bound_refusals": fab.get("bound") if fab else None,
+        "queue_marks": fab.get("mark") if fab else None,
         "host_shed": sum(sum(h["shed"]) for h in host) if host else None,
         "host_shed_by_prio": [sum(h["shed"][p] for h in host) for p in range(nprio)] if host else None,
         "host_shed_by_rank": [sum(h["shed"]) if h else None for h in run.host] if host else None,
     }
 
 
-QUEUE_CAUSES = ("pass", "tail", "bound") + tuple(f"early{p}" for p in range(wire.MAX_PRIO + 1))
+QUEUE_CAUSES = ("pass", "tail", "bound", "mark") + tuple(f"early{p}" for p in range(wire.MAX_PRIO + 1))
 
 
 def shed_thresholds(buffer: int) -> tuple:
@@ -447,7 +455,8 @@ def set_queue(tb, opt: Options, arm: Arm) -> None:
         size = int(opt.queue_kb * 1024)
         tb.queue(f"{opt.queue_mbit:g}mbit", buffer=size,
                  thresholds=shed_thresholds(size) if arm.drop_policy == "priority" else (0,) * NPRIO,
-                 port=None if ports == "all" else list(ports))
+                 port=None if ports == "all" else list(ports),
+                 mark=None if opt.mark_kb is None else int(opt.mark_kb * 1024))
 
 
 def queue_drops(tb, opt: Options) -> dict:

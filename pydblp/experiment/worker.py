@@ -63,6 +63,7 @@ def parse(argv=None):
     p.add_argument("--consistency", default="allgather", help=f"{CONSISTENCY_USE} (see consistency())")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
+    p.add_argument("--cc", choices=["ecn", "off"], default="ecn", help="pydblp Config.cc (congestion control)")
     p.add_argument("--priority", choices=["magnitude", "layer", "none"], default="magnitude",
                    help="pydblp Config.priority (layer: from the model's structure)")
     p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
 
             phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
                                                                            g_over=a.g_over)
-            cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode,
+            cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,

@@ -129,6 +129,11 @@ class AuthTransport(Transport):
     def tx_backlog(self) -> float:
         return self.inner.tx_backlog()
 
+    def set_ect(self, on: bool) -> None:
+        self.inner.set_ect(on)
+
+    ect = property(lambda self: self.inner.ect)
+
     def tx_queued(self) -> int:
         return self.inner.tx_queued()
 
@@ -237,6 +242,10 @@ class AuthTransport(Transport):
         hk["flags"] &= ~FLAG_TAG & 0xFF
         b = body if sel is None else body[sel]
         into.peer[:k] = got.peer[:n] if sel is None else got.peer[:n][sel]
+        ecn = None
+        if got.ecn is not None and into.ecn is not None:  # (a mark counts only on a packet that verified)
+            ecn = into.ecn[:k]
+            ecn[:] = got.ecn[:n] if sel is None else got.ecn[:n][sel]
         if copy or sel is not None:
             m = min(into.maxlen, pay.shape[1])
             into.payload[:k, :m] = pay[:, :m] if sel is None else pay[sel, :m]
@@ -249,7 +258,11 @@ class AuthTransport(Transport):
             out = pay  # lent: the inner transport's rows, valid until the next recv
         into.lengths[:k] = b
         into.n = k
-        return into.view(0, k) if out is into.payload else Batch(hk, out, into.lengths[:k], into.peer[:k], k)
+        if out is into.payload:
+            b = into.view(0, k)
+            b.ecn = ecn
+            return b
+        return Batch(hk, out, into.lengths[:k], into.peer[:k], k, None, ecn)
 
     def _count_bad(self, h, ok, good, epoch_ok, lens, body, trail, peer) -> None:
         """Count the packets that failed, by reason; track ranks whose packets only fail."""

@@ -56,6 +56,9 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--queue", "0"], "--queue 0"), (["--queue", "1000", "--queue-kb", "1"], "--queue-kb 1"),
     (["--queue-kb", "64"], "--queue-kb needs a queue"), (["--queue-port", "0"], "--queue-port needs a queue"),
     (["--scenario", "incast", "--queue-port", "4"], "--queue-port 4"),
+    (["--cc", "dctcp"], "--cc dctcp"), (["--mark-kb", "32"], "--mark-kb needs a queue"),
+    (["--scenario", "incast", "--mark-kb", "200"], "--mark-kb 200"),
+    (["--scenario", "incast", "--mark-kb", "0"], "--mark-kb 0"),
     (["--starve", "4"], "--starve 4"), (["--starve", "1:0"], "--starve 1:0"), (["--starve", "x"], "--starve x")])
 def test_experiment_arguments_refused_in_one_line_before_anything_runs(argv, flag, capsys, monkeypatch):
     """Each bad argument gets its own one-line error naming it (``--bursts -3`` used to start a
@@ -192,6 +195,24 @@ def test_incast_scenario_runs_each_pydblp_rule_with_both_queue_policies(monkeypa
     assert [a.name for a in runner.arms(demo)] == ["gloo", "static", "dblp"] and demo.queue_mbit is None
     given = _options(monkeypatch, "--queue", "500", "--queue-port", "1,2", "--starve", "2", "--arms", "dblp")
     assert (given.queue_mbit, given.queue_ports, given.starve) == (500.0, (1, 2), (2, 0.3))
+
+
+def test_cc_modes_are_one_run_each_and_the_queue_marks_where_asked(monkeypatch):
+    from pydblp.experiment import runner
+
+    opt = _options(monkeypatch, "--scenario", "incast", "--drop-policy", "tail", "--cc", "off,ecn", "--mark-kb", "32")
+    assert [(a.name, a.cc) for a in runner.arms(opt)] == [
+        ("gloo", "ecn"), ("dblp/cc-off", "off"), ("dblp/cc-ecn", "ecn")]
+    assert opt.mark_kb == 32.0
+
+    class Tb:
+        def queue(self, rate, **kw):
+            self.kw = kw
+
+    tb = Tb()
+    runner.set_queue(tb, opt, runner.arms(opt)[1])
+    assert tb.kw["mark"] == 32 * 1024 and tb.kw["port"] == [0]
+    assert [a.name for a in runner.arms(_options(monkeypatch))] == ["gloo", "static", "dblp"]  # one mode: no suffix
 
 
 def test_shed_thresholds_rank_priorities_high_in_the_buffer():
