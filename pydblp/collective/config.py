@@ -89,6 +89,8 @@ class RoundRecord:
     nacks: int = 0          # unsolicited BITMAPs this rank sent as a receiver
     bytes_sent: int = 0
     bytes_received: int = 0
+    ce_received: int = 0    # DATA packets that arrived CE-marked (a switch's congestion mark) while it ran
+    paced: int = 0          # destinations the congestion control paced as it ended (Config.cc)
     below_bound: bool = False
     left_out: list = field(default_factory=list)    # neighbour round: the neighbours skipped (timeout)
 

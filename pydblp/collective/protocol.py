@@ -330,7 +330,8 @@ class Protocol:
                     phase=self.controller.phase(), x=x,
                     y=np.empty_like(x),  # every row is written: own shard, all-gather, arrivals or the fill
                     t0=t0, heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
-                    foreign0=self.counters["foreign"], stats0=self.t.stats(), t_timers=t0, t_alive=t0)
+                    foreign0=self.counters["foreign"], ce0=self.counters["ce_received"], stats0=self.t.stats(),
+                    t_timers=t0, t_alive=t0)
 
     def _gather_fields(self, T: int) -> dict:
         """An all-gather's fields (:class:`~pydblp.collective.rounds.GatherRound`) on ``T`` rows."""
@@ -932,6 +933,9 @@ class Protocol:
         rec.nacks = st.nacks
         rec.bytes_sent = s1.get("tx_bytes", 0) - st.stats0.get("tx_bytes", 0)
         rec.bytes_received = s1.get("rx_bytes", 0) - st.stats0.get("rx_bytes", 0)
+        rec.ce_received = self.counters["ce_received"] - st.ce0
+        if self.cc is not None:
+            rec.paced = int(np.count_nonzero(self.cc.rate))
         if st.forgiving:  # (a misfit fails any other round)
             for q, (_, what) in st.misfit.items():
                 log.warning("rank %d: neighbour %d's data in round %d did not fit: %s", self.rank, q, st.index, what)
