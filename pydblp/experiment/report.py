@@ -93,9 +93,12 @@ def table(rep: dict) -> str:
         ("queue early drops, by priority (packets)", "queue_early_drops", "d"),
         ("early drops refused: budget spent", "queue_bound_refusals", "d"),
         ("queue CE marks (packets)", "queue_marks", "d"),
+        ("CE marks received (rank 0)", "ce_received", "d"),
+        ("rounds rank 0 paced a destination", "paced_share", ".2f"),
         ("host-program sheds (packets)", "host_shed", "d"),
     ]
-    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "queue_marks", "host_shed"}
+    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "queue_marks", "host_shed",
+                "ce_received", "paced_share"}
     lines = [ln for ln in lines if ln[1] not in optional or any(v.get(ln[1]) is not None for v in s.values())]
     for arm in s:
         b = s[arm].get("retransmit_bytes")

@@ -385,6 +385,8 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "delivered_by_phase": {k: float(np.mean(v)) for k, v in by_phase.items()},
         "rounds_by_phase": {k: len(v) for k, v in by_phase.items()},
         "retransmits": retx,
+        "ce_received": int(sum(r.get("ce", 0) for r in rounds)) if rounds else None,  # (rank 0's)
+        "paced_share": float(np.mean([r.get("paced", 0) > 0 for r in rounds])) if rounds else None,
         "retransmit_bytes": retx * run.final.get("chunk_bytes", 0) if retx is not None else None,
         "tcp_retransmits": run.final.get("tcp_retransmits"),
         "below_bound_rounds": int(sum(r["below"] for r in rounds)) if rounds else 0,

@@ -234,7 +234,8 @@ def main(argv=None) -> int:
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
-                              "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor}))
+                              "retx": r.retransmits, "below": r.below_bound, "tensor": r.tensor,
+                              "ce": r.ce_received, "paced": r.paced}))
             group = tuple(json.loads(a.group)) if a.allgather == "broadcast" else None
             if backend:  # the bounded-loss collective as a torch.distributed group: DDP or FSDP2 over it
                 # FSDP2 with --consistency none: its parameter all-gather tolerates the bound too
