@@ -59,7 +59,8 @@ static int64_t recut(uint8_t *f, int64_t row, int64_t total, int64_t g, int64_t 
 }
 
 /* Read messages (MSG_DONTWAIT) into `frames` from row `used` while one is queued and
- * GRO_SEGS rows are left below `cap`.  Per row: plen (the datagram's UDP payload
+ * GRO_SEGS rows are left below `cap` (a message never takes rows past `cap`: plen and
+ * peer need `cap` rows).  Per row: plen (the datagram's UDP payload
  * size) and peer.  Adds to res: [0] datagrams lost (past GRO_SEGS in a message),
  * [1] datagrams received merged, [2] bytes, [3] the widest datagram, [4] 1 once a
  * control packet came, [5] errno of a failed read (reading stops), [6] messages.
@@ -92,7 +93,12 @@ int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, in
         last = total - (c - 1) * g;
         if (c > 1 && g != row)
             c = recut(f, row, total, g, &lost, &last);
-        else if (c == 1 && total < HEADER_LEN)
+        else if (c > cap - used) { /* more row-sized datagrams than rows left (UDP_SEGMENT sends up to 128
+                                    * on newer kernels; GRO merges 64): the rest are lost, as in recut */
+            lost = c - (cap - used);
+            c = cap - used;
+            last = g;
+        } else if (c == 1 && total < HEADER_LEN)
             memset(f + total, 0, HEADER_LEN - total); /* no magic: rejected as invalid */
         res[0] += lost;
         if (c > 1) res[1] += c;

@@ -445,6 +445,9 @@ class UdpTransport(Transport):
                 if c > 1 and g != row:  # merged datagrams of another size than a row
                     c, drop, last = self._recut(used, row, total, g)
                     lost += drop
+                elif c > cap - used:  # more row-sized datagrams than rows left (UDP_SEGMENT sends up to
+                    lost += c - (cap - used)  # 128 on newer kernels; GRO merges 64): the rest are lost
+                    c, last = cap - used, g
                 elif c == 1 and total < wire.HEADER_LEN:  # shorter than a header: no magic, rejected as invalid
                     self._frames[used * row + total: used * row + wire.HEADER_LEN] = 0
                 if c > 1:
