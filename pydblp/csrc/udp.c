@@ -1,7 +1,8 @@
 /* Per-packet loops of the UDP transport (pydblp/transport/udp.py).
  *
  * dblp_udp_gro_read   reads merged (UDP_GRO) messages into rows of a frames buffer,
- *                     re-cuts them one datagram a row, names each datagram's peer.
+ *                     re-cuts them one datagram a row, names each datagram's peer
+ *                     and gives it its message's ECN field.
  * dblp_udp_send       groups a batch into sendmmsg messages (UDP_SEGMENT runs of one
  *                     peer, size and TOS) and sends them, header and payload straight
  *                     from the caller's rows.
@@ -59,40 +60,61 @@ static int64_t recut(uint8_t *f, int64_t row, int64_t total, int64_t g, int64_t 
 }
 
 /* Read messages (MSG_DONTWAIT) into `frames` from row `used` while one is queued and
- * GRO_SEGS rows are left below `cap`.  Per row: plen (the datagram's UDP payload
- * size) and peer.  Adds to res: [0] datagrams lost (past GRO_SEGS in a message),
- * [1] datagrams received merged, [2] bytes, [3] the widest datagram, [4] 1 once a
- * control packet came, [5] errno of a failed read (reading stops), [6] messages.
+ * GRO_SEGS rows are left below `cap` (a message never takes rows past `cap`: plen, peer
+ * and ecn need `cap` rows).  Per row: plen (the datagram's UDP payload
+ * size), peer and ecn (the low 2 bits of its IP_TOS / IPV6_TCLASS cmsg, 0 without
+ * one: a message's datagrams share one IP header's, since GRO merges none of another
+ * TOS).  Adds to res: [0] datagrams lost (past GRO_SEGS in a message), [1] datagrams
+ * received merged, [2] bytes, [3] the widest datagram, [4] 1 once a control packet
+ * came, [5] errno of a failed read (reading stops), [6] messages.
  * Returns the rows used now. */
 int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, int64_t used, int64_t cap,
                           const uint8_t *names, int64_t npeer, int64_t stride, int64_t keyoff, int64_t keylen,
-                          int64_t *plen, int32_t *peer, int64_t *res) {
+                          int64_t *plen, int32_t *peer, uint8_t *ecn, int64_t *res) {
     struct sockaddr_in6 from;
-    char control[CMSG_SPACE(sizeof(int))];
+    /* UDP_GRO's int, then the TOS (IP_TOS: 1 byte; IPV6_TCLASS: an int); aligned for cmsghdr */
+    union {
+        char buf[2 * CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
     while (cap - used >= GRO_SEGS) {
         uint8_t *f = frames + used * row;
         struct iovec iov = {f, (size_t)(size - used * row)};
         struct msghdr msg = {.msg_name = &from, .msg_namelen = sizeof from, .msg_iov = &iov, .msg_iovlen = 1,
-                             .msg_control = control, .msg_controllen = sizeof control};
+                             .msg_control = control.buf, .msg_controllen = sizeof control.buf};
         ssize_t got = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_TRUNC);
         if (got < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) res[5] = errno;
             break;
         }
         int64_t total = got, g = got;
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm))
+        uint8_t e = 0;
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
             if (cm->cmsg_level == SOL_UDP_ && cm->cmsg_type == UDP_GRO_ && cm->cmsg_len >= CMSG_LEN(sizeof(int))) {
                 int v;
                 memcpy(&v, CMSG_DATA(cm), sizeof v);
                 g = v;
+            } else if (cm->cmsg_level == IPPROTO_IP && cm->cmsg_type == IP_TOS && cm->cmsg_len >= CMSG_LEN(1)) {
+                e = CMSG_DATA(cm)[0] & 3; /* IP_RECVTOS: the TOS byte itself */
+            } else if (cm->cmsg_level == IPPROTO_IPV6 && cm->cmsg_type == IPV6_TCLASS &&
+                       cm->cmsg_len >= CMSG_LEN(sizeof(int))) {
+                int v;
+                memcpy(&v, CMSG_DATA(cm), sizeof v);
+                e = (uint8_t)(v & 3);
             }
+        }
         if (g < 1) g = 1;
         int64_t c = (total + g - 1) / g, last, lost = 0;
         if (c < 1) c = 1;
         last = total - (c - 1) * g;
         if (c > 1 && g != row)
             c = recut(f, row, total, g, &lost, &last);
-        else if (c == 1 && total < HEADER_LEN)
+        else if (c > cap - used) { /* more row-sized datagrams than rows left (UDP_SEGMENT sends up to 128
+                                    * on newer kernels; GRO merges 64): the rest are lost, as in recut */
+            lost = c - (cap - used);
+            c = cap - used;
+            last = g;
+        } else if (c == 1 && total < HEADER_LEN)
             memset(f + total, 0, HEADER_LEN - total); /* no magic: rejected as invalid */
         res[0] += lost;
         if (c > 1) res[1] += c;
@@ -102,6 +124,7 @@ int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, in
             plen[used + i] = g;
             peer[used + i] = p;
         }
+        memset(ecn + used, e, (size_t)c);
         plen[used + c - 1] = last;
         used += c;
         res[2] += (c - 1) * g + last;

@@ -94,3 +94,49 @@ def test_tx_queued_counts_what_waits_in_the_qdisc(pair, kind):
     finally:
         with net.ipr(ns) as ip:
             ip.tc("del", "tbf", ip.link_lookup(ifname=dev)[0], 0x10000, **tbf)
+
+
+@pytest.mark.parametrize("gro", [False, True], ids=["recvmmsg", "gro-read"])
+@pytest.mark.parametrize("family", [4, 6])
+def test_udp_ecn_across_the_host_program(pair, family, gro):
+    """ECN through the host program and a veth pair: with ``set_ect`` every datagram arrives ECT(0)
+    (``ecn`` 2 in every row; 0 with it off), and packets a plain socket sends marked CE (what a
+    switch would write; a veth marks nothing) arrive as 3, each on its own row; read by recvmmsg
+    and by the GRO read (UDP_GRO on the socket: the veth's GRO is off, so one datagram a message)."""
+    import socket
+
+    from pydblp import net
+
+    with udp(pair, 0) as ua, udp(pair, 1, gro=gro) as ub:
+        assert ub.gro is gro
+        pb = ua.add_peer(ADDR[family][1], ub.port)
+        into = Batch.empty(4096, MAXLEN)
+        for start, ect in ((0, True), (2000, False)):
+            ua.set_ect(ect)
+            assert ua.send(packets(start, 2000, 0, 1, job=JOB_UDP, peer=pb)) == 2000
+            got = []
+            for _ in range(50):
+                r = ub.recv(into, timeout=0.2)
+                got += zip(r.headers["chunk"].tolist(), r.ecn.tolist())
+                if len(got) >= 2000:
+                    break
+            assert sorted(c for c, _ in got) == list(range(start, start + 2000))
+            assert {e for _, e in got} == {2 if ect else 0}
+        marked = packets(5000, 40, 0, 1, job=JOB_UDP)
+        fam = socket.AF_INET if family == 4 else socket.AF_INET6
+        with net.in_netns(pair["ns"][0]), socket.socket(fam, socket.SOCK_DGRAM) as s:
+            for i in range(40):
+                if family == 4:
+                    s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 3 if i % 3 else 2)
+                else:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, 3 if i % 3 else 2)
+                s.sendto(marked.headers[i].tobytes() + marked.payload[i, : marked.lengths[i]].tobytes(),
+                         (ADDR[family][1], ub.port))
+        got = []
+        for _ in range(50):
+            r = ub.recv(into, timeout=0.2)
+            got += zip(r.headers["chunk"].tolist(), r.ecn.tolist())
+            if len(got) >= 40:
+                break
+        assert sorted(got) == [(5000 + i, 3 if i % 3 else 2) for i in range(40)]
+        assert ub.stats()["rx_invalid"] == 0

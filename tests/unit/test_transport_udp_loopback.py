@@ -465,3 +465,185 @@ def test_xsk_port_checked_before_anything_opens():
     for port in (0, 70000):
         with pytest.raises(ValueError, match=f"^port {port}: want an integer in 1..65535"):
             XskTransport("no-such-if0", port=port)
+
+
+# ---- ECN: ECT(0) sent on request, each datagram's ECN field reported (Batch.ecn) ----------------
+
+def _open_rx(gro, **kw):
+    """A receiving transport with UDP_GRO on or off (skips where the kernel lacks UDP_GRO)."""
+    try:
+        return UdpTransport(port=0, gro=gro, **kw)
+    except TransportError as e:  # only kernels before 5.0
+        pytest.skip(f"UDP_GRO: {e}")
+
+
+def _recv_ecn(t, n, into, copy=True):
+    """Receive ``n`` packets from ``t``: (chunk, ECN field) of each, in arrival order (ECN None
+    where the batch has no ``ecn``)."""
+    out = []
+    for _ in range(100):
+        r = t.recv(into, timeout=0.2, copy=copy)
+        ecn = [None] * len(r) if r.ecn is None else r.ecn[: len(r)].tolist()
+        out += zip(r.headers["chunk"].tolist(), ecn)
+        if len(out) >= n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("gro", [False, True], ids=["no-gro", "gro"])
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+def test_udp_ect_reaches_the_receiver_as_ecn_2(addr, gro):
+    """``ect=True`` (the constructor), then ``set_ect(False)``, then ``set_ect(True)``: every
+    datagram (GSO runs, single ones, and a few-packet send: one sendmsg each, as control packets
+    go) arrives ECT(0), ECN field 2 in every row of the receiver's batches, or 0 with it off;
+    IPv4 and IPv6, into a receiver with and without UDP_GRO."""
+    if addr == "::1" and not _have_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with UdpTransport(port=0, ect=True) as a, _open_rx(gro) as b:
+        assert a.ect is True
+        pb = a.add_peer(addr, b.port)
+        into = Batch.empty(1024, 1400)
+        start = 0
+        for ect in (True, False, True):
+            if start:
+                a.set_ect(ect)
+            assert a.ect is ect
+            sent = make_batch(300, start, peer=pb)
+            sent.lengths[:200] = sent.headers["len"][:200] = 1000  # GSO runs (merged for a GRO receiver)
+            few = make_batch(3, start + 300, peer=pb)
+            few.headers["kind"][0] = wire.Kind.STOP
+            assert a.send(sent) == 300 and a.send(few) == 3
+            got = _recv_ecn(b, 303, into)
+            assert sorted(c for c, _ in got) == list(range(start, start + 303))
+            assert {e for _, e in got} == {2 if ect else 0}
+            start += 303
+        assert b.stats()["rx_invalid"] == 0
+
+
+def test_udp_ect_to_a_broadcast_address():
+    """A broadcast peer's datagrams go ECT(0) too (the same per-message TOS)."""
+    with UdpTransport(port=0, ect=True) as a, UdpTransport(port=0) as b:
+        p = a.add_peer("127.255.255.255", b.port)
+        if not a._bcast[p]:
+            pytest.skip("127.255.255.255 is no broadcast address here")
+        assert a.send(make_batch(20, 0, peer=p)) == 20 and a.send(make_batch(2, 20, peer=p)) == 2
+        got = _recv_ecn(b, 22, Batch.empty(64, 1400))
+        assert sorted(c for c, _ in got) == list(range(22)) and {e for _, e in got} == {2}
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+def test_udp_dscp_and_ect_combine_in_the_tos_byte(addr):
+    """With ``dscp="default"`` and ECT on, each datagram's TOS / traffic class is its priority's
+    DSCP << 2 | ECT(0) (read by a plain socket), and a transport receiving the same reports ECN 2,
+    not the DSCP bits."""
+    from pydblp import dscp
+
+    if addr == "::1" and not _have_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    v6 = addr == "::1"
+    with UdpTransport(port=0, dscp="default") as a, UdpTransport(port=0) as b, \
+            socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as rx:
+        if v6:
+            rx.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS, 1)
+        else:
+            rx.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        rx.bind((addr, 0))
+        rx.settimeout(2.0)
+        a.set_ect(True)
+        pr, pb = a.add_peer(addr, rx.getsockname()[1]), a.add_peer(addr, b.port)
+        for p in (pr, pb):
+            assert a.send(make_batch(40, 0, peer=p)) == 40 and a.send(make_batch(3, 40, peer=p)) == 3
+        want = {i: int(dscp.DEFAULT[i % 8 if i < 40 else (i - 40) % 8]) << 2 | dscp.ECT0 for i in range(43)}
+        seen = {}
+        for _ in range(43):
+            data, anc, _, _ = rx.recvmsg(2048, 64)
+            (lvl, typ, val), = anc
+            assert (lvl, typ) == ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS) if v6
+                                  else (socket.IPPROTO_IP, socket.IP_TOS))
+            seen[int(wire.decode(data)[0].chunk)] = int.from_bytes(val, "little")
+        assert seen == want
+        got = _recv_ecn(b, 43, Batch.empty(64, 1400))
+        assert sorted(c for c, _ in got) == list(range(43)) and {e for _, e in got} == {2}
+
+
+def _send_marked(addr, port, tos_of, junk_every=0, runs=()):
+    """Send DBLP packets from a plain socket, packet i with TOS / traffic class ``tos_of[i]`` (low
+    bits: the ECN field; 3 is CE, what a marking switch writes: loopback has none), a junk
+    datagram (invalid: dropped by the receive) before every ``junk_every``-th, then GSO runs
+    ``(first chunk, count, tos)`` of 500-byte payloads (merged for a GRO receiver).  Returns
+    {chunk: ECN field} of the valid packets and the junk count."""
+    from pydblp.transport import udp
+
+    v6 = ":" in addr
+    want, junk = {}, 0
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        def tos(t):
+            s.setsockopt(*((socket.IPPROTO_IPV6, socket.IPV6_TCLASS) if v6 else (socket.IPPROTO_IP, socket.IP_TOS)), t)
+
+        for i, t in enumerate(tos_of):
+            if junk_every and i % junk_every == 0:
+                tos(3)
+                s.sendto(b"junk" * 12, (addr, port))
+                junk += 1
+            tos(t)
+            s.sendto(wire.encode(wire.Header(job=3, chunk=i, nchunks=1000, len=40), bytes(40)), (addr, port))
+            want[i] = t & 3
+        for first, count, t in runs:
+            tos(t)
+            s.setsockopt(udp.SOL_UDP, udp.UDP_SEGMENT, wire.HEADER_LEN + 500)
+            s.sendto(b"".join(wire.encode(wire.Header(job=3, chunk=c, nchunks=1000, len=500), bytes(500))
+                              for c in range(first, first + count)), (addr, port))
+            s.setsockopt(udp.SOL_UDP, udp.UDP_SEGMENT, 0)
+            want.update(dict.fromkeys(range(first, first + count), t & 3))
+    return want, junk
+
+
+@pytest.mark.parametrize("gro", [False, True], ids=["no-gro", "gro"])
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize("mode", ["copy", "lent", "narrow", "strided", "strided-ecn", "no-ecn"])
+def test_udp_ce_marks_are_reported_row_by_row(addr, gro, mode):
+    """A switch's CE mark (ECN 3) cannot be made on loopback: a plain socket sends valid DBLP
+    packets with TOS 3 (CE), 2, 0x8a, 0, 1 and junk between them, then GSO runs marked CE and
+    not.  Each delivered row's ``ecn`` is its own packet's ECN field, the invalid rows compacted
+    away, through a copying receive, a lending one (``copy=False``), a batch narrower than a
+    merged message (GRO: the spill batch), one whose rows the kernel cannot scatter into, one
+    whose ``ecn`` is a strided view (the compiled read cannot write it directly), and a
+    hand-made batch without ``ecn`` (left None)."""
+    if addr == "::1" and not _have_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with _open_rx(gro) as b:
+        pid = b.add_peer(addr, 9)
+        tos = [(3, 2, 0x8a, 0, 1, 0x8b, 3)[i % 7] for i in range(60)]
+        want, junk = _send_marked(addr, b.port, tos, junk_every=4, runs=[(100, 40, 3), (200, 30, 2), (300, 20, 3)])
+        into = Batch.empty(16 if mode == "narrow" else 256, 600)
+        if mode == "strided":
+            into = Batch(into.headers, np.asfortranarray(into.payload), into.lengths, into.peer, 0, None, into.ecn)
+        elif mode == "strided-ecn":
+            into = Batch(into.headers, into.payload, into.lengths, into.peer, 0, None,
+                         np.full(2 * into.cap, 7, np.uint8)[::2])
+        elif mode == "no-ecn":
+            into = Batch(into.headers, into.payload, into.lengths, into.peer, 0)
+        got = _recv_ecn(b, len(want), into, copy=mode != "lent")
+        assert len(got) == len(want) and sorted(c for c, _ in got) == sorted(want)
+        if mode == "no-ecn":
+            assert {e for _, e in got} == {None}
+        else:
+            assert got == [(c, want[c]) for c, _ in got]
+            assert sum(e == 3 for _, e in got) == sum(e == 3 for e in want.values()) > 60
+        s = b.stats()
+        assert s["rx_invalid"] == junk == 15 and s["rx_packets"] == len(want)
+        if gro:
+            assert s["rx_gro_packets"] == 90
+
+
+@pytest.mark.parametrize("gro", [False, True], ids=["no-gro", "gro"])
+def test_udp_ecn_is_0_for_a_datagram_without_a_tos_cmsg(gro):
+    """A message that comes without a TOS cmsg (here: IP_RECVTOS turned off behind the transport's
+    back) reads ECN 0, not what an earlier message left in the control buffer (CE here)."""
+    with _open_rx(gro) as b:
+        into = Batch.empty(256, 600)
+        want, _ = _send_marked("127.0.0.1", b.port, [3] * 5)
+        assert _recv_ecn(b, 5, into) == sorted(want.items())
+        b._sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 0)
+        want, _ = _send_marked("127.0.0.1", b.port, [3] * 5)
+        assert _recv_ecn(b, 5, into) == [(c, 0) for c in sorted(want)]
