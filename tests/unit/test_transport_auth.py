@@ -375,3 +375,30 @@ def test_load_key_errors_are_one_line_with_the_fix(tmp_path, make, env, says):
     with pytest.raises(KeyLoadError) as e:
         load_key(None if env else f, env=env)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_ecn_passes_through_for_verified_packets_only(copy):
+    """set_ect reaches the inner transport (ECT(0) on the wire); a CE mark arrives in Batch.ecn on
+    a packet whose tag verifies, and a forged CE-marked packet is dropped with its mark."""
+    with authenticate(UdpTransport(port=0), KEY, EPOCH) as a, authenticate(UdpTransport(port=0), KEY, EPOCH) as b:
+        pb = a.add_peer("127.0.0.1", b.port)
+        b.add_peer("127.0.0.1", a.port)
+        a.set_ect(True)
+        assert a.ect and a.inner.ect
+        assert a.send(batch(20, peer=pb)) == 20
+        h = wire.Header(kind=wire.Kind.DATA, job=3, round=7, src=1, dst=0, chunk=0, nchunks=1 << 20)
+        tagged = wire.encode(h, b"x" * 64, key=KEY, epoch=EPOCH)
+        forged = wire.encode(h, b"y" * 64, key=OTHER, epoch=EPOCH)
+        with raw_socket() as s:
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 3)  # CE, as a marking switch leaves it
+            for pkt in (forged, tagged, forged):
+                s.sendto(pkt, ("127.0.0.1", b.port))
+        into = Batch.empty(2048, 1408)
+        ecn, end = [], time.monotonic() + 3
+        while len(ecn) < 21 and time.monotonic() < end:
+            g = b.recv(into, timeout=0.1, copy=copy)
+            assert g.ecn is not None and len(g.ecn) == g.n
+            ecn += g.ecn.tolist()
+        assert ecn == [2] * 20 + [3]
+        assert b.stats()["auth_verified"] == 21
