@@ -23,9 +23,8 @@ import struct
 
 import pytest
 
-from pydblp import bpf, net, wire
+from pydblp import net, wire
 from pydblp.testbed import Testbed
-from pydblp.testbed import fabric as fb
 from tests.helpers import unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
@@ -41,15 +40,8 @@ ETH_P_IP = 0x0800
 
 
 @pytest.fixture(scope="module")
-def prog(bpf_xdp):
-    b, fn = bpf.compile_xdp(fb.SOURCE, "fabric")
-    yield b, fn
-    b.cleanup()
-
-
-@pytest.fixture(scope="module")
-def tb(prog):
-    with Testbed(workers=2, name=unique_name("ecn"), prog=prog) as t:
+def tb(fabric_prog):
+    with Testbed(workers=2, name=unique_name("ecn"), prog=fabric_prog) as t:
         yield t
 
 

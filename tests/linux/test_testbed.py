@@ -33,15 +33,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")
-def prog(bpf_xdp):
-    b, fn = bpf.compile_xdp(fb.SOURCE, "fabric")
-    yield b, fn
-    b.cleanup()
-
-
-@pytest.fixture(scope="module")
-def tb(prog):
-    with Testbed(workers=4, name=unique_name("tb"), prog=prog) as t:
+def tb(fabric_prog):
+    with Testbed(workers=4, name=unique_name("tb"), prog=fabric_prog) as t:
         yield t
 
 
