@@ -7,26 +7,31 @@ an ECT packet instead of dropping it.  So the sender sends ECT(0), each receiver
 sender, the DATA packets it got and how many came marked, and echoes both counts, cumulative
 and modulo 2**32 (as AccECN does: a lost echo loses no marks), in every STOP.
 
-Per destination, at each echo (one a message: a round at the latest) with new packets:
+Per destination, at each echo (one a message: a round at the latest) with new packets (the
+first echo counts from 0: both ends' counters start there):
 
 - ``F`` = marked / received since the last echo; ``alpha <- (1 - g) alpha + g F`` (``g``:
   ``Config.cc_gain``; alpha starts at 1, as Linux's DCTCP does, so the first mark halves).
+- A paced destination's rate grows at every echo, as DCTCP's window grows every round trip:
+  by ``Config.cc_increase``, and on a clean echo back toward ``peak`` by half the gap if
+  that is more (BIC's binary search: a round is one echo, so recovery must not take one
+  ``cc_increase`` per round), up to 1.25x the fastest any message of this rank went out
+  (``top``); after ``UNPACE_AFTER`` clean echoes in a row there the destination is unpaced
+  again (the link's own rate then paces it: a transport's TBF or pacer).
 - Marked (``F > 0``): an unpaced destination becomes paced at the rate its last message went
-  out at (bytes of it sent over the time from its first send to the STOP), then the rate is
-  cut to ``rate (1 - alpha / 2)``, never below ``Config.cc_min_rate``; the rate before the
-  cut is remembered as ``peak``.
-- Clean: the rate grows back toward ``peak`` by half the gap at a time (BIC's binary search:
-  a round is one echo, so recovery must not take one ``cc_increase`` per round), at least by
-  ``Config.cc_increase``; past 1.25x the fastest any message of this rank went out
-  (``top``), the destination is unpaced again (the link's own rate then paces it: a
-  transport's TBF or pacer).
+  out at (bytes of it sent over the time from its first send to the STOP); then the rate is
+  cut to ``rate (1 - alpha / 2)``, never below ``Config.cc_min_rate``, and the rate before the
+  cut is remembered as ``peak``.  So a steady marked fraction ``F`` holds a rate ``r`` where
+  ``r F / 2`` is about ``cc_increase``.
 - ``Config.cc_delay`` > 0 also counts a STOP delay more than that above the least seen (the
   round trip of the message's last packets, a queue's growth) as a marked echo with ``F = 1``.
 
 Loss that no mark and no delay go with (random loss, bursts) changes nothing: bounded loss and
 repair deal with it.  A paced destination gets a token bucket of ``BUCKET_S`` of its rate
-(at least ``BUCKET_FRAMES`` frames); :class:`~pydblp.collective.protocol.Protocol` sends to it
-only what the tokens cover.  Everything here is bookkeeping over times passed in.
+(at least ``BUCKET_FRAMES`` frames): a burst well below a marking switch's threshold.
+:class:`~pydblp.collective.protocol.Protocol` sends to it only what the tokens cover, and a
+sender held back waits until ``WAIT_FRAMES`` frames are covered (not one: a loop turn costs
+more than a frame).  Everything here is bookkeeping over times passed in.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import numpy as np
 from pydblp.collective.config import MASK32, Config
 
 ALPHA0 = 1.0          # alpha before the first echo (Linux's DCTCP starts at 1: the first mark halves)
-CEILING_OVER = 1.25   # a paced destination is unpaced again once its rate passes this x the fastest send
-BUCKET_S = 0.002      # s of a paced destination's rate its token bucket holds
-BUCKET_FRAMES = 8     # ... and at least this many frames
+CEILING_OVER = 1.25   # a paced destination's rate stays below this x the fastest send (``top``) ...
+UNPACE_AFTER = 32     # ... and it is unpaced again after this many clean echoes in a row there
+BUCKET_S = 0.00025    # s of a paced destination's rate its token bucket holds (31 KB at 1 Gbit/s)
+BUCKET_FRAMES = 16    # ... and at least this many frames
+WAIT_FRAMES = 8       # a sender held back waits until this many frames are covered
 BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by this share of the gap
 
 
@@ -61,7 +68,9 @@ class RateControl:
         self.alpha = np.full(world, ALPHA0)
         self.tokens = np.zeros(world)         # bytes
         self.t_tok = np.zeros(world)
-        self.last: list[tuple[int, int] | None] = [None] * world  # the latest echo's (received, marked)
+        self.last = [(0, 0)] * world         # the latest echo's (received, marked): both ends start at 0
+        self.heard = [False] * world          # an echo came from it
+        self.clean = [0] * world              # clean echoes in a row at the cap
         self.base = np.full(world, np.inf)    # least STOP delay seen (s)
         self.counters = dict.fromkeys(("echoes", "marked_echoes", "marks", "cuts", "unpaced"), 0)
 
@@ -73,7 +82,13 @@ class RateControl:
         """A STOP from ``dst``: its cumulative counts of this rank's DATA packets (``received``,
         ``marked`` CE), when it came, the rate (bits/s) the message it ends went out at (None:
         unknown), and its delay (s from the message's last send; None: not measured)."""
-        prev, self.last[dst] = self.last[dst], (received & MASK32, marked & MASK32)
+        prev = self.last[dst]
+        got = (received - prev[0]) & MASK32
+        if got >= 1 << 31 and self.heard[dst]:
+            return  # an older STOP overtaken by a newer one: nothing new, and not the latest counts
+        self.last[dst], self.heard[dst] = (received & MASK32, marked & MASK32), True
+        if got >= 1 << 31:
+            return  # the first echo, from a receiver whose counts began before this rank: a baseline
         if sent_rate:
             self.top = max(self.top, sent_rate)
         late = False
@@ -81,10 +96,7 @@ class RateControl:
             base = self.base[dst]
             late = delay - base > self.delay
             self.base[dst] = delay if delay < base else base + (delay - base) * BASE_DRIFT
-        if prev is None:
-            return
-        got = (received - prev[0]) & MASK32
-        if got == 0 or got >= 1 << 31:  # nothing new, or an older STOP overtaken by a newer one
+        if got == 0:  # nothing new
             if late:
                 self._update(dst, 1.0, now, sent_rate)
             return
@@ -105,11 +117,18 @@ class RateControl:
             self.peak[dst] = self.rate[dst]
             self.rate[dst] = max(self.min_rate, self.rate[dst] * (1 - self.alpha[dst] / 2))
             self.counters["cuts"] += 1
+            self.rate[dst] = min(self.rate[dst] + self.increase, self._cap())  # (DCTCP: the window
+            self.clean[dst] = 0                                                  # grows anyway)
         elif self.rate[dst]:
-            self.rate[dst] += max(self.increase, (self.peak[dst] - self.rate[dst]) / 2)
-            if self.rate[dst] > CEILING_OVER * self.top:
+            self.rate[dst] = min(self.rate[dst] + max(self.increase, (self.peak[dst] - self.rate[dst]) / 2),
+                                 self._cap())
+            self.clean[dst] = self.clean[dst] + 1 if self.rate[dst] >= self._cap() else 0
+            if self.clean[dst] >= UNPACE_AFTER:
                 self.rate[dst] = 0.0
                 self.counters["unpaced"] += 1
+
+    def _cap(self) -> float:
+        return max(CEILING_OVER * self.top, self.min_rate)
 
     def _bucket(self, dst: int) -> float:
         return max(BUCKET_FRAMES * self.frame, self.rate[dst] / 8 * BUCKET_S)
@@ -129,11 +148,12 @@ class RateControl:
             self.tokens[dst] -= frames * self.frame
 
     def wait(self, dst: int) -> float:
-        """Seconds (from the last :meth:`allowed`) until ``dst`` may be sent a frame."""
+        """Seconds (from the last :meth:`allowed`) until ``dst`` may be sent ``WAIT_FRAMES`` frames."""
         rate = self.rate[dst]
         if not rate:
             return 0.0
-        return max(0.0, (self.frame - self.tokens[dst]) * 8 / rate)
+        want = min(WAIT_FRAMES * self.frame, self._bucket(dst))
+        return max(0.0, (want - self.tokens[dst]) * 8 / rate)
 
     def state(self) -> dict:
         """Per destination rank: ``rate`` (bits/s; 0 not paced) and ``alpha``; and the counters."""

@@ -740,16 +740,15 @@ class Protocol:
                 echo = STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:]
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
-            if echo is not None:  # (the counts are cumulative: any STOP's are news)
-                self.cc.echo(src, *echo, now, None)
+            if echo is not None:  # (the counts are cumulative: any STOP's are news; a message the
+                # owner's all-gather ended, as a parameter server's, gets its STOP only now)
+                self.cc.echo(src, *echo, now, self._sent_rate(o, now) if o is not None else None)
             self.counters["stray"] += 1
             return
         if kind == STOP:
             if echo is not None:
-                span = now - o.t_first if o.t_first is not None else 0.0
-                rate = o.sent * self.frame * 8 / span if span > 0 else None
                 delay = now - o.t_sent_all if o.t_sent_all is not None and o.timeouts == 0 else None
-                self.cc.echo(src, *echo, now, rate, delay)
+                self.cc.echo(src, *echo, now, self._sent_rate(o, now), delay)
             self._out_done(o, now)
         elif kind == BITMAP:
             if current:
@@ -757,6 +756,11 @@ class Protocol:
             if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
                         self.probe_timeout):
                 self._out_done(o, now)
+
+    def _sent_rate(self, o: OutMessage, now: float) -> float | None:
+        """Bits/s message ``o`` went out at: its bytes sent over the time from its first send to now."""
+        span = now - o.t_first if o.t_first is not None else 0.0
+        return o.sent * self.frame * 8 / span if span > 0 else None
 
     def _forgotten(self, st: Round | None, rnd: int) -> bool:
         """Round ``rnd`` is one this rank finished before the last one (whose record ``_prev``
