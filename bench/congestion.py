@@ -312,9 +312,9 @@ def tcp_ecn(tb: Testbed, workers, on: bool) -> None:
 
 
 def tcp_flow(procs: Procs, tb: Testbed, args, tag: str, src: int, dst: int, start: float,
-             until: float) -> tuple[str, str]:
+             until: float, port: int = TCP_PORT) -> tuple[str, str]:
     sink, source = f"{tag}-sink", f"{tag}-source"
-    common = ["--port", str(TCP_PORT), "--start", repr(start), "--until", repr(until)]
+    common = ["--port", str(port), "--start", repr(start), "--until", repr(until)]
     procs.start(sink, dst, ["tcp-sink", "--addr", tb.addr(dst), *common])
     procs.collect([sink], "ready", time.monotonic() + 30)
     procs.start(source, src, ["tcp-source", "--dst", tb.addr(dst), "--cc", args.tcp_cc, *common])
@@ -371,6 +371,25 @@ def run_tcp_alone(procs: Procs, tb: Testbed, args) -> dict:
     port = port_totals(smp, start, until)
     return {"tcp_mbps": float(tcp.sum() * 8 / args.alone / 1e6), "tcp_per_s": (tcp * 8 / 1e6).tolist(),
             "source": src, "port": port}
+
+
+def run_tcp_peer(procs: Procs, tb: Testbed, args) -> dict:
+    """The peer: the same TCP flow (w2 -> w0) beside a second TCP flow (w1 -> w0, where pydblp's
+    sender sits) on the same bottleneck, for --seconds: what TCP keeps against itself here."""
+    set_queue(tb, args)
+    start = time.monotonic() + 1.5
+    until = start + args.seconds
+    with Sampler(tb, "w0", args.sample) as smp:
+        flows = [tcp_flow(procs, tb, args, f"peer{src}", src, 0, start, until, TCP_PORT + k)
+                 for k, src in enumerate((2, 1))]
+        got = [procs.collect([sink], "sink", until + 15)[sink] for sink, _ in flows]
+        for _, source in flows:
+            procs.collect([source], "source", until + 15)
+    procs.stop([n for f in flows for n in f])
+    edges = start + np.arange(0, args.seconds + 1e-9, 1.0)
+    mbps = [float(sink_series(s, start, edges).sum() * 8 / args.seconds / 1e6) for s in got]
+    return {"tcp_mbps": mbps[0], "other_tcp_mbps": mbps[1], "tcp_share_link": mbps[0] / args.queue_rate,
+            "port": port_totals(smp, start, until)}
 
 
 def run_tcp(procs: Procs, tb: Testbed, args, cc: str, transport: str) -> dict:
@@ -584,6 +603,11 @@ def print_tcp(res: dict, args) -> None:
         v = res["ecn"]["tcp_share_link"]
         print(f"acceptance (issue 47): TCP keeps >= 40 % of the link with cc=ecn: {v:.1%} "
               f"{'met' if v >= 0.4 else 'MISSED'}")
+        peer = res.get("tcp_peer")
+        if peer and "error" not in peer:
+            print(f"the peer, the same TCP flow beside a second TCP flow: {peer['tcp_share_link']:.1%} of the link "
+                  f"(the other flow {peer['other_tcp_mbps']:.0f} Mbit/s); beside pydblp cc=ecn it keeps "
+                  f"{v / max(peer['tcp_share_link'], 1e-9):.2f}x that")
 
 
 def print_jobs(res: dict, args) -> None:
@@ -748,6 +772,10 @@ def main(argv=None) -> int:
                             res["tcp_alone"] = attempt("tcp alone", lambda: run_tcp_alone(procs, tb, args))
                             if "error" not in res["tcp_alone"]:
                                 print(f"  tcp alone: {res['tcp_alone']['tcp_mbps']:.0f} Mbit/s", flush=True)
+                        r = res["tcp_peer"] = attempt("tcp beside tcp", lambda: run_tcp_peer(procs, tb, args))
+                        if "error" not in r:
+                            print(f"  tcp beside a second TCP flow: {r['tcp_mbps']:.0f} Mbit/s ({r['tcp_share_link']:.1%} "
+                                  f"of the link), the other {r['other_tcp_mbps']:.0f} Mbit/s", flush=True)
                         for cc in args.ccs:
                             r = res[cc] = attempt(f"tcp cc={cc}", lambda: run_tcp(procs, tb, args, cc, args.transport))
                             if "error" not in r:
