@@ -10,8 +10,11 @@ and modulo 2**32 (as AccECN does: a lost echo loses no marks), in every STOP.
 Per destination, at each echo (one a message: a round at the latest) with new packets (the
 first echo counts from 0: both ends' counters start there):
 
-- ``F`` = marked / received since the last echo; ``alpha <- (1 - g) alpha + g F`` (``g``:
-  ``Config.cc_gain``; alpha starts at 1, as Linux's DCTCP does, so the first mark halves).
+- ``F`` = marked / received since the last echo, plus, when anything was marked, the share
+  of the packets sent to it since the last echo that did not arrive (loss beside marks is the
+  same queue overflowing: congestion; loss without a mark is left to the bound and the repair);
+  ``alpha <- (1 - g) alpha + g F`` (``g``: ``Config.cc_gain``; alpha starts at 1, as Linux's
+  DCTCP does, so the first mark halves).
 - A paced destination's rate grows at every echo, as DCTCP's window grows every round trip:
   by ``Config.cc_increase``, and on a clean echo back toward ``peak`` by half the gap if
   that is more (BIC's binary search: a round is one echo, so recovery must not take one
@@ -71,6 +74,8 @@ class RateControl:
         self.last = [(0, 0)] * world         # the latest echo's (received, marked): both ends start at 0
         self.heard = [False] * world          # an echo came from it
         self.clean = [0] * world              # clean echoes in a row at the cap
+        self.sent = [0] * world               # DATA frames sent to it (sent) ...
+        self.sent_echoed = [0] * world        # ... and as of its latest echo
         self.base = np.full(world, np.inf)    # least STOP delay seen (s)
         self.counters = dict.fromkeys(("echoes", "marked_echoes", "marks", "cuts", "unpaced"), 0)
 
@@ -101,9 +106,13 @@ class RateControl:
                 self._update(dst, 1.0, now, sent_rate)
             return
         ce = min((marked - prev[1]) & MASK32, got)
+        sent, self.sent_echoed[dst] = self.sent[dst] - self.sent_echoed[dst], self.sent[dst]
+        f = ce / got
+        if ce and sent > got:  # marked, and lost some: the same queue overflowing
+            f = min(1.0, f + (sent - got) / sent)
         self.counters["echoes"] += 1
         self.counters["marks"] += ce
-        self._update(dst, 1.0 if late else ce / got, now, sent_rate)
+        self._update(dst, 1.0 if late else f, now, sent_rate)
 
     def _update(self, dst: int, f: float, now: float, sent_rate: float | None) -> None:
         self.alpha[dst] = (1 - self.g) * self.alpha[dst] + self.g * f
@@ -143,7 +152,8 @@ class RateControl:
         return int(tokens // self.frame)
 
     def spend(self, dst: int, frames: int) -> None:
-        """``frames`` went to ``dst``."""
+        """``frames`` DATA packets went to ``dst``."""
+        self.sent[dst] += frames
         if self.rate[dst]:
             self.tokens[dst] -= frames * self.frame
 

@@ -82,7 +82,6 @@ class Matcher:
         self._addrs = None  # (round, reduced yet, its arrays' addresses): see _absorb_native
         self.C = chunk_bytes // 4
         self.counters = counters
-        self.rx_from = [0] * world  # per sender: DATA packets of its messages received (duplicates too)
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
         m = np.zeros(1, wire.HEADER_DTYPE)  # the header bits every DATA packet for this rank shares
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
@@ -440,5 +439,4 @@ class Matcher:
     def _credit(self, st: Round, inn: InMessage, tol8: int, got: int, count: int, hi: int, now: float) -> None:
         """:meth:`_arrived` with the bound of the first packet from ``inn``'s sender, ``tol8``."""
         st.heard[inn.src] = now
-        self.rx_from[inn.src] += got
         self.counters["duplicate"] += inn.arrived(got, count, hi, now, tol8)

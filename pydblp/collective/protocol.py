@@ -116,8 +116,10 @@ class Protocol:
                                                   # neighbour round's, Round.began; empty after other kinds)
         self.frame = c.chunk_bytes + wire.DATAGRAM_OVERHEAD  # bytes a DATA packet takes on the wire (at most)
         self.cc = RateControl(world, c, self.frame) if c.cc == "ecn" else None  # per destination's rate
-        self.ce_from = [0] * world                # per sender: its DATA packets that arrived CE-marked (echoed
-                                                  # in STOPs with Matcher.rx_from, both cumulative)
+        self.rx_from = np.zeros(world + 1, np.int64)  # per sender: packets received from it (late ones too;
+                                                  # [world]: no rank's), and ...
+        self.ce_from = [0] * world                # ... its DATA packets that arrived CE-marked: both echoed in
+                                                  # STOPs, cumulative
         if self.cc is not None:
             transport.set_ect(True)
             if not transport.ect:
@@ -438,7 +440,7 @@ class Protocol:
         """
         b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
         if b.n:
-            if b.ecn is not None and self.cc is not None:
+            if self.cc is not None:
                 self._count_marks(b)
             try:
                 self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], self.clock())
@@ -448,7 +450,12 @@ class Protocol:
         return b.n
 
     def _count_marks(self, b: Batch) -> None:
-        """Count the DATA packets of ``b`` that arrived CE-marked, per sender (echoed in STOPs)."""
+        """Count ``b``'s packets per sender, and those that arrived CE-marked (echoed in STOPs).
+        Every packet counts, those the round takes and those it drops as late or duplicate alike:
+        the sender compares the count with what it sent, and what is missing was lost."""
+        self.rx_from += np.bincount(np.minimum(b.headers["src"][: b.n], self.world), minlength=self.world + 1)
+        if b.ecn is None:
+            return
         ce = b.ecn[: b.n] == CE
         if not ce.any():
             return
@@ -552,11 +559,12 @@ class Protocol:
             total = min(total, max(len(active), int(TXQ_LIMIT / self.pkt_s)))
         share = max(1, total // len(active))
         parts = []
-        cc = self.cc if self.cc is not None and self.cc.rate.any() else None
+        cc = self.cc
+        paced = cc is not None and cc.rate.any()
         held, wait = set(), None  # messages the rate control holds back now, and how long for
         for o in active:
             budget = share
-            if cc is not None:
+            if paced:
                 allowed = self._allowed(cc, o.dst, now)
                 if allowed <= 0:
                     held.add(id(o))
@@ -696,7 +704,7 @@ class Protocol:
         if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units, and the
             # echo: DATA packets received from dst and how many of them came CE-marked, both cumulative
             payload = STOP_PAYLOAD.pack(min(0xFFFF, round(self.estimate * 1e4)),
-                                        self.matcher.rx_from[dst] & MASK32, self.ce_from[dst] & MASK32)
+                                        int(self.rx_from[dst]) & MASK32, self.ce_from[dst] & MASK32)
         self.ctrl.append(Control(st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
 
     def flush_ctrl(self) -> None:
