@@ -38,6 +38,17 @@ def test_marks_pace_the_destination_and_cut_by_half_the_marked_fraction():
     assert rc.rate[1] == pytest.approx(725e6 * (1 - 0.01 / 2) + 50e6)
 
 
+def test_loss_counts_only_beside_marks():
+    rc = ctl()
+    rc.spend(0, 1000)
+    rc.echo(0, 800, 0, 0.1, 500e6)  # 20 % lost, nothing marked: random or burst loss, left to the bound
+    assert not rc.paced(0) and rc.counters["cuts"] == 0
+    rc.spend(0, 1000)
+    rc.echo(0, 1600, 80, 0.2, 500e6)  # 10 % of what came marked and 20 % lost: the queue overflowing
+    assert rc.paced(0) and rc.alpha[0] == pytest.approx(0.1 + 0.2)
+    assert rc.rate[0] == pytest.approx(500e6 * (1 - 0.3 / 2) + 50e6)
+
+
 def test_the_running_fraction_weighs_echoes_by_gain():
     rc = ctl(cc_gain=0.25)
     rc.echo(0, 0, 0, 0.0, None)
