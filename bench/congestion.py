@@ -32,6 +32,12 @@ setting, measured in the same run on the same testbed.
             and marks per round, round p50/p99 (last rank in -> last rank out) and the rounds'
             total time.  Acceptance: drops down >= 5x with cc=ecn at the same or shorter time.
 
+``sim-incast`` the incast in the simulator (``pydblp.sim``, virtual time, deterministic for a
+            seed; no root): the same N senders, the port to rank 0 with ``--buffer`` KiB
+            marking past ``--mark`` KiB, 1 Gbit/s links.  Reported: tail drops, marks, round
+            p50/p99 and the rounds' virtual time.  (The simulated port serves senders in the
+            order they hand packets in: the first sender of a round is never marked.)
+
 Rounds run under ``Config(phase="static:--tol", estimator="unbiased")`` (tolerance 5 %, as
 ``allreduce.py``); the AF_XDP ranks pace their transmit at the worker NIC's TBF rate (1 Gbit/s),
 the UDP ones go through it.  Worker processes: ``bench/_congestion_worker.py`` (one per rank, TCP
@@ -52,6 +58,7 @@ Examples:
     .venv/bin/python bench/congestion.py --scenario tcp,jobs --seconds 30 --json tcp.json
     .venv/bin/python bench/congestion.py --scenario incast --senders 3,7 --rounds 30
     .venv/bin/python bench/congestion.py --scenario tcp --tcp-ecn --cc ecn   # TCP with ECN too
+    .venv/bin/python bench/congestion.py --scenario sim-incast --rounds 10  # the simulator, no root
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ from pydblp.testbed.fabric import DROP_CAUSES  # noqa: E402
 
 MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_congestion_worker.py"
-SCENARIOS = ("tcp", "jobs", "incast")
+SCENARIOS = ("tcp", "jobs", "incast", "sim-incast")
 CCS = ("off", "ecn")
 TCP_PORT = 5201
 PORT = wire.DEFAULT_PORT
@@ -553,6 +560,43 @@ def run_incast(procs: Procs, tb: Testbed, args, cc: str, senders: int, transport
 
 # ---- output ----------------------------------------------------------------------
 
+def run_sim_incast(args, cc: str, senders: int, seed: int = 1) -> dict:
+    """The incast in the simulator (see the module docstring)."""
+    from pydblp.collective import Config
+    from pydblp.sim import Link, Sim
+
+    knobs = dict(kv.split("=") for kv in args.cc_knobs.split(",") if kv)
+    sim = Sim(senders + 1, Config(job=1, mode="ps", cc=cc, phase=f"static:{args.tol:g}",
+                                  **{k: float(v) for k, v in knobs.items()}),
+              link=Link(f"{args.queue_rate:g}mbit", latency=20e-6, queue=args.buffer * 1024), seed=seed)
+    sim.network.mark(args.mark * 1024, port=0)
+    n = int(args.incast_size * MiB) // 4
+
+    def program(node):
+        x = np.full(n, node.rank + 1.0, np.float32)
+        for _ in range(args.rounds):
+            node.collective.allreduce(x)
+
+    nodes = sim.run(program)
+    lat = np.array([r.latency for r in nodes[0].records])
+    return {"tail_drops": sim.network.drops["tail"], "marks": sim.network.marks, "p50": pct(lat, 50),
+            "p99": pct(lat, 99), "virtual_s": sim.clock(), "rounds": len(lat),
+            "rates_mbps": [float(nd.collective.protocol.cc.rate[0] / 1e6) if nd.collective.protocol.cc else None
+                           for nd in nodes[1:]]}
+
+
+def print_sim_incast(res: dict, args) -> None:
+    print(f"\n## sim-incast: the simulator, parameter server and N senders, {args.incast_size:g} MiB allreduces, "
+          f"{args.rounds} rounds; port to rank 0 {args.queue_rate:g} Mbit/s, {args.buffer} KiB, mark {args.mark} KiB\n")
+    print("| N | cc | virtual s | round p50 ms | p99 ms | tail drops | marks | senders' rates at the end, Mbit/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, by in res.items():
+        for cc, r in by.items():
+            rates = ", ".join("-" if not v else f"{v:.0f}" for v in r["rates_mbps"])
+            print(f"| {n} | {cc} | {r['virtual_s']:.3f} | {ms(r['p50'])} | {ms(r['p99'])} | {r['tail_drops']} "
+                  f"| {r['marks']} | {rates} |")
+
+
 def print_tcp(res: dict, args) -> None:
     alone = res.get("tcp_alone")
     print(f"\n## tcp: pydblp (w1 -> w0, {args.size:g} MiB allreduces) and one TCP flow (w2 -> w0) sharing "
@@ -691,7 +735,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="\n\n".join(__doc__.split("\n\n")[-2:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="tcp,jobs,incast", help="comma-separated, of tcp, jobs, incast (default all)")
+    ap.add_argument("--scenario", default="tcp,jobs,incast", help="comma-separated, of tcp, jobs, incast, sim-incast (default tcp,jobs,incast)")
     ap.add_argument("--cc", default="off,ecn", help="Config.cc settings, each run in turn (default off,ecn)")
     ap.add_argument("--seconds", type=float, default=30.0, help="tcp and jobs: seconds of shared traffic (default 30)")
     ap.add_argument("--alone", type=float, default=5.0,
@@ -738,8 +782,8 @@ def main(argv=None) -> int:
         ap.error(f"--mark {args.mark}: use 1..--buffer ({args.buffer}) KiB")
     if args.seconds < args.window and "jobs" in scenarios:
         ap.error(f"--seconds {args.seconds:g} is shorter than one --window ({args.window:g} s)")
-    if os.geteuid() != 0:
-        print("bench/congestion.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
+    if os.geteuid() != 0 and scenarios != ["sim-incast"]:
+        print("bench/congestion.py needs root (namespaces, XDP, AF_XDP); sim-incast does not", file=sys.stderr)
         return 2
     t_begin = time.monotonic()
     print(f"bench/congestion.py: scenarios {scenarios}, cc {args.ccs}, transport {args.transport}, queue to w0 "
@@ -799,6 +843,13 @@ def main(argv=None) -> int:
                                       f"({r['wall_s']:.0f} s)", flush=True)
                 finally:
                     procs.stop()
+        if "sim-incast" in scenarios:
+            res = results["sim-incast"] = {}
+            for n in args.senders:
+                for cc in args.ccs:
+                    r = res.setdefault(str(n), {})[cc] = run_sim_incast(args, cc, n)
+                    print(f"  sim-incast N={n} cc={cc}: {r['virtual_s']:.3f} virtual s, tail drops {r['tail_drops']}, "
+                          f"marks {r['marks']}", flush=True)
         if "incast" in scenarios:
             res = results["incast"] = {"transport": args.transport}
             for n in args.senders:
@@ -824,6 +875,8 @@ def main(argv=None) -> int:
         print_jobs(results["jobs"], args)
     if "incast" in results:
         print_incast(results["incast"], args)
+    if "sim-incast" in results:
+        print_sim_incast(results["sim-incast"], args)
     wall = time.monotonic() - t_begin
     print(f"\ntotal {wall:.0f} s" + (f"; {len(failures)} failure(s)" if failures else ""))
     if args.json:

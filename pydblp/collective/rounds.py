@@ -65,8 +65,8 @@ class Round:
     heard: np.ndarray                # per rank, when it was last heard from
     hi: np.ndarray                   # [all-gather?, src]: 1 + the highest chunk seen
     foreign0: int                    # counters["foreign"] when it began
-    ce0: int                         # counters["ce_received"] when it began
     stats0: dict                     # the transport's stats when it began
+    ce0: int = 0                     # counters["ce_received"] when it began
     ins: dict = field(default_factory=dict)    # (ag, src) -> InMessage
     outs: dict = field(default_factory=dict)   # (ag, dst) -> OutMessage
     t_timers: float = 0.0            # when timeouts were last checked

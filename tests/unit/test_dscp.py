@@ -44,18 +44,25 @@ def test_prio_table_inverts_to_the_most_important_priority():
     assert dscp.prio_table({0: "EF"})[46] == 0  # control only: never shed
 
 
-@pytest.mark.parametrize("v6", [False, True])
-def test_frames_carry_the_tos_with_a_valid_ipv4_checksum(v6):
+def _frames(v6: bool, n: int):
+    """Templates for one peer and ``n`` DATA headers of priorities 0..7 in turn; a builder of
+    their frames with a given TOS byte each (None: none)."""
     tp = frames.Templates()
     src, dst = ("2001:db8::1", "2001:db8::2") if v6 else ("198.18.0.1", "198.18.0.2")
     tp.add(*frames.template("02:00:00:00:00:01", "02:00:00:00:00:02", src, dst, 47800, 47800))
-    n = 16
     h = np.zeros(n, wire.HEADER_DTYPE)
     h["magic"], h["version"], h["kind"], h["len"], h["nchunks"] = wire.MAGIC, 1, 1, 40, 1
     h["prio"] = np.arange(n) % 8
+    return h, lambda tos: frames.build_one(tp, frames.HDR6 if v6 else frames.HDR4, np.zeros(n, np.int64), h,
+                                           np.zeros((n, 40), np.uint8), np.full(n, 40), tos=tos)
+
+
+@pytest.mark.parametrize("v6", [False, True])
+def test_frames_carry_the_tos_with_a_valid_ipv4_checksum(v6):
+    n = 16
+    h, build = _frames(v6, n)
     tos = dscp.tos_table("default")[h["prio"]]
-    st, flen = frames.build_one(tp, frames.HDR6 if v6 else frames.HDR4, np.zeros(n, np.int64), h,
-                                np.zeros((n, 40), np.uint8), np.full(n, 40), tos=tos)
+    st, flen = build(tos)
     fam = 6 if v6 else 4
     assert (frames.dscp_of(st, fam) == tos >> 2).all()
     ok, off, _, _ = frames.parse(st, flen)
@@ -64,8 +71,7 @@ def test_frames_carry_the_tos_with_a_valid_ipv4_checksum(v6):
         words = st[:, 14:34].copy().view(">u2").astype(np.uint64).sum(axis=1)
         assert (frames.fold(words) == 0xFFFF).all()
     else:  # the UDP checksum does not cover the traffic class: still valid
-        plain, _ = frames.build_one(tp, frames.HDR6, np.zeros(n, np.int64), h, np.zeros((n, 40), np.uint8),
-                                    np.full(n, 40))
+        plain, _ = build(None)
         assert (plain[:, 16:] == st[:, 16:]).all() and (plain[:, 15] & 0x0F == st[:, 15] & 0x0F).all()
 
 
@@ -73,19 +79,13 @@ def test_frames_carry_the_tos_with_a_valid_ipv4_checksum(v6):
 def test_the_ecn_field_survives_the_tos_write_and_reads_back(v6):
     """ECT(0) from ``tos_table(ect=True)`` and every ECN codepoint beside a DSCP: written into the
     IPv4 TOS byte (header checksum still right) or the IPv6 traffic class, read back by ``ecn_of``."""
-    tp = frames.Templates()
-    src, dst = ("2001:db8::1", "2001:db8::2") if v6 else ("198.18.0.1", "198.18.0.2")
-    tp.add(*frames.template("02:00:00:00:00:01", "02:00:00:00:00:02", src, dst, 47800, 47800))
     n = 32
-    h = np.zeros(n, wire.HEADER_DTYPE)
-    h["magic"], h["version"], h["kind"], h["len"], h["nchunks"] = wire.MAGIC, 1, 1, 40, 1
-    h["prio"] = np.arange(n) % 8
+    h, build = _frames(v6, n)
     fam = 6 if v6 else 4
     table = dscp.tos_table("default", ect=True)
     assert (table & 3 == dscp.ECT0).all() and (dscp.tos_table("off", ect=True) == dscp.ECT0).all()
     for tos in (table[h["prio"]], (dscp.tos_table("default")[h["prio"]] | np.arange(n) % 4).astype(np.uint8)):
-        st, flen = frames.build_one(tp, frames.HDR6 if v6 else frames.HDR4, np.zeros(n, np.int64), h,
-                                    np.zeros((n, 40), np.uint8), np.full(n, 40), tos=tos)
+        st, flen = build(tos)
         assert (frames.ecn_of(st, fam) == tos & 3).all() and (frames.dscp_of(st, fam) == tos >> 2).all()
         assert (frames.ecn_of(st, np.full(n, fam)) == tos & 3).all() and frames.ecn_of(st, fam).dtype == np.uint8
         if not v6:
