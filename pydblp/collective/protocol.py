@@ -28,6 +28,7 @@ import numpy as np
 
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases
+from pydblp.dscp import CE
 from pydblp.collective.cc import RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
@@ -42,7 +43,6 @@ from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_T
 
 log = logging.getLogger(__name__)
 STOP_PAYLOAD = struct.Struct("!HII")  # a STOP's payload: probe timeout estimate (100 us), echo (received, CE)
-CE = 3                                # the ECN field of a packet a switch marked
 
 
 class Protocol:
@@ -117,9 +117,9 @@ class Protocol:
         self.frame = c.chunk_bytes + wire.DATAGRAM_OVERHEAD  # bytes a DATA packet takes on the wire (at most)
         self.cc = RateControl(world, c, self.frame) if c.cc == "ecn" else None  # per destination's rate
         self.rx_from = np.zeros(world + 1, np.int64)  # per sender: packets received from it (late ones too;
-                                                  # [world]: no rank's), and ...
-        self.ce_from = [0] * world                # ... its DATA packets that arrived CE-marked: both echoed in
-                                                  # STOPs, cumulative
+        self.ce_from = np.zeros(world + 1, np.int64)  # [world]: no rank's) and those that came CE-marked:
+                                                  # both echoed in STOPs, cumulative
+        self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
         if self.cc is not None:
             transport.set_ect(True)
             if not transport.ect:
@@ -453,17 +453,14 @@ class Protocol:
         """Count ``b``'s packets per sender, and those that arrived CE-marked (echoed in STOPs).
         Every packet counts, those the round takes and those it drops as late or duplicate alike:
         the sender compares the count with what it sent, and what is missing was lost."""
-        self.rx_from += np.bincount(np.minimum(b.headers["src"][: b.n], self.world), minlength=self.world + 1)
+        src = np.minimum(b.headers["src"][: b.n], self.world)
+        self.rx_from += np.bincount(src, minlength=self.world + 1)
         if b.ecn is None:
             return
         ce = b.ecn[: b.n] == CE
-        if not ce.any():
-            return
-        h = b.headers[: b.n][ce]
-        src = h["src"][(h["kind"] == DATA) & (h["job"] == self.cfg.job)].astype(np.int64)
-        for r, k in zip(*np.unique(src[src < self.world], return_counts=True)):
-            self.ce_from[r] += int(k)
-        self.counters["ce_received"] += len(src)
+        if ce.any():
+            self.ce_from += np.bincount(src[ce], minlength=self.world + 1)
+            self.counters["ce_received"] += int(np.count_nonzero(ce))
 
     def process(self, st: Round | None, h: np.ndarray, pay: np.ndarray, lens: np.ndarray, now: float) -> None:
         """Handle received packets (``st`` None: between rounds): data goes into the round
@@ -565,10 +562,11 @@ class Protocol:
         for o in active:
             budget = share
             if paced:
-                allowed = self._allowed(cc, o.dst, now)
+                dsts = self._others if o.dst == wire.DST_ALL else (o.dst,)
+                allowed = min(cc.allowed(d, now) for d in dsts)
                 if allowed <= 0:
                     held.add(id(o))
-                    w = self._cc_wait(cc, o.dst)
+                    w = max(cc.wait(d) for d in dsts)
                     wait = w if wait is None else min(wait, w)
                     continue
                 budget = min(budget, allowed)
@@ -586,7 +584,9 @@ class Protocol:
                 if o.sent == o.n:
                     o.t_sent_all = now
             if cc is not None:
-                self._cc_spend(cc, o.dst, sum(len(p[1]) for p in parts[n0:]))
+                sent = sum(len(p[1]) for p in parts[n0:])
+                for d in (self._others if o.dst == wire.DST_ALL else (o.dst,)):
+                    cc.spend(d, sent)
             o.t_last = now
         if bc is not None:
             for o in bc.members:  # they went out with the group's copy
@@ -605,22 +605,6 @@ class Protocol:
         elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more
-
-    def _allowed(self, cc: RateControl, dst: int, now: float) -> int:
-        """Frames the rate control lets go to ``dst`` now (``DST_ALL``: to every other rank)."""
-        if dst != wire.DST_ALL:
-            return cc.allowed(dst, now)
-        return min(cc.allowed(d, now) for d in range(self.world) if d != self.rank)
-
-    def _cc_wait(self, cc: RateControl, dst: int) -> float:
-        if dst != wire.DST_ALL:
-            return cc.wait(dst)
-        return max(cc.wait(d) for d in range(self.world) if d != self.rank)
-
-    def _cc_spend(self, cc: RateControl, dst: int, frames: int) -> None:
-        for d in (range(self.world) if dst == wire.DST_ALL else (dst,)):
-            if d != self.rank:
-                cc.spend(d, frames)
 
     def _resend(self, o: OutMessage, budget: int, now: float) -> np.ndarray:
         idx = o.resend(budget, now)
@@ -702,9 +686,9 @@ class Protocol:
                      tol8: int, chunk: int = 0, payload: bytes = b"") -> None:
         """Queue a control packet about a message whose kind ``flag`` marks (AG, NB or 0)."""
         if kind == STOP:  # every STOP carries this rank's probe timeout estimate, in 100 us units, and the
-            # echo: DATA packets received from dst and how many of them came CE-marked, both cumulative
+            # echo: packets received from dst and how many of them came CE-marked, both cumulative
             payload = STOP_PAYLOAD.pack(min(0xFFFF, round(self.estimate * 1e4)),
-                                        int(self.rx_from[dst]) & MASK32, self.ce_from[dst] & MASK32)
+                                        int(self.rx_from[dst]) & MASK32, int(self.ce_from[dst]) & MASK32)
         self.ctrl.append(Control(st_round, tensor, kind, flag, dst, n, tol8, chunk, payload))
 
     def flush_ctrl(self) -> None:
