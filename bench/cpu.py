@@ -96,7 +96,7 @@ def rank_main(a) -> int:
         from pydblp.collective import Collective, Config
         from pydblp.transport.udp import UdpTransport
 
-        cfg = Config(job=9, phase="static:0.05", peer_timeout=30.0)
+        cfg = Config(job=9, phase="static:0.05", peer_timeout=30.0, cc=a.cc)
         if a.net == "lo":
             t = UdpTransport("lo", port=PORT0 + a.rank, spin=0.0)
             peers = [(ADDR, PORT0 + r) for r in range(a.world)]
@@ -155,7 +155,7 @@ class Ranks:
     def __init__(self, impl: str, where, world: int, store: Path, a):
         """``where(rank)``: the argv prefix that runs a rank in its namespace."""
         argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of", impl, "--world", str(world),
-                "--store", str(store), "--transport", a.transport, "--net", a.net]
+                "--store", str(store), "--transport", a.transport, "--net", a.net, "--cc", a.cc]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if a.net == "lo" else "eth0", "OMP_NUM_THREADS": "1"}
         self.impl = impl
         self.procs = [subprocess.Popen([*where(r), *argv, "--rank", str(r)], stdin=subprocess.PIPE,
@@ -212,6 +212,8 @@ def main() -> int:
     ap.add_argument("--gap", type=float, default=0.0,
                     help="ms each rank sleeps between rounds (its caller computing elsewhere; default 0: "
                          "back to back); CPU then includes what each stack spends meanwhile")
+    ap.add_argument("--cc", choices=["ecn", "off"], default="ecn",
+                    help="pydblp's Config.cc (default ecn: ECN-capable packets, marks counted and echoed)")
     ap.add_argument("--transport", choices=["udp", "xsk", "xsk-ktx"], default="udp",
                     help="pydblp's data plane (default udp; the AF_XDP kinds run on a testbed)")
     ap.add_argument("--net", choices=["lo", "testbed"],
