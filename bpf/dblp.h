@@ -37,7 +37,8 @@
 #define DBLP_FLAG_RETX      (1 << 0)
 #define DBLP_FLAG_ALLGATHER (1 << 1)
 #define DBLP_FLAG_TAG       (1 << 2)
-#define DBLP_FLAG_NEIGHBOUR (1 << 3)  /* a neighbour (gossip) round's message; bits 4-7 reserved */
+#define DBLP_FLAG_NEIGHBOUR (1 << 3)  /* a neighbour (gossip) round's message */
+#define DBLP_FLAG_FINAL     (1 << 4)  /* BITMAP: what an owner's estimate used; bits 5-7 reserved */
 
 /* Why a packet is malformed: the drop counters' index. */
 #define DBLP_REASON_OK      0

@@ -396,6 +396,8 @@ examples:
   dblp experiment --scenario paper --seeds 3      longer, more bursts, sharded optimizer, 3 seeds (~18 minutes)
   dblp experiment --scenario paper --consistency allgather --g-over step   the same, identical replicas
   dblp experiment --algo fsdp --scenario paper --consistency allgather   FSDP2 over a 'dblp' process group
+  dblp experiment --scenario paper --model lm --seeds 3   the same for a 1.16M-parameter language model
+  dblp experiment --scenario paper --arms dblp --relax none,ef,rotate,both   relaxed rounds, the ablation
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -469,8 +471,9 @@ def _add_experiment(sub):
                         "architecture, a sharded optimizer whose all-gather carries parameters; incast: "
                         "a parameter server behind a finite switch buffer, priority shedding vs drop-tail)")
     p.add_argument("--workers", type=int)
-    p.add_argument("--model", choices=["mlp", "digits", "text"],
-                   help="mlp (default: digits, 1.1M parameters), digits (CNN, 30k) or text (transformer)")
+    p.add_argument("--model", choices=["mlp", "digits", "text", "lm"],
+                   help="mlp (default: digits, 1.1M parameters), digits (CNN, 30k), text (transformer, 100k) or "
+                        "lm (the transformer widened to 1.16M: a language model, judged by perplexity)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seeds", type=int, help="run N seeds (--seed, --seed+1, ...): mean and spread (default 1)")
     p.add_argument("--arms",
@@ -532,7 +535,12 @@ def _add_experiment(sub):
     p.add_argument("--starve", metavar="RANK[:SHARE]",
                    help="cap that rank's CPU at SHARE of one core (default 0.3): a receiver that cannot keep up")
     p.add_argument("--target", type=float,
-                   help="accuracy or perplexity to reach (default: what Gloo reaches at 80 %% of its steps)")
+                   help="held-out loss (nats) to reach (default: Gloo's smoothed held-out loss at 80 %% of its "
+                        "steps)")
+    p.add_argument("--relax", metavar="WAYS",
+                   help="pydblp's relaxed rounds, one run each: none (default), ef (error feedback: what a round "
+                        "leaves out is sent again), rotate (random rotation: a lost chunk becomes noise), both; "
+                        "e.g. none,ef,rotate,both (the ablation)")
     p.add_argument("--seed", type=int)
     p.add_argument("--key-file", metavar="FILE",
                    help="job key for the pydblp runs: every packet tagged and verified (docs/authentication.md)")
@@ -600,6 +608,7 @@ def _experiment_options(args):
     queue = args.queue if args.queue is not None else base.queue_mbit
     queue_kb = args.queue_kb if args.queue_kb is not None else base.queue_kb
     cc = _choices(args.cc, "--cc", runner.CCS) if args.cc is not None else None
+    relax = _choices(args.relax, "--relax", runner.RELAX) if args.relax is not None else None
     mark_kb = args.mark_kb if args.mark_kb is not None else base.mark_kb
     if mark_kb is not None and not 0 < mark_kb <= queue_kb:
         raise UsageError(f"--mark-kb {mark_kb:g}: use a threshold within the queue's buffer, 0 < KB <= {queue_kb:g}")
@@ -620,7 +629,7 @@ def _experiment_options(args):
         raise UsageError(f"--algo fsdp shards the model itself: --consistency {eff['consistency']} does not apply "
                          f"(add --consistency allgather)")
     return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
-                          burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc,
+                          burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc, relax=relax,
                           queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 
@@ -642,7 +651,7 @@ def _cmd_experiment(args) -> int:
             raise UsageError(f"--key-file: {e}") from None
         os.environ["DBLP_KEY_FILE"] = os.path.abspath(args.key_file)
     # before a testbed comes up: the plots need matplotlib, the digits data set scikit-learn
-    require("the main job", "matplotlib", *(("sklearn",) if opt.model != "text" else ()))
+    require("the main job", "matplotlib", *(("sklearn",) if opt.model in ("mlp", "digits") else ()))
     try:
         rep = runner.run(opt)
     except RuntimeError as e:

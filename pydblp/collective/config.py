@@ -17,6 +17,7 @@ from pydblp.collective import estimators, phase as phases
 DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
+FINAL = int(wire.Flag.FINAL)
 NB = int(wire.Flag.NEIGHBOUR)
 RETX = int(wire.Flag.RETX)
 FEW = 8  # packets up to which a received batch is sorted one by one in Python
@@ -119,6 +120,14 @@ class Config:
                                      # bound): "stale" or "local"; or, past the all-gather's bound only,
                                      # "carry": zero on every rank, and the shard's owner adds the cut rows
                                      # to its next round's estimate (error feedback: applied late, not lost)
+    error_feedback: bool = False     # a sender adds the rows of its reduce-scatter contribution an owner's
+                                     # estimate left out (the owner says which: a FINAL BITMAP) to its next
+                                     # round's contribution to that tensor: loss within the bound becomes
+                                     # delay, not drop.  Needs estimator "zero" (with "unbiased" the others
+                                     # were already scaled up for it: counted twice).  docs/protocol.md
+    rotate: int = 0                  # rows per block of a random rotation of every reduce-scatter
+                                     # contribution (a power of two; 0: none): a lost chunk becomes small
+                                     # noise over its block (pydblp.collective.rotation)
     allgather: str = "unicast"       # "unicast" (a copy per rank) or "broadcast" (one copy to the
                                      # Collective's group address; the network replicates it)
     order: str = "shuffle"           # the rows' order in an allreduce's messages: "shuffle" (a permutation
@@ -199,6 +208,13 @@ class Config:
         if self.fill == "carry" and not (self.consistent and self.allgather_bound):
             raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
                              "and allgather_bound=True, or use fill 'stale' or 'local'")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback {self.error_feedback!r}: use True or False")
+        if self.error_feedback and self.estimator != "zero":
+            raise ValueError("error_feedback re-sends what an estimate left out, which 'unbiased' already made up for "
+                             "(counted twice): use estimator 'zero' with it")
+        if not (isinstance(self.rotate, int) and self.rotate >= 0 and not self.rotate & (self.rotate - 1)):
+            raise ValueError(f"rotate {self.rotate!r}: use rows per rotation block, a power of two (e.g. 16), or 0")
         if self.cc not in CCS:
             raise ValueError(f"cc {self.cc!r}: use {', '.join(CCS)}")
         if not 0 < self.cc_gain <= 1:

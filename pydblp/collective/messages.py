@@ -73,6 +73,8 @@ class OutMessage:
         self.probes = 0        # all probes sent
         self.timeouts = 0      # probes sent because the timeout passed
         self.retransmits = 0
+        self.used = None       # reduce-scatter, error feedback: the chunks the owner's estimate used
+                               # (its FINAL BITMAP); None: not heard
 
     def bitmap(self, first: int, bits: np.ndarray, now: float, wait: float = 0.0) -> bool:
         """Take in a BITMAP: ``bits`` (bool, bit i = chunk ``first + i`` arrived) at ``now``.

@@ -27,10 +27,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pydblp import wire
-from pydblp.collective import estimators, phase as phases
+from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import RateControl
-from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, LINGER,
+from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, FINAL, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
@@ -99,7 +99,7 @@ class Protocol:
         self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
-                                       "stray", "rx_errors", "ce_received"), 0)
+                                       "stray", "rx_errors", "ce_received", "fed_back"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
@@ -111,6 +111,8 @@ class Protocol:
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
+        self._residual: dict[int, np.ndarray] = {}  # tensor id -> (T, C) rows the last round's estimates left
+                                                  # out, in the tensor's order (Config.error_feedback)
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
         self._began: tuple[int, dict] = (0, {})   # (last round, {rank: when its message began arriving}: a
                                                   # neighbour round's, Round.began; empty after other kinds)
@@ -212,6 +214,8 @@ class Protocol:
         bounds = self._bounds(T, nsh)
         perm = self._order(rnd, tensor, T, bounds)
         x = self._take_input(tensor, T, perm, put, flat)
+        relax = self._relax(rnd, tensor, x, perm, bounds, flat) if not exact else {}
+        x = relax.pop("x", x)
         more = {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
@@ -226,7 +230,7 @@ class Protocol:
         fields = self._fields(rnd, tensor, x, exact)
         if perm is not None or out is not None:  # y is scratch: reorder() makes the caller's result
             fields["y"] = self._scratch("y", tensor, (T, self.C))
-        st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, out=out, **more)
+        st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, out=out, **relax, **more)
         if my is not None:
             a, b = bounds[my]
             st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk
@@ -267,6 +271,52 @@ class Protocol:
         if perm is not None:
             np.take(into, perm, axis=0, out=x, mode="clip")
         return x
+
+    def _relax(self, rnd: int, tensor: int, x: np.ndarray, perm: np.ndarray | None, bounds: list,
+               flat: np.ndarray | None) -> dict:
+        """A reduce round's relaxations of its input ``x`` (the round's row order): add the rows the
+        tensor's last rounds left out (``Config.error_feedback``), then rotate each shard
+        (``Config.rotate``).  Returns the round's fields for them (with ``x``, now scratch, when it
+        changed): ``signs``, the rotation's, and ``feedback``."""
+        cfg = self.cfg
+        if not (cfg.error_feedback or cfg.rotate):
+            return {}
+        if flat is not None and np.shares_memory(x, flat):  # (the caller's own array: never written)
+            given, x = x, self._scratch("x", tensor, x.shape)
+            np.copyto(x, given)
+        out = {"x": x}
+        if cfg.error_feedback:
+            e = self._residual.get(tensor)
+            if e is not None and e.shape == x.shape:
+                x += e if perm is None else e[perm]
+            out["feedback"] = True
+        if cfg.rotate:
+            s = out["signs"] = rotation.signs(rnd, tensor, len(x))
+            for a, b in bounds:
+                rotation.rotate(x, a, b, cfg.rotate, s)
+        return out
+
+    def _feed_back(self, st: ReduceScatterRound) -> None:
+        """Error feedback as round ``st`` ends: keep, in the tensor's order, the rows of this rank's
+        contributions the owners' FINAL BITMAPs say their estimates left out (rotated back); a
+        message whose FINAL BITMAP never came counts as used whole (nothing is counted twice)."""
+        T, C = st.x.shape
+        e = self._residual.get(st.tensor)
+        if e is None or e.shape != (T, C):
+            e = self._residual[st.tensor] = np.zeros((T, C), np.float32)
+        else:
+            e.fill(0)
+        for (ag, k), o in st.outs.items():
+            if ag or o.used is None or o.used.all():
+                continue
+            a, b = st.bounds[k]
+            left = np.zeros((b - a, C), np.float32)
+            lost = ~o.used
+            left[lost] = st.x[a:b][lost]
+            if st.signs is not None:
+                rotation.rotate(left, 0, b - a, self.cfg.rotate, st.signs[a:b], inverse=True)
+            e[slice(a, b) if st.perm is None else st.perm[a:b]] = left
+            self.counters["fed_back"] += int(np.count_nonzero(lost))
 
     def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], exact: bool = False) -> GatherRound:
@@ -484,7 +534,13 @@ class Protocol:
         """Owner: estimate the shard's mean and, in a round with an all-gather, turn it into what
         that sends (:meth:`ReduceScatterRound.estimated`) and start it."""
         a, b = st.bounds[st.my_shard]
+        if st.feedback:  # (before the estimate: it zeroes what did not arrive) what the estimate uses
+            for src in range(self.world):
+                if src != self.rank:
+                    self._final(st, src)
         st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
+        if st.signs is not None:
+            rotation.rotate(st.y, a, b, self.cfg.rotate, st.signs, inverse=True)
         st.reduced = True
         if st.gather:
             st.estimated(a, b)
@@ -730,6 +786,16 @@ class Protocol:
             self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
             if len(payload) >= STOP_PAYLOAD.size and self.cc is not None:
                 echo = STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:]
+        if kind == BITMAP and f[F_FLAGS] & FINAL:  # what an owner's estimate used of my contribution
+            o = st.outs.get((False, src)) if current and not flag else None
+            if o is None:  # (the round is over: its feedback was taken as used whole)
+                self.counters["stray"] += 1
+                return
+            bits = np.unpackbits(payload, bitorder="little").astype(bool)[: max(0, o.n - f[F_CHUNK])]
+            if o.used is None:
+                o.used = np.ones(o.n, bool)
+            o.used[f[F_CHUNK]: f[F_CHUNK] + len(bits)] = bits
+            return
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
             if echo is not None:  # (the counts are cumulative: any STOP's are news; a message the
@@ -768,6 +834,17 @@ class Protocol:
         for off in range(0, len(bits), step):
             self._ctrl_packet(rnd, tensor, BITMAP, inn.flag, inn.src, inn.n, inn.tol8,
                               chunk=off * 8, payload=bits[off: off + step])
+
+    def _final(self, st: ReduceScatterRound, src: int) -> None:
+        """Owner, error feedback: tell ``src`` which of its chunks the estimate uses (BITMAP, flag
+        FINAL; twice, as a lost copy costs the sender the round's feedback)."""
+        bits = np.packbits(st.rmask[src], bitorder="little").tobytes()
+        n = len(st.rmask[src])
+        step = self.cfg.chunk_bytes
+        for _ in range(2):
+            for off in range(0, len(bits), step):
+                self._ctrl_packet(st.round, st.tensor, BITMAP, FINAL, src, n, st.tol8, chunk=off * 8,
+                                  payload=bits[off: off + step])
 
     def _out_done(self, o: OutMessage, now: float) -> None:
         o.done = True
@@ -895,6 +972,8 @@ class Protocol:
         """End round ``st``: make its result whole (:meth:`Round.conclude`: the fill of missing rows,
         or a neighbour round's mean), keep what late probes and trailing messages need, record it
         (:attr:`records`, ``Config.on_record``)."""
+        if getattr(st, "feedback", False):
+            self._feed_back(st)
         st.conclude(self.fill)
         self._prev = (st.round, st.ins)
         self._began = (st.round, st.began())

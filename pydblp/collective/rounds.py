@@ -170,6 +170,10 @@ class ReduceScatterRound(ShardRound, Inbox):
                                      # tensor's own order); finish puts y back in the tensor's order
     out: np.ndarray | None = None    # the caller's result array, flat (``allreduce(out=)``), or None; y is
                                      # then scratch, and finish writes the result there (Protocol.finish)
+    signs: np.ndarray | None = None  # Config.rotate: the round's sign per row (x is rotated; the owner
+                                     # rotates its estimate back), else None
+    feedback: bool = False           # Config.error_feedback: owners send FINAL BITMAPs; finish keeps what
+                                     # their estimates left out
 
     def tensor_rows(self, first: int, n: int) -> int | np.ndarray:
         return first if self.perm is None else self.perm[first: first + n]

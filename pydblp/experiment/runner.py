@@ -27,12 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from pydblp import wire
+from pydblp.experiment import stats
 
 ARMS = ("gloo", "static", "dblp")  # Arm.method: Gloo, static tolerance, DBLP (the worker's --arm)
 LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
 CCS = ("ecn", "off")  # pydblp Config.cc of the pydblp runs
+RELAX = ("none", "ef", "rotate", "both")  # the pydblp runs' relaxed rounds (the worker's --relax)
 log = logging.getLogger(__name__)
 CLOSE_S = 30.0  # s the ranks have to exit once the result is in
 TARGET_AT = 0.8  # the default target: what lossless Gloo reaches at this fraction of its steps
@@ -73,7 +75,9 @@ class Options:
                                     # ParameterBroadcaster every N steps)
     priority: tuple = ("magnitude",)  # pydblp runs: one per Config.priority given ...
     drop_policy: tuple = ("priority",)  # ... times one per queue drop policy given ...
-    cc: tuple = ("ecn",)            # ... times one per Config.cc given (congestion control)
+    cc: tuple = ("ecn",)            # ... times one per Config.cc given (congestion control) ...
+    relax: tuple = ("none",)        # ... times one per relaxation given: none, ef (error feedback),
+                                    # rotate (random rotation) or both (the worker's --relax)
     queue_mbit: float | None = None  # a virtual queue (finite buffer) on queue_ports draining at this
                                     # rate; None: none (drops come only from the loss models)
     queue_kb: float = 128.0         # its buffer, KiB: beyond it every frame is dropped (tail)
@@ -81,9 +85,9 @@ class Options:
                                     # CE (pydblp's with Config.cc "ecn"); None: no marking
     queue_ports: tuple | str | None = None  # None: where the traffic converges (rank 0 in ps mode, else all)
     starve: tuple | None = None     # (rank, share): cap that rank's CPU at share of one core
-    target: float | None = None     # accuracy (digits, mlp) or perplexity (text); None: from the Gloo run
+    target: float | None = None     # held-out loss (nats) to reach; None: Gloo's smoothed loss at TARGET_AT
     out_dir: str = "dblp-experiment"
-    batch: int = 32
+    batch: int | None = None        # samples per rank and step; None: the model's (32; lm 8)
     eval_every: int = 25
     grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
                                     # mean (a Gloo allreduce, left out of the timings) every N steps
@@ -121,7 +125,7 @@ class Options:
 # within each message's budget and as a plain drop-tail queue.  docs/experiment.md has figures.
 SCENARIOS = {
     "demo": {},
-    "paper": {"steps": 300, "bursts": 30, "eval_every": 20, "consistency": "sharded", "g_over": "window"},
+    "paper": {"steps": 300, "bursts": 30, "eval_every": 10, "consistency": "sharded", "g_over": "window"},
     "incast": {"mode": "ps", "loss": 0.0, "bursts": 0, "queue_mbit": 2000.0, "queue_kb": 128.0,
                "arms": ("gloo", "dblp"), "drop_policy": DROP_POLICIES},
 }
@@ -153,6 +157,7 @@ class Arm:
     priority: str = "magnitude"
     drop_policy: str = "priority"
     cc: str = "ecn"
+    relax: str = "none"
 
 
 def arms(opt: Options) -> list[Arm]:
@@ -167,8 +172,10 @@ def arms(opt: Options) -> list[Arm]:
         for pr in opt.priority:
             for pol in opt.drop_policy:
                 for cc in opt.cc:
-                    name = f"{m}/{pr}/{pol}" if many else m
-                    out.append(Arm(f"{name}/cc-{cc}" if len(opt.cc) > 1 else name, m, pr, pol, cc))
+                    for rx in opt.relax:
+                        name = f"{m}/{pr}/{pol}" if many else m
+                        name = f"{name}/cc-{cc}" if len(opt.cc) > 1 else name
+                        out.append(Arm(f"{name}/{rx}" if len(opt.relax) > 1 else name, m, pr, pol, cc, rx))
     return out
 
 
@@ -244,7 +251,8 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
                       "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator,
                       "--order", opt.order, "--consistency", opt.consistency,
-                      "--batch", str(opt.batch), "--rate", str(tb.rate_bps), "--mode", opt.mode,
+                      *(("--batch", str(opt.batch)) if opt.batch else ()), "--relax", arm.relax,
+                      "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
                       "--priority", arm.priority, "--cc", arm.cc, "--grad-error-every", str(opt.grad_error_every),
                       "--eval-at", str(target_step(opt)),
@@ -342,10 +350,17 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
     return run
 
 
+def loss_curve(run: Run) -> tuple[list, list, np.ndarray]:
+    """The run's held-out loss curve: (training seconds, steps done, loss smoothed) per evaluation."""
+    ev = [e for e in run.evals if "loss" in e]
+    return [e["t"] for e in ev], [e["step"] + 1 for e in ev], stats.smooth([e["loss"] for e in ev])
+
+
 def gloo_target(run: Run, opt: Options) -> float | None:
-    """The metric the (lossless: TCP repairs everything) Gloo run had after :func:`target_step` steps."""
-    at = target_step(opt)
-    return next((e["eval"] for e in run.evals if e["step"] + 1 >= at), None)
+    """The smoothed held-out loss the (lossless: TCP repairs everything) Gloo run had after
+    :func:`target_step` steps (interpolated between evaluations)."""
+    _, steps, loss = loss_curve(run)
+    return stats.value_at(steps, loss, target_step(opt))
 
 
 def summarize(run: Run, opt: Options, target: float | None) -> dict:
@@ -356,8 +371,8 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     for start, dur, _ in run.bursts:
         in_burst |= (t0 < start + dur) & (t0 + sync > start)
     metric = run.evals[-1]["metric"] if run.evals else None
-    better = (lambda v: v >= target) if metric == "accuracy" else (lambda v: v <= target)
-    reached = next((e["t"] for e in run.evals if target is not None and better(e["eval"])), None)
+    ts, _, loss = loss_curve(run)
+    reached = stats.first_crossing(ts, loss, target) if target is not None and ts else None
     rounds = run.final.get("rounds", [])
     compute = (run.calibrate or 0.0) + float(np.median([s.get("opt", 0.0) for s in run.steps]))
     by_phase: dict[str, list] = {}
@@ -371,6 +386,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "wall_s": run.final.get("wall"),
         "time_to_target_s": reached,
         "final_metric": run.evals[-1]["eval"] if run.evals else None,
+        "final_loss": run.evals[-1].get("loss") if run.evals else None,
         "metric": metric,
         "step_ms": float(np.median(dt) * 1e3),
         "compute_ms": compute * 1e3,
@@ -545,6 +561,7 @@ def run(opt: Options) -> dict:
         "spread": spread,
         "speedup": speed,
         "seeds": seeds,
+        "ratios": report.ratios(seeds),
         "runs": seeds[0]["runs"],
         "fabric": {port: {k: v for k, v in st.items() if isinstance(v, dict) and "packets" in v}
                    for port, st in fabric_stats.items()},

@@ -6,8 +6,9 @@ MASTER_PORT when the flags are absent).  Every line on stdout is one JSON
 object: ``{"calibrate": seconds}`` once (forward + backward without
 synchronisation, DDP's ``no_sync``: the step's compute), ``{"step", "t",
 "loss", "sync", "dt", "opt"}`` per step (``sync``: seconds of backward +
-gradient synchronisation, ``dt``: the whole step), ``{"eval", ...}`` at
-evaluation points (``--eval-every`` steps, ``--eval-at`` and the last step)
+gradient synchronisation, ``dt``: the whole step), ``{"eval", "metric",
+"loss", ...}`` at evaluation points (``--eval-every`` steps, ``--eval-at`` and the last
+step: ``loss`` the held-out cross-entropy, ``eval`` accuracy or perplexity beside it)
 followed by ``{"div", ...}``: the largest parameter difference from rank 0's
 over all ranks, measured through the Gloo control plane, and a final
 ``{"final", ...}`` with the collective's round records, every rank's phase
@@ -52,7 +53,7 @@ def parse(argv=None):
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
     p.add_argument("--model", choices=models.MODELS, default="digits")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, help="samples per rank and step (default 32; lm 8)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p-low", type=float, default=0.016, help="static tolerance; dblp's P_low")
@@ -64,6 +65,9 @@ def parse(argv=None):
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--cc", choices=["ecn", "off"], default="ecn", help="pydblp Config.cc (congestion control)")
+    p.add_argument("--relax", choices=RELAX, default="none",
+                   help="pydblp runs' relaxed rounds: none, ef (Config.error_feedback, estimator zero), rotate "
+                        "(Config.rotate 16) or both")
     p.add_argument("--priority", choices=["magnitude", "layer", "none"], default="magnitude",
                    help="pydblp Config.priority (layer: from the model's structure)")
     p.add_argument("--mode", choices=["tar", "ps"], default="tar", help="pydblp Config.mode")
@@ -82,6 +86,16 @@ def parse(argv=None):
 
 
 VIAS = ("hook", "backend")
+RELAX = ("none", "ef", "rotate", "both")  # --relax: what a relaxed round does with what it leaves out
+ROTATE_ROWS = 16  # Config.rotate of --relax rotate and both
+HELDOUT_FRACTION = 0.4  # digits held out for evaluation (718 images; the data set has 1,797)
+
+
+def relax_knobs(relax: str, estimator: str) -> dict:
+    """The Config knobs of a ``--relax``: error feedback needs the ``zero`` estimator (what a
+    round leaves out comes again later; ``unbiased`` would count it twice)."""
+    ef, rot = relax in ("ef", "both"), relax in ("rotate", "both")
+    return {"error_feedback": ef, "rotate": ROTATE_ROWS if rot else 0, "estimator": "zero" if ef else estimator}
 ALGOS = ("ddp", "fsdp")  # (the experiment's third, diloco, has a worker of its own)
 
 
@@ -212,14 +226,16 @@ def main(argv=None) -> int:
     try:
         digits = a.model in models.DIGITS_MODELS
         if digits:
-            xtr, ytr, xte, yte = data.digits(seed=a.seed)
+            xtr, ytr, xte, yte = data.digits(seed=a.seed, test_fraction=HELDOUT_FRACTION)
             mine = data.shard(len(xtr), a.rank, a.world, a.seed)
             lr = a.lr or 0.05
             model = models.make(a.model)
         else:
             tr, te, vocab = data.text()
             model = models.make(a.model, vocab)
+            xte, yte = models.heldout(te, model.context)
             lr = a.lr or 3e-3
+        samples = a.batch or models.BATCH.get(a.model, 32)  # per rank and step
         ddp = DDP(model) if not fsdp and not backend else None
         broadcaster = None
         if fsdp and a.arm == "gloo":
@@ -230,7 +246,8 @@ def main(argv=None) -> int:
 
             phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
                                                                            g_over=a.g_over)
-            cfg = Config(job=11, phase=phase, **knobs, estimator=a.estimator, order=a.order, peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,
+            cfg = Config(job=11, phase=phase, **knobs, **relax_knobs(a.relax, a.estimator), order=a.order,
+                         peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,
@@ -268,9 +285,9 @@ def main(argv=None) -> int:
 
         def draw():
             if digits:
-                idx = mine[torch.randint(0, len(mine), (a.batch,), generator=gen)]
+                idx = mine[torch.randint(0, len(mine), (samples,), generator=gen)]
                 return xtr[idx], ytr[idx]
-            return models.text_batch(tr, a.batch, model.context, gen)
+            return models.text_batch(tr, samples, model.context, gen)
 
         net = model if sharded or fsdp else ddp  # (a sharded optimizer synchronises; DDP's reducer must not)
 
@@ -339,11 +356,11 @@ def main(argv=None) -> int:
                 te0 = time.monotonic()
                 if a.rank == 0 or fsdp:  # (FSDP: every rank's forward gathers the parameters)
                     model.eval()
-                    metric = (models.accuracy(model, xte, yte) if digits
-                              else models.perplexity(model, te, model.context))
+                    q = models.evaluate(model, xte, yte)
                     model.train()
                     if a.rank == 0:
-                        emit({"eval": metric, "metric": "accuracy" if digits else "perplexity",
+                        name = "accuracy" if digits else "perplexity"
+                        emit({"eval": q[name], "metric": name, "loss": q["loss"],
                               "step": step, "t": te0 - t_start - paused})
                 div, div_rel = divergence(model) if not fsdp else (0.0, 0.0)  # (FSDP: one copy, sharded)
                 if a.rank == 0:

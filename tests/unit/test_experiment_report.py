@@ -257,11 +257,11 @@ def test_summary_carries_the_gradient_error_mean():
     from pydblp.experiment import runner
 
     steps = [{"step": i, "sync": 0.01, "t0": float(i), "dt": 0.02, "opt": 0.001} for i in range(10)]
-    run = runner.Run("dblp", steps=steps, evals=[{"eval": 0.9, "metric": "accuracy", "t": 1.0, "step": 9}],
+    run = runner.Run("dblp", steps=steps, evals=[{"eval": 0.9, "metric": "accuracy", "loss": 0.3, "t": 1.0, "step": 9}],
                      gerrs=[{"gerr": 0.1, "step": 0}, {"gerr": 0.3, "step": 5}], final={"wall": 1.0})
     run.final["rounds"] = [{"phase": "critical" if i < 10 else "relaxed", "delivered": 1.0, "retx": 0,
                             "below": 0, "tol": 0.0} for i in range(20)]  # two rounds a step
-    s = runner.summarize(run, runner.Options(), target=0.85)
+    s = runner.summarize(run, runner.Options(), target=0.35)
     assert s["grad_error"] == pytest.approx(0.2) and s["time_to_target_s"] == 1.0
     assert s["grad_error_by_phase"] == pytest.approx({"critical": 0.1, "relaxed": 0.3})
     assert runner.summarize(runner.Run("gloo", steps=steps), runner.Options(), None)["grad_error"] is None
@@ -278,3 +278,54 @@ def test_consistency_specs_map_to_the_collective_s_knobs():
     assert consistency("broadcast:7") == ({"consistent": False}, 7, False)
     with pytest.raises(ValueError, match="sharded"):
         consistency("sharded:2")
+
+
+def test_time_to_target_is_the_smoothed_held_out_loss_crossing_interpolated():
+    """The loss curve is smoothed over 3 evaluations and the crossing interpolated between the
+    two evaluations around it; Gloo's target is its smoothed loss at 80 % of its steps."""
+    from pydblp.experiment import runner, stats
+
+    losses = [2.0, 1.6, 1.2, 1.0, 0.9, 0.85, 0.8, 0.82, 0.78, 0.8]
+    evals = [{"eval": 0.5, "metric": "accuracy", "loss": v, "t": 2.0 * (i + 1), "step": 10 * (i + 1) - 1}
+             for i, v in enumerate(losses)]
+    sm = stats.smooth(losses)
+    assert sm[0] == pytest.approx(1.8) and sm[1] == pytest.approx(1.6) and sm[-1] == pytest.approx(0.79)
+    run = runner.Run("gloo", evals=evals)
+    opt = runner.Options(steps=100)
+    target = runner.gloo_target(run, opt)  # step 80: the 8th evaluation's smoothed loss
+    assert target == pytest.approx(sm[7])
+    # first smoothed value at or below 1.3: between t=4 (1.6) and t=6 (1.2667)
+    t = stats.first_crossing([e["t"] for e in evals], sm, 1.3)
+    assert 4.0 < t < 6.0 and t == pytest.approx(4.0 + 2.0 * (1.6 - 1.3) / (1.6 - sm[2]))
+    assert stats.first_crossing([1, 2], [1.0, 0.9], 0.5) is None
+    assert stats.first_crossing([1, 2], [0.4, 0.3], 0.5) == 1.0
+
+
+def test_bootstrap_interval_of_a_ratio_over_seeds():
+    from pydblp.experiment import stats
+
+    b = stats.bootstrap_ratio([8.0, 9.0, 7.0, 8.0], [10.0, 10.0, 10.0, 10.0])
+    assert b["ratio"] == pytest.approx(0.8) and b["n"] == 4 and b["per_seed"] == pytest.approx([0.8, 0.9, 0.7, 0.8])
+    assert 0.7 <= b["lo"] < 0.8 < b["hi"] <= 0.9
+    assert b == stats.bootstrap_ratio([8.0, 9.0, 7.0, 8.0], [10.0, 10.0, 10.0, 10.0])  # (seeded)
+    wide = stats.bootstrap_ratio([4.0, 13.0, 6.0, 9.0], [10.0, 10.0, 10.0, 10.0])
+    assert wide["hi"] - wide["lo"] > b["hi"] - b["lo"]
+    one = stats.bootstrap_ratio([8.0, None], [10.0, 10.0])
+    assert one["n"] == 1 and one["lo"] is None
+    assert stats.bootstrap_ratio([None], [1.0]) is None
+
+
+def test_ratios_pair_each_dblp_arm_with_its_static_and_gloo():
+    per = lambda arm, ttt, wall, q, metric="accuracy": {"arm": arm, "time_to_target_s": ttt, "wall_s": wall,
+                                                      "final_metric": q, "metric": metric}
+    seeds = [{"summary": {"gloo": per("gloo", 30.0, 100.0, 0.97), "static": per("static", 10.0, 50.0, 0.97),
+                          "dblp": per("dblp", 8.0 + i, 38.0, 0.968), "dblp/ef": per("dblp/ef", 7.0, 37.0, 0.97)}}
+             for i in range(3)]
+    r = report.ratios(seeds)
+    assert set(r) == {"dblp / static", "dblp/ef / static", "dblp / gloo", "dblp/ef / gloo", "static / gloo"}
+    assert r["dblp / static"]["time_to_target_s"]["ratio"] == pytest.approx(0.9)
+    assert r["dblp/ef / gloo"]["wall_s"]["ratio"] == pytest.approx(0.37)
+    assert r["dblp / gloo"]["final_quality"]["mean"] == pytest.approx(-0.2)
+    text = "\n".join(report.ratio_lines({"ratios": r}))
+    assert "dblp / static: time to target 0.90x (90 % CI" in text and "3 seeds: 0.80 0.90 1.00" in text
+    assert "final quality -0.20 accuracy points" in text

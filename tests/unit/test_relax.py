@@ -1,0 +1,125 @@
+"""Relaxed rounds that cost fewer steps: error feedback (``Config.error_feedback``) and the random
+rotation of reduce-scatter contributions (``Config.rotate``), on the simulator (virtual time,
+seeded loss) and as plain functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pydblp import wire
+from pydblp.collective import Config, rotation
+from pydblp.sim import Link, Sim
+from tests.helpers import lose_sent
+
+LINK = Link("1gbit", latency=25e-6)
+
+
+@pytest.mark.parametrize("n,m", [(64, 16), (13, 16), (37, 8), (1, 4), (100, 64)])
+def test_rotation_is_orthonormal_and_undone(n, m):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n + 3, 5)).astype(np.float32)
+    s = rotation.signs(7, 2, n + 3)
+    y = x.copy()
+    rotation.rotate(y, 2, 2 + n, m, s)
+    assert np.array_equal(y[:2], x[:2]) and np.array_equal(y[2 + n:], x[2 + n:])  # (only its rows)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=0), np.linalg.norm(x, axis=0), rtol=1e-5)  # per column
+    if n > 1:
+        assert not np.allclose(y[2:2 + n], x[2:2 + n])
+    rotation.rotate(y, 2, 2 + n, m, s, inverse=True)
+    np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+def test_rotation_blocks_cover_the_rows_in_powers_of_two():
+    assert rotation.blocks(13, 16) == [(0, 8), (8, 4), (12, 1)]
+    assert rotation.blocks(35, 16) == [(0, 16), (16, 16), (32, 2), (34, 1)]
+    for n in range(1, 70):
+        b = rotation.blocks(n, 16)
+        assert sum(size for _, size in b) == n and all(size & (size - 1) == 0 for _, size in b)
+        assert [a for a, _ in b] == list(np.cumsum([0] + [size for _, size in b])[:-1])
+
+
+def test_signs_are_the_same_on_every_rank_and_differ_by_round():
+    assert np.array_equal(rotation.signs(5, 1, 100), rotation.signs(5, 1, 100))
+    assert not np.array_equal(rotation.signs(5, 1, 100), rotation.signs(6, 1, 100))
+    assert set(np.unique(rotation.signs(5, 1, 100))) == {-1.0, 1.0}
+
+
+@pytest.mark.parametrize("knobs,says", [
+    (dict(error_feedback=True), "estimator 'zero'"),
+    (dict(error_feedback=1, estimator="zero"), "True or False"),
+    (dict(rotate=12), "power of two"),
+    (dict(rotate=-4), "power of two"),
+])
+def test_bad_knobs_are_refused_in_one_line(knobs, says):
+    with pytest.raises(ValueError, match=says) as e:
+        Config(**knobs).check()
+    assert "\n" not in str(e.value)
+
+
+def _first_data(rate: float, seed: int):
+    """Lose ``rate`` of the reduce-scatter's first sends (seeded), nothing else: the bound
+    tolerates them, so nothing is repaired, and every control packet arrives."""
+    rng = np.random.default_rng(seed)
+
+    def drop(h):
+        data = (h["kind"] == wire.Kind.DATA) & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == 0)
+        return data & (rng.random(len(h)) < rate)
+
+    return drop
+
+
+def _run(rounds: int, world: int = 4, n: int = 60_000, loss: float = 0.1, phase: str = "static:0.3", **cfg):
+    """``rounds`` allreduces of fresh seeded inputs under reduce-scatter loss within the bound:
+    (per round, the exact means; per rank, its results; the nodes)."""
+    s = Sim(world, Config(phase=phase, **cfg), link=LINK, seed=1)
+    for r, node in enumerate(s.nodes):
+        lose_sent(node.collective.t, _first_data(loss, seed=r))
+    rng = np.random.default_rng(0)
+    xs = [[rng.standard_normal(n).astype(np.float32) for _ in range(world)] for _ in range(rounds)]
+    nodes = s.run(lambda node: [node.collective.allreduce(xs[i][node.rank]).copy() for i in range(rounds)])
+    assert not any(nd.error for nd in nodes)
+    exact = [np.mean(np.float64(x), axis=0) for x in xs]
+    return exact, [nd.result for nd in nodes], nodes
+
+
+@pytest.mark.parametrize("rotate", [0, 16], ids=["plain", "rotated"])
+def test_error_feedback_turns_loss_into_delay(rotate):
+    """With error feedback every contribution counts exactly once, a round or more late: the
+    results summed over rounds plus what the ranks still hold back (their residuals, over the
+    world) equal the exact means summed.  Without it what the bound let go is gone: its error
+    grows with the rounds, where error feedback's stays one round's."""
+    rounds, world = 10, 4
+    exact, res, nodes = _run(rounds, estimator="zero", error_feedback=True, rotate=rotate)
+    total = np.sum(exact, axis=0)
+    held = sum(nd.collective.protocol._residual[0].reshape(-1)[: total.size] for nd in nodes) / world
+    for r in range(world):
+        np.testing.assert_allclose(np.sum(res[r], axis=0) + held, total, atol=2e-4)
+        np.testing.assert_array_equal(res[r][-1], res[0][-1])  # (the all-gather is whole: one result)
+    fed = [nd.collective.protocol.counters["fed_back"] for nd in nodes]
+    assert all(f > 0 for f in fed)  # (the loss was real)
+    exact0, res0, _ = _run(rounds, estimator="zero", rotate=rotate)
+    lost = np.abs(np.sum(res0[0], axis=0) - np.sum(exact0, axis=0)).mean()
+    kept = np.abs(np.sum(res[0], axis=0) - total).mean()
+    assert kept < lost / 2
+
+
+def test_error_feedback_in_rounds_repaired_whole_changes_nothing():
+    exact, res, nodes = _run(3, estimator="zero", error_feedback=True, phase="static:0")
+    for i in range(3):
+        np.testing.assert_allclose(res[1][i], exact[i], atol=1e-5)
+    assert all(nd.collective.protocol.counters["fed_back"] == 0 for nd in nodes)
+
+
+def test_rotation_without_loss_is_exact_and_spreads_a_loss_over_its_block():
+    exact, res, _ = _run(2, rotate=16, phase="static:0")
+    np.testing.assert_allclose(res[0][1], exact[1], atol=1e-5)
+    # under loss within the bound (the unbiased estimator): about the same squared error (the
+    # rotation is orthonormal), spread over every coordinate of a block, none of them far off
+    exact, plain, _ = _run(4)
+    _, rot, _ = _run(4, rotate=16)
+    err_plain = np.abs(np.array(plain[0]) - np.array(exact))
+    err_rot = np.abs(np.array(rot[0]) - np.array(exact))
+    assert 0.8 < (err_rot ** 2).sum() / (err_plain ** 2).sum() < 1.25
+    assert err_rot.max() < 0.7 * err_plain.max()
+    assert np.count_nonzero(err_rot > 1e-4) > 2 * np.count_nonzero(err_plain > 1e-4)
