@@ -541,6 +541,9 @@ def _add_experiment(sub):
                    help="pydblp's relaxed rounds, one run each: none (default), ef (error feedback: what a round "
                         "leaves out is sent again), rotate (random rotation: a lost chunk becomes noise), both; "
                         "e.g. none,ef,rotate,both (the ablation)")
+    p.add_argument("--static-relax", metavar="WAYS",
+                   help="the static arm's relaxed rounds, one run each (default: --relax's); each DBLP arm is "
+                        "compared with its static twin where that ran, else with static's first")
     p.add_argument("--seed", type=int)
     p.add_argument("--key-file", metavar="FILE",
                    help="job key for the pydblp runs: every packet tagged and verified (docs/authentication.md)")
@@ -609,6 +612,8 @@ def _experiment_options(args):
     queue_kb = args.queue_kb if args.queue_kb is not None else base.queue_kb
     cc = _choices(args.cc, "--cc", runner.CCS) if args.cc is not None else None
     relax = _choices(args.relax, "--relax", runner.RELAX) if args.relax is not None else None
+    static_relax = (_choices(args.static_relax, "--static-relax", runner.RELAX) if args.static_relax is not None
+                    else None)
     mark_kb = args.mark_kb if args.mark_kb is not None else base.mark_kb
     if mark_kb is not None and not 0 < mark_kb <= queue_kb:
         raise UsageError(f"--mark-kb {mark_kb:g}: use a threshold within the queue's buffer, 0 < KB <= {queue_kb:g}")
@@ -630,6 +635,7 @@ def _experiment_options(args):
                          f"(add --consistency allgather)")
     return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
                           burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc, relax=relax,
+                          static_relax=static_relax,
                           queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 

@@ -153,7 +153,8 @@ class Collective:
         ``Schedule`` and a ``Dblp`` that observes every round decide on the index), the phase
         controller's state (:meth:`PhaseController.state_dict`) and what the fills carry across
         rounds (fill "stale": each tensor's last result; fill "carry": the rows cut from an owner's
-        all-gather, applied in its next round).  Numbers, dicts and numpy arrays (copies); no
+        all-gather, applied in its next round; ``Config.error_feedback``: each tensor's rows its
+        last round's estimates left out, sent in its next).  Numbers, dicts and numpy arrays (copies); no
         torch (``pydblp.torch.State.state_dict`` gives tensors, for ``torch.save``).
 
         Call it between rounds, from the thread that runs them.  Not kept: round records,
@@ -162,7 +163,8 @@ class Collective:
         """
         p = self.protocol
         return {"rank": self.rank, "world": self.world, "round": p.round, "index": p.index,
-                "controller": self.controller.state_dict(), "fill": p.fill.state_dict()}
+                "controller": self.controller.state_dict(), "fill": p.fill.state_dict(),
+                "residual": {t: a.copy() for t, a in p._residual.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state`` (:meth:`state_dict` of this rank's collective in an earlier run of
@@ -186,6 +188,7 @@ class Collective:
                 raise RuntimeError("load_state_dict after a round began: load before the first round")
             self.controller.load_state_dict(state["controller"])
             p.fill.load_state_dict(state["fill"])
+            p._residual = {int(t): np.array(a, np.float32) for t, a in state.get("residual", {}).items()}
             p.round, p.index = int(state["round"]), int(state["index"])
 
     def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False,

@@ -9,13 +9,14 @@ import numpy as np
 
 def _dblp_pairs(names) -> list[tuple[str, str]]:
     """(a DBLP arm, its static arm) pairs: ``dblp/ef`` with ``static/ef`` where that ran, else
-    with ``static``."""
+    with the first static arm."""
     names = list(names)
+    statics = [n for n in names if n == "static" or n.startswith("static/")]
     out = []
     for name in names:
         if name == "dblp" or name.startswith("dblp/"):
             twin = "static" + name[len("dblp"):]
-            base = twin if twin in names else "static" if "static" in names else None
+            base = twin if twin in names else statics[0] if statics else None
             if base:
                 out.append((name, base))
     return out

@@ -78,6 +78,7 @@ class Options:
     cc: tuple = ("ecn",)            # ... times one per Config.cc given (congestion control) ...
     relax: tuple = ("none",)        # ... times one per relaxation given: none, ef (error feedback),
                                     # rotate (random rotation) or both (the worker's --relax)
+    static_relax: tuple | None = None  # the static arm's relaxations (None: relax's)
     queue_mbit: float | None = None  # a virtual queue (finite buffer) on queue_ports draining at this
                                     # rate; None: none (drops come only from the loss models)
     queue_kb: float = 128.0         # its buffer, KiB: beyond it every frame is dropped (tail)
@@ -164,18 +165,21 @@ def arms(opt: Options) -> list[Arm]:
     """The runs of one seed, in order.  A pydblp arm runs once per (priority, drop policy)
     pair; its name is the method's alone when there is one pair, else ``dblp/layer/tail``."""
     many = len(opt.priority) * len(opt.drop_policy) > 1
+    static = opt.relax if opt.static_relax is None else opt.static_relax
+    named = len(opt.relax) > 1 or len(static) > 1 or static != opt.relax  # (names say the relaxation)
     out = []
     for m in opt.arms:
+        ways = static if m == "static" else opt.relax
         if m == "gloo":  # TCP is not DBLP: never early-dropped, the policy does not apply
             out.append(Arm("gloo", "gloo", "none", opt.drop_policy[0]))
             continue
         for pr in opt.priority:
             for pol in opt.drop_policy:
                 for cc in opt.cc:
-                    for rx in opt.relax:
+                    for rx in ways:
                         name = f"{m}/{pr}/{pol}" if many else m
                         name = f"{name}/cc-{cc}" if len(opt.cc) > 1 else name
-                        out.append(Arm(f"{name}/{rx}" if len(opt.relax) > 1 else name, m, pr, pol, cc, rx))
+                        out.append(Arm(f"{name}/{rx}" if named else name, m, pr, pol, cc, rx))
     return out
 
 

@@ -329,3 +329,16 @@ def test_ratios_pair_each_dblp_arm_with_its_static_and_gloo():
     text = "\n".join(report.ratio_lines({"ratios": r}))
     assert "dblp / static: time to target 0.90x (90 % CI" in text and "3 seeds: 0.80 0.90 1.00" in text
     assert "final quality -0.20 accuracy points" in text
+
+
+def test_the_static_arm_runs_its_own_relaxations_and_each_dblp_arm_finds_its_twin():
+    from pydblp.experiment import runner
+
+    opt = runner.Options(arms=("gloo", "static", "dblp"), relax=("none", "ef", "rotate"), static_relax=("none", "ef"))
+    got = [(a.name, a.method, a.relax) for a in runner.arms(opt)]
+    assert got == [("gloo", "gloo", "none"), ("static/none", "static", "none"), ("static/ef", "static", "ef"),
+                   ("dblp/none", "dblp", "none"), ("dblp/ef", "dblp", "ef"), ("dblp/rotate", "dblp", "rotate")]
+    assert report._dblp_pairs([n for n, _, _ in got]) == [("dblp/none", "static/none"), ("dblp/ef", "static/ef"),
+                                                          ("dblp/rotate", "static/none")]
+    plain = [a.name for a in runner.arms(runner.Options())]
+    assert plain == ["gloo", "static", "dblp"]

@@ -123,3 +123,13 @@ def test_rotation_without_loss_is_exact_and_spreads_a_loss_over_its_block():
     assert 0.8 < (err_rot ** 2).sum() / (err_plain ** 2).sum() < 1.25
     assert err_rot.max() < 0.7 * err_plain.max()
     assert np.count_nonzero(err_rot > 1e-4) > 2 * np.count_nonzero(err_plain > 1e-4)
+
+
+def test_what_error_feedback_holds_back_is_part_of_a_collective_s_state():
+    _, _, nodes = _run(2, estimator="zero", error_feedback=True)
+    state = nodes[1].collective.state_dict()
+    held = state["residual"][0]
+    assert held.any() and held is not nodes[1].collective.protocol._residual[0]  # (a copy)
+    fresh = Sim(4, Config(estimator="zero", error_feedback=True), link=LINK).nodes[1].collective
+    fresh.load_state_dict(state)
+    np.testing.assert_array_equal(fresh.protocol._residual[0], held)
