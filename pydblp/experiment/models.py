@@ -3,8 +3,8 @@
 ``MODELS`` names them as the CLI does: ``digits`` (CNN, ~30k parameters),
 ``mlp`` (digits, ~1.1M parameters: 4.5 MB of gradient a step, so communication
 dominates a step at 1 Gbit/s), ``text`` (transformer, ~100k parameters) and ``lm``
-(the transformer widened to ~1.16M parameters over a 32-character context, 8 windows a
-rank and step: ~20 ms of compute against 4.6 MB of gradient, communication dominates).
+(the transformer widened to ~1.16M parameters over a 32-character context, 4 windows a
+rank and step: ~10 ms of compute against 4.6 MB of gradient, communication dominates).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CharTransformer(nn.Module):
 
 MODELS = ("digits", "mlp", "text", "lm")
 DIGITS_MODELS = ("digits", "mlp")  # trained on the digits data set, measured by accuracy (else perplexity)
-BATCH = {"lm": 8}  # samples per rank and step where not 32
+BATCH = {"lm": 4}  # samples per rank and step where not 32
 HELDOUT_WINDOWS = 512  # text models: held-out windows evaluated (non-overlapping, the split's first)
 
 

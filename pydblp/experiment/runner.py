@@ -88,7 +88,7 @@ class Options:
     starve: tuple | None = None     # (rank, share): cap that rank's CPU at share of one core
     target: float | None = None     # held-out loss (nats) to reach; None: Gloo's smoothed loss at TARGET_AT
     out_dir: str = "dblp-experiment"
-    batch: int | None = None        # samples per rank and step; None: the model's (32; lm 8)
+    batch: int | None = None        # samples per rank and step; None: the model's (32; lm 4)
     eval_every: int = 25
     grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
                                     # mean (a Gloo allreduce, left out of the timings) every N steps

@@ -53,7 +53,7 @@ def parse(argv=None):
     p.add_argument("--port", type=int, default=47800, help="data-plane UDP port (0: any free one)")
     p.add_argument("--model", choices=models.MODELS, default="digits")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, help="samples per rank and step (default 32; lm 8)")
+    p.add_argument("--batch", type=int, help="samples per rank and step (default 32; lm 4)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p-low", type=float, default=0.016, help="static tolerance; dblp's P_low")
