@@ -37,22 +37,53 @@ def speedups(summary: dict) -> dict:
 
 
 def ratios(seeds: list[dict]) -> dict:
-    """Per DBLP arm against static and Gloo (the same seeds): time to target and wall time as
-    ``arm / base`` (below 1: the arm is faster), the ratio of the means over seeds with its 90 %
-    bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`); and the final quality
-    against Gloo's: accuracy points (arm - gloo) or perplexity (arm / gloo - 1), mean over seeds."""
+    """Per DBLP arm against static and Gloo, and static against Gloo (the same seeds): time to
+    target and wall time as ``arm / base`` (below 1: the arm is faster), the ratio of the means
+    over seeds with its 90 % bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`;
+    a run that never reached the target counts its last evaluation's time, and ``censored``
+    says how many); the curve ratio (:func:`~pydblp.experiment.stats.curve_ratio` over each
+    seed's ``curve_targets``), its geometric mean over seeds with its interval; and the final
+    quality against Gloo's: accuracy points (arm - gloo) or perplexity (arm / gloo - 1)."""
     from pydblp.experiment import stats
 
     names = list(seeds[0]["summary"])
     pairs = _dblp_pairs(names) + [(n, "gloo") for n, _ in _dblp_pairs(names) if "gloo" in names]
+    pairs += [(n, "gloo") for n in names if (n == "static" or n.startswith("static/")) and "gloo" in names]
+
+    def ttt(summary: dict) -> tuple[float | None, bool]:
+        """A run's time to target, or its last evaluation's time if it never got there (censored)."""
+        t = summary.get("time_to_target_s")
+        curve = summary.get("loss_curve") or [[]]
+        if t is None and curve[0]:
+            return curve[0][-1], True
+        return t, False
+
     out = {}
     for arm, base in pairs:
         r = {}
-        for key in ("time_to_target_s", "wall_s"):
-            b = stats.bootstrap_ratio([s["summary"][arm].get(key) for s in seeds],
-                                      [s["summary"][base].get(key) for s in seeds])
-            if b is not None:
-                r[key] = b
+        a = [ttt(s["summary"][arm]) for s in seeds]
+        b = [ttt(s["summary"][base]) for s in seeds]
+        got = stats.bootstrap_ratio([x for x, _ in a], [x for x, _ in b])
+        if got is not None:
+            got["censored"] = sum(c for _, c in a) + sum(c for _, c in b)
+            r["time_to_target_s"] = got
+        got = stats.bootstrap_ratio([s["summary"][arm].get("wall_s") for s in seeds],
+                                    [s["summary"][base].get("wall_s") for s in seeds])
+        if got is not None:
+            r["wall_s"] = got
+        per, missed = [], 0
+        for s in seeds:
+            ca, cb = s["summary"][arm].get("loss_curve"), s["summary"][base].get("loss_curve")
+            if not (ca and cb and ca[0] and cb[0] and s.get("curve_targets")):
+                continue
+            c = stats.curve_ratio(ca[0], ca[1], ca[0][-1], cb[0], cb[1], cb[0][-1], s["curve_targets"])
+            if c is not None:
+                per.append(c[0])
+                missed += c[1]
+        got = stats.bootstrap_geomean(per)
+        if got is not None:
+            got["censored"] = missed
+            r["curve"] = got
         out[f"{arm} / {base}"] = r
     if "gloo" in names:
         for arm in names:
@@ -77,13 +108,14 @@ def ratio_lines(rep: dict) -> list[str]:
     lines = []
     for pair, r in (rep.get("ratios") or {}).items():
         parts = []
-        for key, what in (("time_to_target_s", "time to target"), ("wall_s", "wall")):
+        for key, what in (("time_to_target_s", "time to target"), ("curve", "curve"), ("wall_s", "wall")):
             b = r.get(key)
             if not b:
                 continue
             ci = f"90 % CI {b['lo']:.2f}-{b['hi']:.2f}, " if b.get("lo") is not None else ""
+            late = f", {b['censored']} never reached" if b.get("censored") else ""
             parts.append(f"{what} {b['ratio']:.2f}x ({ci}{b['n']} seed{'s' if b['n'] > 1 else ''}: "
-                         + " ".join(f"{x:.2f}" for x in b["per_seed"]) + ")")
+                         + " ".join(f"{x:.2f}" for x in b["per_seed"]) + late + ")")
         q = r.get("final_quality")
         if q:
             parts.append(f"final quality {q['mean']:+.2f} {q['unit']}")

@@ -377,6 +377,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     metric = run.evals[-1]["metric"] if run.evals else None
     ts, _, loss = loss_curve(run)
     reached = stats.first_crossing(ts, loss, target) if target is not None and ts else None
+    curve = [[float(t) for t in ts], [float(v) for v in loss]]
     rounds = run.final.get("rounds", [])
     compute = (run.calibrate or 0.0) + float(np.median([s.get("opt", 0.0) for s in run.steps]))
     by_phase: dict[str, list] = {}
@@ -391,6 +392,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "time_to_target_s": reached,
         "final_metric": run.evals[-1]["eval"] if run.evals else None,
         "final_loss": run.evals[-1].get("loss") if run.evals else None,
+        "loss_curve": curve,  # (training s, smoothed held-out loss) per evaluation: report.ratios' curve ratio
         "metric": metric,
         "step_ms": float(np.median(dt) * 1e3),
         "compute_ms": compute * 1e3,
@@ -546,8 +548,12 @@ def run(opt: Options) -> dict:
             target = opt.target
             if target is None:
                 target = gloo_target(runs["gloo"], opt) if "gloo" in runs else None
+            curve_targets = []  # the curve ratio's: Gloo's smoothed loss at stats.CURVE_AT of its steps
+            if "gloo" in runs:
+                _, steps, loss = loss_curve(runs["gloo"])
+                curve_targets = [stats.value_at(steps, loss, opt.steps * f) for f in stats.CURVE_AT]
             summary = {name: summarize(r, opt, target) for name, r in runs.items()}
-            seeds.append({"seed": seed, "target": target, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
+            seeds.append({"seed": seed, "target": target, "curve_targets": curve_targets, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
                           "burst_plan": plan, "summary": summary,
                           "speedup": {**report.speedups(summary), **report.policy_ratios(summary)},
                           "runs": {name: asdict(r) for name, r in runs.items()}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pydblp.experiment import report
@@ -342,3 +343,30 @@ def test_the_static_arm_runs_its_own_relaxations_and_each_dblp_arm_finds_its_twi
                                                           ("dblp/rotate", "static/none")]
     plain = [a.name for a in runner.arms(runner.Options())]
     assert plain == ["gloo", "static", "dblp"]
+
+
+def test_curve_ratio_reads_the_horizontal_distance_between_two_curves():
+    from pydblp.experiment import stats
+
+    ts = [1.0, 2.0, 3.0, 4.0, 5.0]
+    loss = [1.0, 0.8, 0.6, 0.4, 0.2]
+    fast = [t * 0.5 for t in ts]  # the same curve in half the time
+    r, missed = stats.curve_ratio(fast, loss, fast[-1], ts, loss, ts[-1], [0.9, 0.7, 0.5, 0.3])
+    assert r == pytest.approx(0.5) and missed == 0
+    # a curve that stalls above the last target counts its end: a lower bound against it
+    r, missed = stats.curve_ratio(ts, [1.0, 0.8, 0.6, 0.6, 0.6], 5.0, ts, loss, 5.0, [0.7, 0.3])
+    assert missed == 1 and r == pytest.approx(np.sqrt(1.0 * 5.0 / 4.5))
+    assert stats.curve_ratio(ts, loss, 5.0, ts, loss, 5.0, [None]) is None
+    g = stats.bootstrap_geomean([0.5, 2.0, 1.0])
+    assert g["ratio"] == pytest.approx(1.0) and g["lo"] < 1.0 < g["hi"] and g["n"] == 3
+
+
+def test_a_run_that_never_reaches_the_target_counts_its_end_and_is_said_so():
+    per = lambda arm, ttt, end: {"arm": arm, "time_to_target_s": ttt, "wall_s": end + 1,
+                                 "loss_curve": [[end / 2, end], [1.0, 0.5]]}
+    seeds = [{"summary": {"static": per("static", 10.0, 20.0), "dblp": per("dblp", None, 16.0)}, "curve_targets": [0.6]},
+             {"summary": {"static": per("static", 10.0, 20.0), "dblp": per("dblp", 8.0, 16.0)}, "curve_targets": [0.6]}]
+    r = report.ratios(seeds)["dblp / static"]
+    assert r["time_to_target_s"]["per_seed"] == pytest.approx([1.6, 0.8]) and r["time_to_target_s"]["censored"] == 1
+    assert "1 never reached" in "\n".join(report.ratio_lines({"ratios": {"dblp / static": r}}))
+    assert r["curve"]["ratio"] == pytest.approx(0.8)  # (both curves cross 0.6 at 0.9 of their span)
