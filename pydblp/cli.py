@@ -393,7 +393,7 @@ def _cmd_dump(args) -> int:
 EXPERIMENT_EPILOG = """\
 examples:
   dblp experiment                                 the demo: 4 workers, 1.1M-parameter MLP, 10 % loss, bursts
-  dblp experiment --scenario paper --seeds 3      longer, more bursts, sharded optimizer, 3 seeds (~18 minutes)
+  dblp experiment --scenario paper --seeds 3      longer, more bursts, sharded optimizer, 3 seeds (~20 minutes)
   dblp experiment --scenario paper --consistency allgather --g-over step   the same, identical replicas
   dblp experiment --algo fsdp --scenario paper --consistency allgather   FSDP2 over a 'dblp' process group
   dblp experiment --scenario paper --model lm --seeds 3   the same for a 1.16M-parameter language model
