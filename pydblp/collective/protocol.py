@@ -310,12 +310,15 @@ class Protocol:
             if ag or o.used is None or o.used.all():
                 continue
             a, b = st.bounds[k]
-            left = np.zeros((b - a, C), np.float32)
             lost = ~o.used
-            left[lost] = st.x[a:b][lost]
-            if st.signs is not None:
+            rows = np.arange(a, b) if st.perm is None else st.perm[a:b]
+            if st.signs is None:  # the rows left out, as they went
+                e[rows[lost]] = st.x[a:b][lost]
+            else:  # a lost rotated row is part of every row of its block: rotate the shard's back
+                left = np.zeros((b - a, C), np.float32)
+                left[lost] = st.x[a:b][lost]
                 rotation.rotate(left, 0, b - a, self.cfg.rotate, st.signs[a:b], inverse=True)
-            e[slice(a, b) if st.perm is None else st.perm[a:b]] = left
+                e[rows] = left
             self.counters["fed_back"] += int(np.count_nonzero(lost))
 
     def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
@@ -535,9 +538,8 @@ class Protocol:
         that sends (:meth:`ReduceScatterRound.estimated`) and start it."""
         a, b = st.bounds[st.my_shard]
         if st.feedback:  # (before the estimate: it zeroes what did not arrive) what the estimate uses
-            for src in range(self.world):
-                if src != self.rank:
-                    self._final(st, src)
+            for src in self._others:
+                self._final(st, src)
         st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
         if st.signs is not None:
             rotation.rotate(st.y, a, b, self.cfg.rotate, st.signs, inverse=True)

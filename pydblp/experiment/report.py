@@ -22,11 +22,22 @@ def _dblp_pairs(names) -> list[tuple[str, str]]:
     return out
 
 
+def _pairs(names, static_too: bool = False) -> list[tuple[str, str]]:
+    """Each DBLP arm with its static arm (:func:`_dblp_pairs`) and with Gloo's where that ran;
+    ``static_too``: each static arm with Gloo's too."""
+    names = list(names)
+    dblp = _dblp_pairs(names)
+    if "gloo" not in names:
+        return dblp
+    statics = [n for n in names if n == "static" or n.startswith("static/")] if static_too else []
+    return dblp + [(n, "gloo") for n, _ in dblp] + [(n, "gloo") for n in statics]
+
+
 def speedups(summary: dict) -> dict:
-    """Ratios of each DBLP arm over gloo and over static (:func:`_dblp_pairs`): wall time,
+    """Ratios of each DBLP arm over gloo and over static (:func:`_pairs`): wall time,
     burst-round latency, p99, time to target."""
     out = {}
-    for name, static in _dblp_pairs(summary) + [(n, "gloo") for n, _ in _dblp_pairs(summary) if "gloo" in summary]:
+    for name, static in _pairs(summary):
         d, b = summary[name], summary[static]
         r = {}
         for key in ("wall_s", "burst_round_ms", "round_p99_ms", "time_to_target_s"):
@@ -47,8 +58,7 @@ def ratios(seeds: list[dict]) -> dict:
     from pydblp.experiment import stats
 
     names = list(seeds[0]["summary"])
-    pairs = _dblp_pairs(names) + [(n, "gloo") for n, _ in _dblp_pairs(names) if "gloo" in names]
-    pairs += [(n, "gloo") for n in names if (n == "static" or n.startswith("static/")) and "gloo" in names]
+    pairs = _pairs(names, static_too=True)
 
     def ttt(summary: dict) -> tuple[float | None, bool]:
         """A run's time to target, or its last evaluation's time if it never got there (censored)."""
