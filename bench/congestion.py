@@ -309,7 +309,8 @@ def start_job(procs: Procs, tb: Testbed, args, *, tag: str, workers: list[int], 
 def set_queue(tb: Testbed, args, thresholds=None) -> None:
     tb.clear()
     tb.queue(f"{args.queue_rate:g}mbit", buffer=args.buffer * 1024,
-             thresholds=(0,) * 8 if thresholds is None else thresholds, port="w0", mark=args.mark * 1024)
+             thresholds=(0,) * 8 if thresholds is None else thresholds, port="w0", mark=args.mark * 1024,
+             delay=args.delay)
     tb.stats(reset=True)
 
 
@@ -600,8 +601,8 @@ def print_sim_incast(res: dict, args) -> None:
 def print_tcp(res: dict, args) -> None:
     alone = res.get("tcp_alone")
     print(f"\n## tcp: pydblp (w1 -> w0, {args.size:g} MiB allreduces) and one TCP flow (w2 -> w0) sharing "
-          f"the port to w0 ({args.queue_rate:g} Mbit/s, drop-tail {args.buffer} KiB, mark {args.mark} KiB), "
-          f"{args.seconds:g} s, TCP {args.tcp_cc}" + (" with ECN" if args.tcp_ecn else ""))
+          f"the port to w0 ({args.queue_rate:g} Mbit/s, drop-tail {args.buffer} KiB, mark {args.mark} KiB"
+          f"{', delaying' if args.delay else ''}), {args.seconds:g} s, TCP {args.tcp_cc}" + (" with ECN" if args.tcp_ecn else ""))
     if alone:
         line = f"alone ({args.alone:g} s each): TCP {alone['tcp_mbps']:.0f} Mbit/s"
         for cc in args.ccs:
@@ -752,6 +753,9 @@ def main(argv=None) -> int:
                     help="pydblp's transport for tcp and incast (default xsk; jobs always runs udp)")
     ap.add_argument("--mark", type=int, default=32, help="KiB of backlog past which the queue marks CE (default 32)")
     ap.add_argument("--buffer", type=int, default=256, help="KiB the queue holds before it drops (default 256)")
+    ap.add_argument("--delay", action="store_true",
+                    help="the queue also holds frames (a TBF behind the fabric's virtual queue, "
+                         "Testbed.queue(delay=True)): TCP and pydblp see queueing delay, as at a switch's buffer")
     ap.add_argument("--queue-rate", type=float, default=1000.0, metavar="MBIT",
                     help="Mbit/s the queue to w0 drains at (default 1000, the worker links' rate)")
     ap.add_argument("--tcp-cc", default="cubic",
@@ -787,7 +791,8 @@ def main(argv=None) -> int:
         return 2
     t_begin = time.monotonic()
     print(f"bench/congestion.py: scenarios {scenarios}, cc {args.ccs}, transport {args.transport}, queue to w0 "
-          f"{args.queue_rate:g} Mbit/s / {args.buffer} KiB / mark {args.mark} KiB, {os.cpu_count()} CPUs "
+          f"{args.queue_rate:g} Mbit/s / {args.buffer} KiB / mark {args.mark} KiB"
+          f"{' / delaying' if args.delay else ''}, {os.cpu_count()} CPUs "
           f"(workers not pinned), {PYTHON}", flush=True)
     results: dict = {}
     failures: list[str] = []

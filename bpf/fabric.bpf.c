@@ -18,11 +18,14 @@
  * src, dst, all-gather or not).  An ECN-capable frame (ECT(0) or ECT(1), any
  * IPv4/IPv6 protocol) the queue admits while the backlog would pass `mark` is
  * set to CE (RFC 3168), as an AQM switch marks instead of dropping.  The
- * queue decides drops and marks only; it never delays a frame.  TCP, UDP and
- * everything else unicast are treated alike.  A frame that survives is
- * forwarded: XDP_REDIRECT to its egress port (a switch in XDP: no skb, bridge
- * or netfilter work per frame); what the fdb does not know goes up to the
- * Linux bridge with XDP_PASS.
+ * virtual queue decides drops and marks; it cannot hold a frame.  With
+ * FABRIC_F_DELAY a unicast frame it admits goes up to the Linux bridge
+ * (XDP_PASS), and the port's qdisc, a TBF at the same rate that userspace
+ * sets, delays it: a real queue, which the virtual one shadows to mark and
+ * drop.  TCP, UDP and everything else unicast are treated alike.  Otherwise a
+ * frame that survives is forwarded by XDP_REDIRECT to its egress port (a
+ * switch in XDP: no skb, bridge or netfilter work per frame); what the fdb
+ * does not know goes up to the bridge with XDP_PASS.
  *
  * Broadcast and multicast frames: DBLP DATA to every rank (dst DBLP_DST_ALL,
  * a broadcast all-gather) is replicated here to every other port through the
@@ -154,8 +157,9 @@ static __always_inline int in_burst(struct fabric_cfg *cfg, u64 now)
 }
 
 /* Apply egress port `out_if`'s faults to a frame: 0 forward it (set to CE
- * first if the queue admitted it past its mark and it is ECN-capable), 1 drop it
- * (counted either way), -1 the port has no state (forward, counted PASS).
+ * first if the queue admitted it past its mark and it is ECN-capable), 2 the
+ * same through the port's delaying qdisc (FABRIC_F_DELAY), 1 drop it (counted
+ * either way), -1 the port has no state (forward, counted PASS).
  * `bcast`: a copy of a broadcast frame (its early-drop budget is per port). */
 static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u32 out_if, int bcast)
 {
@@ -270,7 +274,7 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	if (ce && mark_ce(eth, data_end))
 		count(out_if, FABRIC_C_MARK, len);
 	count(out_if, FABRIC_C_PASS, len);
-	return 0;
+	return (cfg->flags & FABRIC_F_DELAY) ? 2 : 0;
 }
 
 /* Ingress of every port: unicast by the fdb, broadcast DBLP DATA to the devmap. */
@@ -304,12 +308,15 @@ int fabric(struct xdp_md *ctx)
 	}
 	u32 out_if = *egress;
 	int verdict = faults(eth, data_end, len, out_if, 0);
-	if (verdict < 0)
+	if (verdict == 1)
+		return XDP_DROP;
+	if (verdict)  /* no state, or the bridge's fdb takes it to the delaying qdisc */
 		return XDP_PASS;
-	return verdict ? XDP_DROP : bpf_redirect(out_if, 0);
+	return bpf_redirect(out_if, 0);
 }
 
-/* Egress of a broadcast copy (the devmap's program): that port's faults. */
+/* Egress of a broadcast copy (the devmap's program): that port's faults; a
+ * copy is never delayed (XDP_PASS here transmits it). */
 int fabric_egress(struct xdp_md *ctx)
 {
 	void *data_end = (void *)(long)ctx->data_end;
@@ -318,5 +325,5 @@ int fabric_egress(struct xdp_md *ctx)
 
 	if (parse_ethhdr(&nh, data_end, &eth) < 0)
 		return XDP_PASS;
-	return faults(eth, data_end, dblp_frame_len(ctx), ctx->egress_ifindex, 1) > 0 ? XDP_DROP : XDP_PASS;
+	return faults(eth, data_end, dblp_frame_len(ctx), ctx->egress_ifindex, 1) == 1 ? XDP_DROP : XDP_PASS;
 }

@@ -20,6 +20,7 @@
 #define FABRIC_F_GE    (1 << 0)  /* Gilbert-Elliott loss on */
 #define FABRIC_F_QUEUE (1 << 1)  /* virtual queue on (rate, buffer) */
 #define FABRIC_F_DSCP  (1 << 2)  /* early drop by the IP header's DSCP (dscp_prio), not the DBLP prio */
+#define FABRIC_F_DELAY (1 << 3)  /* admitted unicast goes up the bridge to the port's qdisc, which delays it */
 #define FABRIC_NDSCP   64
 
 /* counter causes (fabric_ckey.cause) */

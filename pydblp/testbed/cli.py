@@ -32,6 +32,8 @@ examples:
   dblp fault burst --ratio 0.9 --duration 100ms --in 2s --every 1s --count 5
   dblp fault queue --rate 1gbit --buffer 256k       virtual egress queue, priority early drop
   dblp fault queue --rate 100mbit --mark 32k        ECN too: CE-mark ECT frames past 32 KiB
+  dblp fault queue --rate 1gbit --mark 32k --delay --port w0
+                                                    a real buffer: frames wait, as at a switch
   dblp fault clear                                  remove every fault
   dblp fault stats                                  per port and cause: packets dropped/passed
 
@@ -203,6 +205,9 @@ def add_fault(sub) -> None:
     a.add_argument("--mark", metavar="SIZE",
                    help="ECN: set CE on ECN-capable frames admitted past this backlog, e.g. 32k "
                         "(at most --buffer; default 0: no marking)")
+    a.add_argument("--delay", action="store_true",
+                   help="the queue also holds frames: a TBF at --rate with room for --buffer on the port, "
+                        "as a switch's buffer (default: drops and marks only, no frame waits)")
     add("clear", "remove faults (and reset queue and Gilbert-Elliott state)")
     a = add("stats", "counters per port and cause")
     a.add_argument("--json", action="store_true", help="machine-readable")
@@ -248,9 +253,10 @@ def cmd_fault(args) -> int:
                     thr = [int(x) for x in args.thresholds.split(",")]
                 except ValueError:
                     raise UsageError("--thresholds: 8 comma-separated integers (bytes)") from None
-            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark)
+            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark, delay=args.delay)
             ecn = f" ECN mark {args.mark}" if mark else ""
-            print(f"{tb.name}: virtual queue rate {args.rate} buffer {args.buffer}{ecn} on {where}")
+            kind = "delaying queue" if args.delay else "virtual queue"
+            print(f"{tb.name}: {kind} rate {args.rate} buffer {args.buffer}{ecn} on {where}")
         elif args.action == "clear":
             tb.clear(port=port)
             print(f"{tb.name}: faults cleared on {where}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -58,6 +59,9 @@ HOST_SYSCTLS = {"net.core.netdev_max_backlog": 10000}  # raised while any testbe
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 MAX_WORKERS = 250
 TBF_LATENCY_S = 0.05             # TBF queue: 50 ms at the rate
+DELAY_BURST = 16 * 1024          # a delaying port's TBF: bytes it may pass at once (at least 4 frames) ...
+DELAY_BURST_S = 4.0              # ... and at most this long at its rate (the kernel caps a TBF's at 2**32 ns)
+NTF_MASTER, NUD_NOARP = 0x04, 0x40  # a bridge fdb entry: the bridge's, static
 VETH_NATIVE_XDP_MAX_MTU = 3506   # veth native XDP for single-buffer programs (kernels before 5.18)
 
 _live: set["Testbed"] = set()
@@ -538,6 +542,8 @@ class Testbed:
                         peer={"ifname": "eth0", "net_ns_fd": self.ns(i), "address": worker_mac(i), **qs})
                 idx = ip.link_lookup(ifname=port)[0]
                 ip.link("set", index=idx, mtu=self.mtu, master=br)
+                # the bridge knows every worker (no flooding of what the fabric passes up to it)
+                ip.fdb("add", ifindex=idx, lladdr=worker_mac(i), flags=NTF_MASTER, state=NUD_NOARP)
                 ports[port] = idx
             ip.link("set", index=br, mtu=self.mtu, state="up")
         self.state["ports"] = ports
@@ -622,12 +628,68 @@ class Testbed:
         return self.fabric.burst(ratio=ratio, duration=duration, at=at, delay=delay,
                                  every=every, count=count, port=port)
 
-    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, mark=None) -> None:
-        """:meth:`Fabric.queue`; ``mark``: CE-mark ECN-capable frames admitted past this backlog."""
-        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port, mark=mark)
+    def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, mark=None,
+              delay: bool = False) -> None:
+        """:meth:`Fabric.queue` on ``port`` (every port if None).
+
+        Args:
+            mark: CE-mark ECN-capable frames admitted past this backlog (bytes or '32k').
+            delay: the queue also holds frames, as a switch's buffer does: a TBF draining at
+                ``rate`` with room for ``buffer`` (and two frames) on the switch-side port, to
+                which the fabric hands what its virtual queue admits through the bridge.  The
+                virtual queue still decides marks and drops, shadowing the TBF's backlog; frames
+                of a broadcast all-gather are not delayed.  Off (the default), frames are
+                forwarded by XDP and never wait: loss and marks only.
+        """
+        bits, size = _fabric.parse_rate(rate), _fabric.parse_size(buffer)
+        if delay and bits:
+            self._delay_burst(bits // 8)  # refused before anything changes
+        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port, mark=mark, delay=delay)
+        for idx in self.fabric._ifindexes(port):
+            self._delay_qdisc(idx, bits // 8 if delay else 0, size)
 
     def clear(self, port=None) -> None:
         self.fabric.clear(port=port)
+        for idx in self.fabric._ifindexes(port):
+            self._delay_qdisc(idx, 0, 0)
+
+    def _delay_qdisc(self, idx: int, rate: int, buffer: int) -> None:
+        """A TBF of ``rate`` bytes/s holding ``buffer`` bytes on switch port ``idx``; 0: none."""
+        frame = self.mtu + 14
+        with net.ipr(self.switch_ns) as ip:
+            if rate:
+                ip.tc("replace", "tbf", idx, 0x10000, rate=rate, burst=self._delay_burst(rate),
+                      limit=buffer + 2 * frame)
+                return
+            try:
+                ip.tc("del", index=idx, root=True)
+            except Exception as e:  # pyroute2's NetlinkError carries the errno in .code
+                if getattr(e, "code", None) not in (errno.ENOENT, errno.EINVAL):  # none there
+                    raise
+
+    def _delay_burst(self, rate: int) -> int:
+        """Bytes a delaying queue of ``rate`` bytes/s passes at once: DELAY_BURST (4 frames at
+        least), at most DELAY_BURST_S of the rate; a TestbedError if that is not one frame."""
+        frame = self.mtu + 14
+        burst = min(max(DELAY_BURST, 4 * frame), int(rate * DELAY_BURST_S))
+        if burst < frame:
+            raise TestbedError(f"a delaying queue at {rate * 8} bit/s cannot pass a {frame}-byte frame: "
+                               f"use a rate of {frame * 8 / DELAY_BURST_S:.0f} bit/s or more")
+        return burst
+
+    def delay_stats(self, port) -> dict:
+        """The delaying qdisc on ``port`` (:meth:`queue` with ``delay``): ``packets`` and ``bytes``
+        it sent, ``drops``, ``backlog`` bytes now; {} when the port has none."""
+        (idx,) = self.fabric._ifindexes(port)
+        with net.ipr(self.switch_ns) as ip:
+            for q in ip.get_qdiscs(index=idx):
+                if q.get_attr("TCA_KIND") != "tbf":
+                    continue
+                st = q.get_attr("TCA_STATS2")
+                basic, queue = st.get_attr("TCA_STATS_BASIC"), st.get_attr("TCA_STATS_QUEUE")
+                return {"packets": basic["packets"], "bytes": basic["bytes"], "drops": queue["drops"],
+                        "backlog": queue["backlog"]}
+        return {}
 
     def stats(self, reset: bool = False) -> dict:
         return self.fabric.stats(reset=reset)

@@ -32,6 +32,7 @@ NPRIO = 8
 F_GE = 1 << 0
 F_QUEUE = 1 << 1
 F_DSCP = 1 << 2
+F_DELAY = 1 << 3
 NDSCP = 64
 
 # counter causes (bpf/fabric.h FABRIC_C_*)
@@ -117,7 +118,8 @@ class PortConfig:
                             "count": self.burst_count or None}
         if self.flags & F_QUEUE:
             out["queue"] = {"rate_bps": self.rate * 8, "buffer": self.buffer, "thresh": list(self.thresh),
-                            "classify": "dscp" if self.flags & F_DSCP else "header", "mark": self.mark}
+                            "classify": "dscp" if self.flags & F_DSCP else "header", "mark": self.mark,
+                            "delay": bool(self.flags & F_DELAY)}
         return out
 
 
@@ -277,7 +279,7 @@ class Fabric:
         return start_ns / 1e9
 
     def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, classify: str = "header",
-              dscp="default", mark=None) -> None:
+              dscp="default", mark=None, delay: bool = False) -> None:
         """Virtual queue on the egress port: drain at ``rate`` (bits/s or '1gbit'), ``buffer`` bytes.
 
         ``thresholds``: early-drop backlog per DBLP prio (8 values, bytes; prio 0
@@ -289,6 +291,9 @@ class Fabric:
         ``mark``: ECN, bytes or a size ('32k', at most ``buffer``): an ECN-capable frame (ECT(0) or
         ECT(1), any IP protocol) admitted while the backlog would pass it is set to CE, counted
         ``mark``; None or 0: no marking.  Not-ECT frames only meet the drops.
+        ``delay``: admitted unicast frames go up the switch's bridge (XDP_PASS) instead of
+        straight to the port, so a qdisc on the port can delay them; the qdisc is the caller's
+        (:meth:`pydblp.testbed.Testbed.queue` sets a TBF at ``rate``).
         """
         if classify not in ("header", "dscp"):
             raise FabricError(f"classify {classify!r}: use header or dscp")
@@ -315,6 +320,7 @@ class Fabric:
             cfg.thresh = thresholds if bits else (0,) * NPRIO
             cfg.flags = (cfg.flags | F_QUEUE) if bits else (cfg.flags & ~F_QUEUE)
             cfg.flags = (cfg.flags | F_DSCP) if bits and classify == "dscp" else (cfg.flags & ~F_DSCP)
+            cfg.flags = (cfg.flags | F_DELAY) if bits and delay else (cfg.flags & ~F_DELAY)
             cfg.dscp_prio = dscp_prio
             cfg.mark = ce if bits else 0
             self.maps["port_cfg"].update(U32.pack(idx), cfg.pack())

@@ -125,6 +125,8 @@ def test_queue_mark_parsed_and_checked_against_the_buffer():
         assert msg in str(e.value) and "\n" not in str(e.value)
     c = fb.PortConfig(flags=fb.F_QUEUE, rate=125_000, buffer=65536, mark=32768)
     assert fb.PortConfig.unpack(c.pack()) == c and c.describe()["queue"]["mark"] == 32768
+    assert c.describe()["queue"]["delay"] is False
+    assert fb.PortConfig(flags=fb.F_QUEUE | fb.F_DELAY).describe()["queue"]["delay"] is True
     assert fb.CAUSES[fb.C_MARK] == "mark" and "mark" not in fb.DROP_CAUSES  # a mark forwards the frame
 
 
