@@ -134,6 +134,10 @@ class Config:
                                      # of the tensor's chunks drawn per round, the same on every rank, so a
                                      # loss bound's cut and a burst fall on different chunks each round) or
                                      # "rows" (the tensor's order: a cut drops the same tail every round)
+    stagger: bool = True             # each sender lays out its reduce-scatter and neighbour messages from
+                                     # its own start (rank * n // world) round to the end and on from 0,
+                                     # so a cut at the bound, or a paced stream stopped, leaves different
+                                     # rows out of each sender's contribution, not the same tail of all
     priority: str = "magnitude"      # "magnitude", "position", "layer" (the model's structure, absolute:
                                      # Collective.set_layers / pydblp.torch.State.register_model) or "none"
     dscp: object = "off"             # DSCP per priority on the wire (pydblp.dscp): "off" (0, default),
@@ -208,6 +212,8 @@ class Config:
         if self.fill == "carry" and not (self.consistent and self.allgather_bound):
             raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
                              "and allgather_bound=True, or use fill 'stale' or 'local'")
+        if not isinstance(self.stagger, bool):
+            raise ValueError(f"stagger {self.stagger!r}: use True or False")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback {self.error_feedback!r}: use True or False")
         if self.error_feedback and self.estimator != "zero":

@@ -35,7 +35,7 @@ from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN,
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, p, p, p, p, p, p, p, p]
+    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, p, p, p, p, p, p]
     lib.dblp_absorb.restype = i64
 
 
@@ -69,11 +69,14 @@ class Matcher:
         chunk_bytes: the payload of a DATA packet.
         broadcast: all-gather DATA may come to ``wire.DST_ALL`` (a broadcast all-gather).
         counters: the collective's counters, updated in place.
+        stagger: senders start their reduce-scatter and neighbour messages at chunk
+            ``src * n // world`` (``Config.stagger``): a message's progress is counted from there.
     """
 
     def __init__(self, rank: int, world: int, job: int, chunk_bytes: int, broadcast: bool, counters: dict,
-                 native: bool | None = None):
+                 native: bool | None = None, stagger: bool = False):
         self.rank, self.world, self.job, self.broadcast = rank, world, job, broadcast
+        self.stagger = stagger
         self._lib = native_mod.choose(native, None if native is False else native_lib(), "matcher")
         self.native = self._lib is not None
         self._got = np.zeros((3, 2 * world), np.int64)  # the compiled absorb's counts, bounds, rows
@@ -178,7 +181,7 @@ class Matcher:
             self._addrs = (st, rs, (
                 int(self.broadcast), self.rank, W, self.C * 4, int(not rs),
                 _addr(st.rflat) if rs else None, _addr(st.rmflat) if rs else None,
-                st.rmask.shape[1] if rs else 0, int(gather),
+                st.rmask.shape[1] if rs else 0, int(self.stagger), int(gather),
                 _addr(st.y) if gather else None, _addr(st.have) if gather else None,
                 _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
                 *self._fixed))
@@ -400,7 +403,8 @@ class Matcher:
         row = slot * n + chunk
         st.rflat[row] = self._chunks(pay, prow)
         st.rmflat[row] = True
-        np.maximum.at(st.hi[0], src, chunk + 1)
+        sent = (chunk - src * n // self.world) % n if self.stagger else chunk  # in the sender's send order
+        np.maximum.at(st.hi[0], src, sent + 1)
         hi = st.hi[0].tolist()
         count = st.rmask.sum(axis=1).tolist()
         advanced = []

@@ -43,22 +43,25 @@ class OutMessage:
         rnd: the round number.
         tensor: the tensor id.
         nb: a neighbour round's message (flag ``NEIGHBOUR``; ``ag`` is False).
+        first: the chunk its first send starts at (``Config.stagger``); the sends go on to the
+            end and wrap to 0, and ``sent`` counts them in that order.  0: chunk order.
     """
 
     def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int,
-                 nb: bool = False):
+                 nb: bool = False, first: int = 0):
         self.ag, self.dst, self.rows, self.prio, self.tol8, self.nb = ag, dst, rows, prio, tol8, nb
         self.flag = AG if ag else NB if nb else 0  # the header flag marking its kind of message
         self.rnd, self.tensor = rnd, tensor
         self.n = len(rows)
         self.need = self.n - self.n * tol8 // 255
-        self.sent = 0
+        self.first = first % self.n if self.n else 0
+        self.sent = 0                        # first sends made, in send order (from ``first``)
         self.avail = self.n                  # chunks that may go out now (the rest are held back)
         self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
         self.nretx = 0
         self.acked = None                    # chunks a BITMAP said arrived (made by the first one)
         self.seq = None                      # per chunk: its latest send's number (first sends: 0..n-1, in
-        self.t_rtx = None                    # chunk order), and when its latest retransmission went
+        self.t_rtx = None                    # send order), and when its latest retransmission went
         self.nseq = self.n                   # the next retransmission's number (both made by the first BITMAP)
         self.rtt = None                      # s from a retransmission to the BITMAP showing it in (latest)
         self.done = self.n == 0
@@ -76,6 +79,14 @@ class OutMessage:
         self.used = None       # reduce-scatter, error feedback: the chunks the owner's estimate used
                                # (its FINAL BITMAP); None: not heard
 
+    def chunks(self, start: int, stop: int) -> np.ndarray:
+        """The chunks of first sends ``start`` .. ``stop - 1`` (in send order)."""
+        idx = np.arange(start, stop)
+        if self.first:
+            idx += self.first
+            idx[idx >= self.n] -= self.n
+        return idx
+
     def bitmap(self, first: int, bits: np.ndarray, now: float, wait: float = 0.0) -> bool:
         """Take in a BITMAP: ``bits`` (bool, bit i = chunk ``first + i`` arrived) at ``now``.
 
@@ -88,10 +99,14 @@ class OutMessage:
             True once the acknowledged chunks reach ``need`` (the caller ends the message).
         """
         self.t_heard = now
-        bits = bits[: max(0, min(self.n, self.sent) - first)]
         if self.acked is None:
             self.acked, self.retx = np.zeros(self.n, bool), np.zeros(self.n, bool)
-            self.seq, self.t_rtx = np.arange(self.n, dtype=np.int64), np.zeros(self.n)
+            self.seq, self.t_rtx = np.roll(np.arange(self.n, dtype=np.int64), self.first), np.zeros(self.n)
+        if self.first:  # (chunks not sent yet may lie anywhere: their bits are ignored)
+            seq = self.seq[first: first + len(bits)]
+            bits = bits[: max(0, self.n - first)] & ((seq < self.sent) | (seq >= self.n))
+        else:
+            bits = bits[: max(0, min(self.n, self.sent) - first)]
         seg = slice(first, first + len(bits))
         new = bits & ~self.acked[seg]
         self.acked[seg] |= bits
@@ -108,7 +123,7 @@ class OutMessage:
         (``new``: the chunks it shows in for the first time).
 
         Packets to one peer travel one path in order, so a missing chunk sent before one
-        the receiver has (by send number: first sends in chunk order, then each
+        the receiver has (by send number: first sends in send order, then each
         retransmission) is lost.  One sent after it may still wait in this host's queue or
         on the wire (a long repair queued at line rate; a probe's BITMAP overtakes it; a
         NACK sent while this rank's own pacer held the rest): it counts as lost only once it
@@ -119,7 +134,7 @@ class OutMessage:
         seq = self.seq[seg]
         resent = seq >= self.n
         got = self.acked[seg]
-        miss = ~got
+        miss = ~got & (resent | (seq < self.sent))  # (a staggered message's unsent chunks lie in seg)
         shown = new & resent  # retransmissions this BITMAP shows arrived: a round-trip sample
         if shown.any():
             j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]
@@ -175,7 +190,7 @@ class InMessage:
         self.flag = AG if ag else NB if nb else 0
         self.skipped = False   # neighbour round: left out (below its bound at the round's timeout)
         self.count = 0
-        self.hi = 0            # 1 + the highest chunk seen (senders send in chunk order)
+        self.hi = 0            # 1 + the furthest chunk seen in its sender's send order (from its ``first``)
         self.t_data = 0.0      # when a new chunk last arrived
         self.t_first = None    # when its first chunk arrived (a neighbour round's next deadline starts from it)
         self.t_nack = 0.0      # when the last unsolicited BITMAP went out

@@ -101,7 +101,7 @@ class Protocol:
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
                                        "stray", "rx_errors", "ce_received", "fed_back"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
-        self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters)
+        self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters, stagger=c.stagger)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
@@ -242,7 +242,8 @@ class Protocol:
         for k, (a, b) in enumerate(bounds):
             if k != my:
                 rows = x[a:b]
-                st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor)
+                st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor,
+                                                 first=self._first(b - a))
         if kind.gather:
             self._expect_gather(st)
         return self._begin(st)
@@ -368,8 +369,13 @@ class Protocol:
         prio = self._prio(st, x, 0)
         for k, r in enumerate(peers):
             st.ins[(False, r)] = InMessage(False, r, st.rmask[k], nb=True)
-            st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True)
+            st.outs[(False, r)] = OutMessage(False, r, x, prio, st.tol8, rnd, tensor, nb=True, first=self._first(T))
         return self._begin(st)
+
+    def _first(self, n: int) -> int:
+        """Where this rank's reduce-scatter and neighbour messages of ``n`` chunks start
+        (``Config.stagger``; the receiver's matcher counts them from there too)."""
+        return self.rank * n // self.world if self.cfg.stagger else 0
 
     def _next_round(self) -> int:
         """The next round's number on the wire (wraps at 2**32)."""
@@ -634,7 +640,7 @@ class Protocol:
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
             if o.sent < o.avail and budget > 0:
-                idx = np.arange(o.sent, min(o.avail, o.sent + budget))
+                idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
                 if o.t_first is None:
                     o.t_first = now
                 o.sent += len(idx)

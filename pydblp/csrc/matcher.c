@@ -41,12 +41,14 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
  * bytes, row src * nrs + chunk) and its mask rmflat, unless reduced; all-gather
  * result y (rows of c4 bytes, row ag_first[src] + chunk of ag_n[src]) and its
  * mask have, if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
- * 1 all-gather) to 1 + the highest chunk, adds to got[kind * world + src], and
+ * 1 all-gather) to 1 + the furthest chunk in the sender's send order (with
+ * stagger, a reduce-scatter sender starts at chunk src * nrs / world and
+ * wraps; else chunk order), adds to got[kind * world + src], and
  * sets tol[kind * world + src] (-1 before) to the first such packet's bound.
  * Returns how many packets did not match (their rows in rest, in order), or -1. */
 int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t pstride, const uint64_t *mask,
                     const uint64_t *vals, int broadcast, int64_t rank, int64_t world, int64_t c4, int reduced,
-                    uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int gather, uint8_t *y, uint8_t *have,
+                    uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int stagger, int gather, uint8_t *y, uint8_t *have,
                     const int64_t *ag_first, const int64_t *ag_n, int64_t *hi, int64_t *got, int64_t *tol,
                     int64_t *rest) {
     int64_t nrest = 0;
@@ -72,7 +74,7 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         const uint8_t *h = hdrs + i * HEADER_LEN;
         uint32_t src = be16(h + 14), chunk = be32(h + 20);
         int kind = (h[31] & AG) ? 1 : 0;
-        int64_t row;
+        int64_t row, sent = chunk; /* its place in the sender's send order */
         if (kind) {
             row = ag_first[src] + chunk;
             memcpy(y + row * c4, pay + i * pstride, c4);
@@ -81,11 +83,15 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
             row = (int64_t)src * nrs + chunk;
             memcpy(rflat + row * c4, pay + i * pstride, c4);
             rmflat[row] = 1;
+            if (stagger) {
+                sent -= (int64_t)src * nrs / world;
+                if (sent < 0) sent += nrs;
+            }
         } else {
             continue; /* contributions to a shard already reduced: nothing to do (as matcher.py) */
         }
         int64_t k = kind * world + src;
-        if ((int64_t)chunk + 1 > hi[k]) hi[k] = chunk + 1;
+        if (sent + 1 > hi[k]) hi[k] = sent + 1;
         got[k]++;
         if (tol[k] < 0) tol[k] = h[30];
     }

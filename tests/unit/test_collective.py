@@ -339,11 +339,14 @@ def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want):
 
 
 class Rank0:
-    """Rank 0 of a 2-rank collective whose protocol state the test drives by hand (no peer runs)."""
+    """Rank 0 of a 2-rank collective whose protocol state the test drives by hand (no peer runs).
+    Rank 1's messages come in chunk order (``stagger`` False) unless ``stagger``: then rank 1's
+    reduce-scatter message starts at chunk 50 of 100."""
 
-    def __init__(self, tol=0.05):
+    def __init__(self, tol=0.05, stagger=False):
         self.t = UdpTransport(port=0)
-        self.col = Protocol(self.t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 1)], Config(phase=f"static:{tol}"))
+        self.col = Protocol(self.t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 1)],
+                            Config(phase=f"static:{tol}", stagger=stagger))
         self.st = self.col.start(np.zeros(200 * self.col.C, np.float32), 0, True)
 
     def data(self, chunks, now, ag=False):
@@ -372,6 +375,32 @@ def rank0():
     r = Rank0()
     yield r
     r.close()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_staggered_message_is_counted_from_its_first_chunk(native):
+    """Rank 1 starts at chunk 50: its chunks 50..99 then 0..29 arrived (80 sent in its order),
+    so the receiver counts hi 80, not 100, and waits for 20 more before it NACKs; a gap inside
+    what was sent (40..44 of the wrap-around) is out of reach as in chunk order."""
+    r = Rank0(stagger=True)
+    try:
+        r.col.matcher = type(r.col.matcher)(0, 2, 1, r.col.cfg.chunk_bytes, False, r.col.counters, native=native,
+                                            stagger=True)
+        if native and not r.col.matcher.native:
+            pytest.skip("no compiled matcher here")
+        r.data([*range(50, 100), *range(0, 30)], 100.0)
+        inn = r.st.ins[(False, 1)]
+        assert (inn.count, inn.hi, inn.need) == (80, 80, 96)
+        r.col.nacks(r.st, 100.01)
+        assert r.sent() == []  # the 20 not sent yet can still make the bound
+        r.data([*range(30, 40), *range(45, 50)], 100.011)
+        assert (inn.count, inn.hi) == (95, 100)
+        r.col.nacks(r.st, 100.02)
+        (kind, dst, first, bits), = r.sent()
+        assert (kind, dst, first) == (wire.Kind.BITMAP, 1, 0)
+        np.testing.assert_array_equal(np.flatnonzero(~bits[:100].astype(bool)), [40, 41, 42, 43, 44])
+    finally:
+        r.close()
 
 
 def test_receiver_nacks_once_the_bound_is_out_of_reach(rank0):
@@ -922,6 +951,47 @@ def test_a_bound_cut_falls_on_other_rows_each_round_when_shuffled(ranks, order):
     else:
         assert lost_rows == 0 and exact[shard].min() >= 1
         assert exact[shard].mean() < 8  # (and some rows did lose a round's contribution)
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_a_cut_after_the_same_share_of_every_sender_leaves_no_row_to_its_owner_alone(ranks, stagger):
+    """4 ranks, bound 40 %, unbiased estimator: every reduce-scatter message loses its sends past
+    the first 70 % (as when an owner STOPs senders going at one pace).  In chunk order that is
+    the same 30 % of rows from every sender: their estimate is the owner's own contribution.
+    Staggered, each sender's lost 30 % starts elsewhere: every row has another rank's."""
+    W = 4
+    rk = ranks(W, phase="static:0.4", stagger=stagger)
+
+    def late(h):
+        n = h["nchunks"].astype(np.int64)
+        order = h["chunk"].astype(np.int64)
+        if stagger:
+            order = (order - h["src"].astype(np.int64) * n // W) % n
+        return ((h["kind"] == wire.Kind.DATA) & ((h["flags"] & (wire.Flag.ALLGATHER | wire.Flag.RETX)) == 0)
+                & (order * 10 >= n * 7))
+
+    for t in rk.ts:
+        lose_sent(t, late)
+    xs = inputs(W, 40_000, seed=9)[0]
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[r]))
+    assert not errs
+    C = rk.cols[0].C
+    T = -(-40_000 // C)
+    bounds = [k * T // W for k in range(W + 1)]  # the shards (rows stay in theirs when shuffled)
+    pad = np.zeros((W, T * C), np.float32)
+    for r in range(W):
+        pad[r, :40_000] = xs[r]
+    got = np.zeros(T * C, np.float32)
+    got[:40_000] = res[0]
+    alone = 0  # rows whose estimate is their owner's contribution, none of the others'
+    for k in range(W):
+        rows = slice(bounds[k], bounds[k + 1])
+        own = pad[k].reshape(T, C)[rows]
+        alone += np.isclose(got.reshape(T, C)[rows], own, atol=1e-6).all(axis=1).sum()
+    if stagger:
+        assert alone == 0
+    else:
+        assert alone >= 0.25 * T
 
 
 @pytest.mark.parametrize("mode", ["tar", "ps"])
