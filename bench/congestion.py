@@ -3,7 +3,9 @@
 
 Every scenario puts a virtual queue on the switch port towards worker w0 (the fabric's
 ``tb.queue``: drains at ``--queue-rate``, default 1 Gbit/s, drop-tail beyond ``--buffer`` KiB,
-ECN CE marks on ECN-capable frames admitted past ``--mark`` KiB) and runs under each
+ECN CE marks on ECN-capable frames admitted past ``--mark`` KiB; with ``--delay`` the frames it
+admits also wait in a TBF at that rate, as at a switch's buffer, so TCP and pydblp see queueing
+delay) and runs under each
 ``--cc`` setting in turn (``Config(cc="off")``: today's pydblp, loss within the bound ignored;
 ``Config(cc="ecn")``: senders send ECT(0), receivers echo CE counts in STOPs and each sender
 paces each destination DCTCP-style, ``pydblp.collective.cc``).  The comparator is the other
@@ -55,6 +57,7 @@ Every phase has a deadline after which its processes are killed by pid.  Needs r
 Examples:
 
     .venv/bin/python bench/congestion.py --seconds 5 --scenario tcp          # a smoke run
+    .venv/bin/python bench/congestion.py --delay                              # a queue that delays
     .venv/bin/python bench/congestion.py --scenario tcp,jobs --seconds 30 --json tcp.json
     .venv/bin/python bench/congestion.py --scenario incast --senders 3,7 --rounds 30
     .venv/bin/python bench/congestion.py --scenario tcp --tcp-ecn --cc ecn   # TCP with ECN too
