@@ -126,6 +126,16 @@ def send(tb, to: tuple[str, int], tos_of_seq, payload=lambda i: struct.pack("!I"
             s.close()
 
 
+def received(tb, tos: int = ECT0) -> dict[int, int]:
+    """Send the N datagrams from w0 to a fresh socket on w1, all with TOS ``tos``: what arrived."""
+    rx = receiver(tb)
+    try:
+        send(tb, rx.getsockname(), lambda i: tos)
+        return tos_of(rx)
+    finally:
+        rx.close()
+
+
 def queue(tb) -> None:
     """A drop-tail queue to w1 that drains at 1 byte/s: over a test, the backlog only grows."""
     tb.queue(8, buffer=BUFFER, thresholds=[0] * 8, port="w1", mark=MARK)
@@ -205,13 +215,7 @@ def test_no_mark_no_ce(clean):
     """The same overload without a mark: ECN-capable datagrams only meet the drops."""
     tb = clean
     tb.queue(8, buffer=BUFFER, thresholds=[0] * 8, port="w1")
-    rx = receiver(tb)
-    try:
-        send(tb, rx.getsockname(), lambda i: ECT0)
-        got = tos_of(rx)
-    finally:
-        rx.close()
-    assert got == {i: ECT0 for i in (*UNMARKED, *MARKED)}
+    assert received(tb) == {i: ECT0 for i in (*UNMARKED, *MARKED)}
     assert "mark" not in tb.stats()["w1"]
 
 
