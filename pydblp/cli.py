@@ -504,6 +504,9 @@ def _add_experiment(sub):
     p.add_argument("--order", choices=["shuffle", "rows"],
                    help="pydblp runs: the chunks' order in a message: shuffle (default: a permutation per round, so "
                         "a bound's cut and a burst hit other rows each round) or rows (the tensor's order)")
+    p.add_argument("--stagger", choices=["on", "off"],
+                   help="pydblp runs: each sender starts its messages at its own chunk (on, default: a cut that "
+                        "stops every sender at once leaves out other rows of each) or at chunk 0 (off)")
     p.add_argument("--consistency", help="replica consistency: allgather (default, paper: sharded; identical results "
                                          "on every rank), "
                                          "allgather:bound (the same, the all-gather stops at the round's bound; "
@@ -565,7 +568,7 @@ def _experiment_options(args):
             raise UsageError(f"--arms takes gloo, static, dblp (got {args.arms!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
                                        "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "g_over",
-                                       "estimator", "order", "consistency", "mode", "allgather", "target", "seed")}
+                                       "estimator", "order", "stagger", "consistency", "mode", "allgather", "target", "seed")}
     eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
     ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio
     k_top = 1 - eff["p_low"]

@@ -68,6 +68,7 @@ class Options:
     g_over: str = "step"            # DBLP's G: the measured step's ("step") or the window's mean ("window")
     estimator: str = "unbiased"
     order: str = "shuffle"          # pydblp Config.order: "shuffle" or "rows"
+    stagger: str = "on"             # pydblp Config.stagger: "on" or "off"
     mode: str = "tar"               # pydblp Config.mode: "tar" or "ps" (DBLP's setup)
     allgather: str = "unicast"      # pydblp Config.allgather: "broadcast" sends to the testbed's group address
     consistency: str = "allgather"  # "allgather" (identical results: Config.consistent), "none" (the
@@ -254,7 +255,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
                       str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
                       "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator,
-                      "--order", opt.order, "--consistency", opt.consistency,
+                      "--order", opt.order, "--stagger", opt.stagger, "--consistency", opt.consistency,
                       *(("--batch", str(opt.batch)) if opt.batch else ()), "--relax", arm.relax,
                       "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),

@@ -64,6 +64,7 @@ def parse(argv=None):
     p.add_argument("--consistency", default="allgather", help=f"{CONSISTENCY_USE} (see consistency())")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
+    p.add_argument("--stagger", choices=["on", "off"], default="on", help="pydblp Config.stagger")
     p.add_argument("--cc", choices=["ecn", "off"], default="ecn", help="pydblp Config.cc (congestion control)")
     p.add_argument("--relax", choices=RELAX, default="none",
                    help="pydblp runs' relaxed rounds: none, ef (Config.error_feedback, estimator zero), rotate "
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
             phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
                                                                            g_over=a.g_over)
             cfg = Config(job=11, phase=phase, **knobs, **relax_knobs(a.relax, a.estimator), order=a.order,
+                         stagger=a.stagger == "on",
                          peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(

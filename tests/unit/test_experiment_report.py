@@ -118,7 +118,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
                   "--burst-ratio", "0.7,0.8", "--consistency", "broadcast:5"])
         cli.main(["experiment", "--consistency", "sharded:whole"])
         cli.main(["experiment", "--rate", "0", "--algo", "fsdp", "--consistency", "none"])
-        cli.main(["experiment", "--via", "backend"])
+        cli.main(["experiment", "--via", "backend", "--stagger", "off"])
     finally:
         signal.signal(signal.SIGTERM, old)
     paper, base = runner.SCENARIOS["paper"], runner.Options()
@@ -131,6 +131,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
     assert seen[2].consistency == "sharded:whole"
     assert (seen[3].rate_mbit, seen[3].algo, seen[3].consistency) == (0.0, "fsdp", "none")  # 0: no link limit
     assert (seen[4].via, seen[4].algo, base.via, base.algo) == ("backend", "ddp", "hook", "ddp")
+    assert (seen[4].stagger, seen[0].stagger, base.stagger) == ("off", "on", "on")
 
 
 def test_ge_params_give_the_asked_mean_loss_and_run_length():
