@@ -27,7 +27,7 @@ import numpy as np
 from pydblp import native as native_mod
 from pydblp import wire
 from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD, STASH_MAX
-from pydblp.collective.messages import InMessage
+from pydblp.collective.messages import InMessage, stagger_first
 from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
 from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR,
                          FLAG_TAG)
@@ -403,7 +403,7 @@ class Matcher:
         row = slot * n + chunk
         st.rflat[row] = self._chunks(pay, prow)
         st.rmflat[row] = True
-        sent = (chunk - src * n // self.world) % n if self.stagger else chunk  # in the sender's send order
+        sent = (chunk - stagger_first(src, n, self.world)) % n if self.stagger else chunk  # in send order
         np.maximum.at(st.hi[0], src, sent + 1)
         hi = st.hi[0].tolist()
         count = st.rmask.sum(axis=1).tolist()

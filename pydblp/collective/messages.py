@@ -31,6 +31,12 @@ class Control(NamedTuple):
     payload: bytes = b""   # STOP: the probe timeout estimate; BITMAP: arrival bits
 
 
+def stagger_first(rank, n, world):
+    """Where sender ``rank``'s staggered message of ``n`` chunks starts (``Config.stagger``);
+    ``rank`` may be an array (the matcher's senders).  csrc/matcher.c computes the same."""
+    return rank * n // world
+
+
 class OutMessage:
     """One outgoing message: rows of a shard to one peer, in round ``rnd`` of tensor ``tensor``.
 
@@ -102,11 +108,9 @@ class OutMessage:
         if self.acked is None:
             self.acked, self.retx = np.zeros(self.n, bool), np.zeros(self.n, bool)
             self.seq, self.t_rtx = np.roll(np.arange(self.n, dtype=np.int64), self.first), np.zeros(self.n)
-        if self.first:  # (chunks not sent yet may lie anywhere: their bits are ignored)
-            seq = self.seq[first: first + len(bits)]
-            bits = bits[: max(0, self.n - first)] & ((seq < self.sent) | (seq >= self.n))
-        else:
-            bits = bits[: max(0, min(self.n, self.sent) - first)]
+        bits = bits[: max(0, self.n - first)]
+        seq = self.seq[first: first + len(bits)]
+        bits = bits & ((seq < self.sent) | (seq >= self.n))  # a chunk not sent yet is never acked or resent
         seg = slice(first, first + len(bits))
         new = bits & ~self.acked[seg]
         self.acked[seg] |= bits
@@ -134,7 +138,7 @@ class OutMessage:
         seq = self.seq[seg]
         resent = seq >= self.n
         got = self.acked[seg]
-        miss = ~got & (resent | (seq < self.sent))  # (a staggered message's unsent chunks lie in seg)
+        miss = ~got & (resent | (seq < self.sent))  # (chunks not sent yet lie in seg)
         shown = new & resent  # retransmissions this BITMAP shows arrived: a round-trip sample
         if shown.any():
             j = seg.start + np.flatnonzero(shown)[seq[shown].argmax()]

@@ -35,7 +35,7 @@ from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRA
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
-from pydblp.collective.messages import Control, InMessage, OutMessage
+from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
 from pydblp.collective.rounds import (AllGatherRound, AllreduceRound, BroadcastRound, GatherRound, NeighbourRound,
                                       ReduceScatterRound, Round, ShardedRound, ShardRound)
 from pydblp.transport.base import Batch, DropLog, Transport
@@ -375,7 +375,7 @@ class Protocol:
     def _first(self, n: int) -> int:
         """Where this rank's reduce-scatter and neighbour messages of ``n`` chunks start
         (``Config.stagger``; the receiver's matcher counts them from there too)."""
-        return self.rank * n // self.world if self.cfg.stagger else 0
+        return stagger_first(self.rank, n, self.world) if self.cfg.stagger else 0
 
     def _next_round(self) -> int:
         """The next round's number on the wire (wraps at 2**32)."""

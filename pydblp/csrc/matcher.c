@@ -42,7 +42,8 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
  * result y (rows of c4 bytes, row ag_first[src] + chunk of ag_n[src]) and its
  * mask have, if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
  * 1 all-gather) to 1 + the furthest chunk in the sender's send order (with
- * stagger, a reduce-scatter sender starts at chunk src * nrs / world and
+ * stagger, a reduce-scatter sender starts at chunk src * nrs / world, as
+ * messages.stagger_first, and
  * wraps; else chunk order), adds to got[kind * world + src], and
  * sets tol[kind * world + src] (-1 before) to the first such packet's bound.
  * Returns how many packets did not match (their rows in rest, in order), or -1. */
