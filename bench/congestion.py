@@ -3,7 +3,8 @@
 
 Every scenario puts a virtual queue on the switch port towards worker w0 (the fabric's
 ``tb.queue``: drains at ``--queue-rate``, default 1 Gbit/s, drop-tail beyond ``--buffer`` KiB,
-ECN CE marks on ECN-capable frames admitted past ``--mark`` KiB; with ``--delay`` the frames it
+ECN CE marks on ECN-capable frames admitted past ``--mark`` KiB, and with ``--mark-drop`` drops of the
+Not-ECT ones there, as an ECN AQM; with ``--delay`` the frames it
 admits also wait in a TBF at that rate, as at a switch's buffer, so TCP and pydblp see queueing
 delay) and runs under each
 ``--cc`` setting in turn (``Config(cc="off")``: today's pydblp, loss within the bound ignored;
@@ -61,6 +62,7 @@ Examples:
     .venv/bin/python bench/congestion.py --scenario tcp,jobs --seconds 30 --json tcp.json
     .venv/bin/python bench/congestion.py --scenario incast --senders 3,7 --rounds 30
     .venv/bin/python bench/congestion.py --scenario tcp --tcp-ecn --cc ecn   # TCP with ECN too
+    .venv/bin/python bench/congestion.py --scenario tcp --delay --mark-drop  # an AQM: Not-ECT dropped at the mark
     .venv/bin/python bench/congestion.py --scenario sim-incast --rounds 10  # the simulator, no root
 """
 
@@ -313,7 +315,7 @@ def set_queue(tb: Testbed, args, thresholds=None) -> None:
     tb.clear()
     tb.queue(f"{args.queue_rate:g}mbit", buffer=args.buffer * 1024,
              thresholds=(0,) * 8 if thresholds is None else thresholds, port="w0", mark=args.mark * 1024,
-             delay=args.delay)
+             mark_drop=args.mark_drop, delay=args.delay)
     tb.stats(reset=True)
 
 
@@ -355,7 +357,7 @@ def cc_delta(phase: dict) -> dict:
 
 
 def port_totals(smp: Sampler, t0: float, t1: float) -> dict:
-    d = {c: float(np.diff(smp.at([t0, t1], c))[0]) for c in ("pass", "tail", "mark", "bound")}
+    d = {c: float(np.diff(smp.at([t0, t1], c))[0]) for c in ("pass", "tail", "mark", "mark_drop", "bound")}
     d["early"] = float(sum(np.diff(smp.at([t0, t1], f"early{p}"))[0] for p in range(8)))
     d["pass_bytes"] = float(np.diff(smp.at([t0, t1], "pass", 1))[0])
     d["peak_backlog"] = smp.peak  # bytes: the most the queue held since set_queue (fabric's "peak")
@@ -605,7 +607,8 @@ def print_tcp(res: dict, args) -> None:
     alone = res.get("tcp_alone")
     print(f"\n## tcp: pydblp (w1 -> w0, {args.size:g} MiB allreduces) and one TCP flow (w2 -> w0) sharing "
           f"the port to w0 ({args.queue_rate:g} Mbit/s, drop-tail {args.buffer} KiB, mark {args.mark} KiB"
-          f"{', delaying' if args.delay else ''}), {args.seconds:g} s, TCP {args.tcp_cc}" + (" with ECN" if args.tcp_ecn else ""))
+          f"{', Not-ECT dropped past it' if args.mark_drop else ''}{', delaying' if args.delay else ''}), "
+          f"{args.seconds:g} s, TCP {args.tcp_cc}" + (" with ECN" if args.tcp_ecn else ""))
     if alone:
         line = f"alone ({args.alone:g} s each): TCP {alone['tcp_mbps']:.0f} Mbit/s"
         for cc in args.ccs:
@@ -617,8 +620,9 @@ def print_tcp(res: dict, args) -> None:
         print(line)
     print()
     print("| cc | TCP Mbit/s | TCP share of link | TCP share of port bytes | pydblp Mbit/s into w0 | port Mbit/s "
-          "| tail drops | marks | peak backlog KiB | CE received | round p50 ms | p99 ms | rounds | TCP retrans |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| tail drops | marks | mark drops | peak backlog KiB | CE received | round p50 ms | p99 ms | rounds "
+          "| TCP retrans |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cc in args.ccs:
         r = res.get(cc)
         if not r or "error" in r:
@@ -626,7 +630,7 @@ def print_tcp(res: dict, args) -> None:
             continue
         print(f"| {cc} | {r['tcp_mbps']:.0f} | {r['tcp_share_link']:.1%} | {fmt(r['tcp_share_port'], '.1%')} "
               f"| {r['pydblp_mbps']:.0f} | {r['port_mbps']:.0f} | {r['port']['tail']:.0f} | {r['port']['mark']:.0f} "
-              f"| {r['port']['peak_backlog'] / 1024:.0f} | {r['ce_received']} | {ms(r['p50'])} | {ms(r['p99'])} | {r['rounds']} "
+              f"| {r['port']['mark_drop']:.0f} | {r['port']['peak_backlog'] / 1024:.0f} | {r['ce_received']} | {ms(r['p50'])} | {ms(r['p99'])} | {r['rounds']} "
               f"| {r['source']['total_retrans']} |")
     for cc in args.ccs:
         r = res.get(cc)
@@ -756,6 +760,9 @@ def main(argv=None) -> int:
                     help="pydblp's transport for tcp and incast (default xsk; jobs always runs udp)")
     ap.add_argument("--mark", type=int, default=32, help="KiB of backlog past which the queue marks CE (default 32)")
     ap.add_argument("--buffer", type=int, default=256, help="KiB the queue holds before it drops (default 256)")
+    ap.add_argument("--mark-drop", action="store_true",
+                    help="past --mark the queue drops the IP frames that cannot be marked (Not-ECT), as an ECN AQM "
+                         "(Testbed.queue(mark_drop=True)); default: they meet only the tail drop")
     ap.add_argument("--delay", action="store_true",
                     help="the queue also holds frames (a TBF behind the fabric's virtual queue, "
                          "Testbed.queue(delay=True)): TCP and pydblp see queueing delay, as at a switch's buffer")
@@ -795,7 +802,8 @@ def main(argv=None) -> int:
     t_begin = time.monotonic()
     print(f"bench/congestion.py: scenarios {scenarios}, cc {args.ccs}, transport {args.transport}, queue to w0 "
           f"{args.queue_rate:g} Mbit/s / {args.buffer} KiB / mark {args.mark} KiB"
-          f"{' / delaying' if args.delay else ''}, {os.cpu_count()} CPUs "
+          f"{' / Not-ECT dropped past the mark' if args.mark_drop else ''}{' / delaying' if args.delay else ''}, "
+          f"{os.cpu_count()} CPUs "
           f"(workers not pinned), {PYTHON}", flush=True)
     results: dict = {}
     failures: list[str] = []

@@ -17,7 +17,9 @@
  * floor(nchunks * tol / 255) early drops per message (job, round, tensor,
  * src, dst, all-gather or not).  An ECN-capable frame (ECT(0) or ECT(1), any
  * IPv4/IPv6 protocol) the queue admits while the backlog would pass `mark` is
- * set to CE (RFC 3168), as an AQM switch marks instead of dropping.  The
+ * set to CE (RFC 3168), as an AQM switch marks instead of dropping; with
+ * FABRIC_F_MARK_DROP an IP frame that cannot be marked (Not-ECT) is dropped
+ * there instead, as such a switch signals a flow without ECN.  The
  * virtual queue decides drops and marks; it cannot hold a frame.  With
  * FABRIC_F_DELAY a unicast frame it admits goes up to the Linux bridge
  * (XDP_PASS), and the port's qdisc, a TBF at the same rate that userspace
@@ -94,6 +96,33 @@ static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 
 /* ECN field (RFC 3168): the low two bits of the IPv4 TOS byte and of the IPv6 traffic class. */
 #define ECN_MASK 3
 #define ECN_CE   3
+
+/* The ECN field of the IPv4/IPv6 frame at data (Ethernet, at most one VLAN tag): 0 Not-ECT,
+ * 1 ECT(1), 2 ECT(0), 3 CE; -1 if it is not IP. */
+static __always_inline int ecn_of(void *data, void *data_end)
+{
+	struct hdr_cursor nh = { .pos = data };
+	struct ethhdr *eth;
+	int proto = parse_ethhdr(&nh, data_end, &eth);
+
+	if (proto_is_vlan(proto))
+		proto = parse_vlanhdr(&nh, data_end);
+	if (proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = nh.pos;
+
+		if ((void *)(ip + 1) > data_end)
+			return -1;
+		return ip->tos & ECN_MASK;
+	}
+	if (proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = nh.pos;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return -1;
+		return (ip6->flow_lbl[0] >> 4) & ECN_MASK;
+	}
+	return -1;
+}
 
 /* Set the ECN field of the IPv4/IPv6 frame at data (Ethernet, at most one VLAN tag) to CE if it
  * is ECT(0) or ECT(1): 1 if marked; 0 (the frame untouched) if it is not IP, Not-ECT or CE already.
@@ -231,8 +260,10 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 		}
 	}
 	u64 rate = cfg->rate, buffer = cfg->buffer, mark = cfg->mark;
-	int verdict;  /* 0 admit, 1 tail drop, 2 early drop, 3 admit: bound spent */
+	int verdict;  /* 0 admit, 1 tail drop, 2 early drop, 3 admit: bound spent, 4 mark drop */
 	int ce = 0;   /* admitted past the mark: set CE if ECN-capable */
+	/* an AQM's mark: past it, what cannot be marked is dropped (parsed before the lock) */
+	int unmarkable = mark && (cfg->flags & FABRIC_F_MARK_DROP) && ecn_of(eth, data_end) == 0;
 
 	bpf_spin_lock(&st->lock);
 	u64 dt = now > st->last_ns ? now - st->last_ns : 0;
@@ -251,6 +282,8 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	} else if (thresh && backlog + len > thresh && spent && *spent < bound) {
 		*spent += 1;
 		verdict = 2;
+	} else if (unmarkable && backlog + len > mark) {
+		verdict = 4;
 	} else {
 		verdict = (thresh && backlog + len > thresh) ? 3 : 0;
 		ce = mark && backlog + len > mark;
@@ -267,6 +300,10 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	}
 	if (verdict == 2) {
 		count(out_if, FABRIC_C_EARLY + prio, len);
+		return 1;
+	}
+	if (verdict == 4) {
+		count(out_if, FABRIC_C_MARK_DROP, len);
 		return 1;
 	}
 	if (verdict == 3)

@@ -21,6 +21,7 @@
 #define FABRIC_F_QUEUE (1 << 1)  /* virtual queue on (rate, buffer) */
 #define FABRIC_F_DSCP  (1 << 2)  /* early drop by the IP header's DSCP (dscp_prio), not the DBLP prio */
 #define FABRIC_F_DELAY (1 << 3)  /* admitted unicast goes up the bridge to the port's qdisc, which delays it */
+#define FABRIC_F_MARK_DROP (1 << 4)  /* past the mark, IP frames that cannot be marked (Not-ECT) are dropped */
 #define FABRIC_NDSCP   64
 
 /* counter causes (fabric_ckey.cause) */
@@ -33,7 +34,8 @@
 #define FABRIC_C_FLOOD  6  /* not a known unicast destination: forwarded, no faults (ingress port) */
 #define FABRIC_C_MARK   7  /* ECN-capable, admitted past the queue's mark: set to CE (also counted PASS) */
 #define FABRIC_C_EARLY  8  /* + DBLP prio: priority-aware early drop */
-#define FABRIC_NCAUSES  16
+#define FABRIC_C_MARK_DROP 16  /* Not-ECT IP frame past the mark (FABRIC_F_MARK_DROP): dropped */
+#define FABRIC_NCAUSES  17
 
 /* Per egress port (switch-side ifindex), written by userspace. */
 struct fabric_cfg {

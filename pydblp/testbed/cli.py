@@ -34,6 +34,8 @@ examples:
   dblp fault queue --rate 100mbit --mark 32k        ECN too: CE-mark ECT frames past 32 KiB
   dblp fault queue --rate 1gbit --mark 32k --delay --port w0
                                                     a real buffer: frames wait, as at a switch
+  dblp fault queue --rate 1gbit --mark 32k --mark-drop --delay --port w0
+                                                    an AQM: past 32k ECT is marked, Not-ECT dropped
   dblp fault clear                                  remove every fault
   dblp fault stats                                  per port and cause: packets dropped/passed
 
@@ -205,6 +207,9 @@ def add_fault(sub) -> None:
     a.add_argument("--mark", metavar="SIZE",
                    help="ECN: set CE on ECN-capable frames admitted past this backlog, e.g. 32k "
                         "(at most --buffer; default 0: no marking)")
+    a.add_argument("--mark-drop", action="store_true",
+                   help="with --mark: past it, drop the IP frames that cannot be marked (Not-ECT), as an "
+                        "ECN AQM does (default: they meet only the tail drop at --buffer)")
     a.add_argument("--delay", action="store_true",
                    help="the queue also holds frames: a TBF at --rate with room for --buffer on the port, "
                         "as a switch's buffer (default: drops and marks only, no frame waits)")
@@ -229,6 +234,8 @@ def cmd_fault(args) -> int:
     mark = None
     if args.action == "queue" and args.mark is not None:  # refused before looking for the testbed
         mark = parse_mark(args.mark, parse_size(args.buffer))
+    if args.action == "queue" and args.mark_drop and not mark:
+        raise UsageError("--mark-drop drops what cannot be marked past the mark: give --mark too, e.g. --mark 32k")
     tb = Testbed.open(args.testbed)
     try:
         port = _port(args)
@@ -253,8 +260,9 @@ def cmd_fault(args) -> int:
                     thr = [int(x) for x in args.thresholds.split(",")]
                 except ValueError:
                     raise UsageError("--thresholds: 8 comma-separated integers (bytes)") from None
-            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark, delay=args.delay)
-            ecn = f" ECN mark {args.mark}" if mark else ""
+            tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark, mark_drop=args.mark_drop,
+                     delay=args.delay)
+            ecn = f" ECN mark {args.mark}{' (Not-ECT dropped)' if args.mark_drop else ''}" if mark else ""
             kind = "delaying queue" if args.delay else "virtual queue"
             print(f"{tb.name}: {kind} rate {args.rate} buffer {args.buffer}{ecn} on {where}")
         elif args.action == "clear":

@@ -629,11 +629,13 @@ class Testbed:
                                  every=every, count=count, port=port)
 
     def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, mark=None,
-              delay: bool = False) -> None:
+              mark_drop: bool = False, delay: bool = False) -> None:
         """:meth:`Fabric.queue` on ``port`` (every port if None).
 
         Args:
             mark: CE-mark ECN-capable frames admitted past this backlog (bytes or '32k').
+            mark_drop: past ``mark``, drop the IP frames that cannot be marked (Not-ECT), as an
+                ECN AQM does; off, they meet only the tail drop at ``buffer``.
             delay: the queue also holds frames, as a switch's buffer does: a TBF draining at
                 ``rate`` with room for ``buffer`` (and two frames) on the switch-side port, to
                 which the fabric hands what its virtual queue admits through the bridge.  The
@@ -644,7 +646,8 @@ class Testbed:
         bits, size = _fabric.parse_rate(rate), _fabric.parse_size(buffer)
         if delay and bits:
             self._delay_burst(bits // 8)  # refused before anything changes
-        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port, mark=mark, delay=delay)
+        self.fabric.queue(rate, buffer=buffer, thresholds=thresholds, port=port, mark=mark, mark_drop=mark_drop,
+                          delay=delay)
         for idx in self.fabric._ifindexes(port):
             self._delay_qdisc(idx, bits // 8 if delay else 0, size)
 

@@ -33,15 +33,17 @@ F_GE = 1 << 0
 F_QUEUE = 1 << 1
 F_DSCP = 1 << 2
 F_DELAY = 1 << 3
+F_MARK_DROP = 1 << 4
 NDSCP = 64
 
 # counter causes (bpf/fabric.h FABRIC_C_*)
 C_PASS, C_LOSS, C_GE, C_BURST, C_TAIL, C_BOUND, C_FLOOD, C_MARK, C_EARLY = 0, 1, 2, 3, 4, 5, 6, 7, 8
-NCAUSES = 16
+C_MARK_DROP = C_EARLY + NPRIO
+NCAUSES = 17
 CAUSES = {C_PASS: "pass", C_LOSS: "loss", C_GE: "ge", C_BURST: "burst", C_TAIL: "tail",
-          C_BOUND: "bound", C_FLOOD: "flood", C_MARK: "mark"}
+          C_BOUND: "bound", C_FLOOD: "flood", C_MARK: "mark", C_MARK_DROP: "mark_drop"}
 CAUSES.update({C_EARLY + p: f"early{p}" for p in range(NPRIO)})
-DROP_CAUSES = ("loss", "ge", "burst", "tail") + tuple(f"early{p}" for p in range(NPRIO))
+DROP_CAUSES = ("loss", "ge", "burst", "tail", "mark_drop") + tuple(f"early{p}" for p in range(NPRIO))
 
 # struct layouts (native byte order, as the kernel sees them)
 CFG = struct.Struct("=11QII8I64BII")  # struct fabric_cfg
@@ -119,7 +121,7 @@ class PortConfig:
         if self.flags & F_QUEUE:
             out["queue"] = {"rate_bps": self.rate * 8, "buffer": self.buffer, "thresh": list(self.thresh),
                             "classify": "dscp" if self.flags & F_DSCP else "header", "mark": self.mark,
-                            "delay": bool(self.flags & F_DELAY)}
+                            "mark_drop": bool(self.flags & F_MARK_DROP), "delay": bool(self.flags & F_DELAY)}
         return out
 
 
@@ -279,7 +281,7 @@ class Fabric:
         return start_ns / 1e9
 
     def queue(self, rate, buffer=256 * 1024, thresholds=None, port=None, classify: str = "header",
-              dscp="default", mark=None, delay: bool = False) -> None:
+              dscp="default", mark=None, mark_drop: bool = False, delay: bool = False) -> None:
         """Virtual queue on the egress port: drain at ``rate`` (bits/s or '1gbit'), ``buffer`` bytes.
 
         ``thresholds``: early-drop backlog per DBLP prio (8 values, bytes; prio 0
@@ -290,7 +292,9 @@ class Fabric:
         ``dscp``, a map as ``Config.dscp``: :func:`pydblp.dscp.prio_table`).
         ``mark``: ECN, bytes or a size ('32k', at most ``buffer``): an ECN-capable frame (ECT(0) or
         ECT(1), any IP protocol) admitted while the backlog would pass it is set to CE, counted
-        ``mark``; None or 0: no marking.  Not-ECT frames only meet the drops.
+        ``mark``; None or 0: no marking.  Not-ECT frames only meet the drops, unless
+        ``mark_drop``: then an IP frame that cannot be marked (Not-ECT) and would pass the mark is
+        dropped, counted ``mark_drop``, as an ECN AQM signals a flow without ECN (needs ``mark``).
         ``delay``: admitted unicast frames go up the switch's bridge (XDP_PASS) instead of
         straight to the port, so a qdisc on the port can delay them; the qdisc is the caller's
         (:meth:`pydblp.testbed.Testbed.queue` sets a TBF at ``rate``).
@@ -309,6 +313,9 @@ class Fabric:
             raise FabricError(f"queue buffer {size} bytes is too small (one frame at least)")
         _field(size, U32_MAX, "queue buffer (bytes)")
         ce = parse_mark(mark, size)
+        if mark_drop and bits and not ce:
+            raise FabricError("mark drop needs a mark: give the backlog past which frames are marked "
+                              "or dropped, e.g. mark='32k'")
         if thresholds is None:
             thresholds = default_thresholds(size)
         thresholds = tuple(_field(int(t), U32_MAX, "queue threshold (bytes)") for t in thresholds)
@@ -321,6 +328,7 @@ class Fabric:
             cfg.flags = (cfg.flags | F_QUEUE) if bits else (cfg.flags & ~F_QUEUE)
             cfg.flags = (cfg.flags | F_DSCP) if bits and classify == "dscp" else (cfg.flags & ~F_DSCP)
             cfg.flags = (cfg.flags | F_DELAY) if bits and delay else (cfg.flags & ~F_DELAY)
+            cfg.flags = (cfg.flags | F_MARK_DROP) if bits and mark_drop else (cfg.flags & ~F_MARK_DROP)
             cfg.dscp_prio = dscp_prio
             cfg.mark = ce if bits else 0
             self.maps["port_cfg"].update(U32.pack(idx), cfg.pack())
@@ -348,7 +356,8 @@ class Fabric:
 
         Causes: pass, loss, ge, burst, tail, early0..7, bound (early drop refused
         because the message's bound was spent; forwarded), mark (ECN-capable, set to
-        CE past the queue's mark; forwarded, so also in pass), flood (broadcast or
+        CE past the queue's mark; forwarded, so also in pass), mark_drop (Not-ECT past the
+        mark of a queue with ``mark_drop``: dropped), flood (broadcast or
         unknown destination handed to the bridge, counted on the ingress port; a
         broadcast all-gather's copies count on their egress ports like unicast).
         """

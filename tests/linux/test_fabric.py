@@ -119,11 +119,11 @@ def test_struct_mirrors_match_compiled_types(compiled):
 def test_constants_match_header():
     text = (bpf.BPF_DIR / "fabric.h").read_text()
     consts = {"FABRIC_F_GE": fb.F_GE, "FABRIC_F_QUEUE": fb.F_QUEUE, "FABRIC_F_DSCP": fb.F_DSCP,
-              "FABRIC_F_DELAY": fb.F_DELAY,
+              "FABRIC_F_DELAY": fb.F_DELAY, "FABRIC_F_MARK_DROP": fb.F_MARK_DROP,
               "FABRIC_NDSCP": fb.NDSCP, "FABRIC_C_PASS": fb.C_PASS,
               "FABRIC_C_LOSS": fb.C_LOSS, "FABRIC_C_GE": fb.C_GE, "FABRIC_C_BURST": fb.C_BURST,
               "FABRIC_C_TAIL": fb.C_TAIL, "FABRIC_C_BOUND": fb.C_BOUND, "FABRIC_C_FLOOD": fb.C_FLOOD,
-              "FABRIC_C_MARK": fb.C_MARK,
+              "FABRIC_C_MARK": fb.C_MARK, "FABRIC_C_MARK_DROP": fb.C_MARK_DROP,
               "FABRIC_C_EARLY": fb.C_EARLY, "FABRIC_NCAUSES": fb.NCAUSES, "FABRIC_NPRIO": fb.NPRIO}
     import re
 

@@ -211,6 +211,43 @@ def test_broadcast_copies_are_marked_on_their_port(clean):
     assert "mark" not in tb.stats()["w0"]
 
 
+def test_mark_drop_drops_what_cannot_be_marked(clean):
+    """With ``mark_drop`` the queue is an ECN AQM: past the mark ECT(0) and ECT(1) datagrams
+    arrive CE and Not-ECT ones are dropped, counted ``mark_drop``, taking no room in the queue;
+    CE ones arrive as sent.  Which is which follows from byte positions, as the model below
+    of the queue (tail drop first, then the mark) works out frame by frame."""
+    from pydblp.testbed.fabric import FabricError
+
+    tb = clean
+    with pytest.raises(FabricError) as e:
+        tb.queue(8, buffer=BUFFER, thresholds=[0] * 8, port="w1", mark_drop=True)
+    assert "needs a mark" in str(e.value) and "\n" not in str(e.value)
+    tb.queue(8, buffer=BUFFER, thresholds=[0] * 8, port="w1", mark=MARK, mark_drop=True)
+    assert tb.stats()["w1"]["config"]["queue"]["mark_drop"] is True
+    sent = {i: i % 4 for i in range(N)}  # Not-ECT, ECT(1), ECT(0), CE in turn
+    backlog, want, why = 0, {}, {"tail": 0, "mark_drop": 0, "mark": 0}
+    for i in range(N):
+        past = backlog + FRAME > MARK
+        if backlog + FRAME > BUFFER:
+            why["tail"] += 1
+        elif past and sent[i] == NOT_ECT:
+            why["mark_drop"] += 1
+        else:
+            marked = past and sent[i] in (ECT0, ECT1)
+            want[i], why["mark"], backlog = CE if marked else sent[i], why["mark"] + marked, backlog + FRAME
+    assert why["mark_drop"] >= 3 and why["tail"] >= 3 and why["mark"] >= 6  # the run meets each verdict
+    rx = receiver(tb)
+    try:
+        send(tb, rx.getsockname(), sent.get)
+        got = tos_of(rx)
+    finally:
+        rx.close()
+    assert got == want, got
+    s = tb.stats()["w1"]
+    assert {c: s.get(c, {}).get("packets", 0) for c in why} == why
+    assert tb.fabric.dropped("w1") == why["tail"] + why["mark_drop"]
+
+
 def test_no_mark_no_ce(clean):
     """The same overload without a mark: ECN-capable datagrams only meet the drops."""
     tb = clean
@@ -241,3 +278,7 @@ def test_cli_sets_the_mark(clean):
     r = dblp("--rate", "100mbit", "--buffer", "64k", "--mark", "65k")
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "above the buffer" in r.stderr
     assert tb.stats()["w1"]["config"]["queue"]["mark"] == 16384
+    assert tb.stats()["w1"]["config"]["queue"]["mark_drop"] is False
+    r = dblp("--rate", "100mbit", "--buffer", "64k", "--mark", "16k", "--mark-drop")
+    assert r.returncode == 0 and "ECN mark 16k (Not-ECT dropped)" in r.stdout, r.stderr
+    assert tb.stats()["w1"]["config"]["queue"]["mark_drop"] is True

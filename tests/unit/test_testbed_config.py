@@ -128,6 +128,10 @@ def test_queue_mark_parsed_and_checked_against_the_buffer():
     assert c.describe()["queue"]["delay"] is False
     assert fb.PortConfig(flags=fb.F_QUEUE | fb.F_DELAY).describe()["queue"]["delay"] is True
     assert fb.CAUSES[fb.C_MARK] == "mark" and "mark" not in fb.DROP_CAUSES  # a mark forwards the frame
+    assert fb.CAUSES[fb.C_MARK_DROP] == "mark_drop" and "mark_drop" in fb.DROP_CAUSES
+    assert fb.PortConfig(flags=fb.F_QUEUE | fb.F_MARK_DROP, mark=1).describe()["queue"]["mark_drop"] is True
+    assert c.describe()["queue"]["mark_drop"] is False
+    assert len(fb.CAUSES) == fb.NCAUSES  # every counter cause the program has is named
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -135,6 +139,7 @@ def test_queue_mark_parsed_and_checked_against_the_buffer():
     (["--mark", "-5"], "queue mark -5 bytes is negative"),
     (["--buffer", "64k", "--mark", "128k"], "queue mark 131072 bytes is above the buffer (65536 bytes)"),
     (["--mark", "300k"], "is above the buffer (262144 bytes)"),  # the default buffer
+    (["--mark-drop"], "--mark-drop drops what cannot be marked past the mark: give --mark too"),
 ])
 def test_cli_fault_queue_refuses_a_bad_mark_in_one_line(argv, msg, capsys, tmp_path, monkeypatch):
     """Refused before any testbed is looked for (none is up here: that would be another error)."""
