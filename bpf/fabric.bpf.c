@@ -97,9 +97,9 @@ static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 
 #define ECN_MASK 3
 #define ECN_CE   3
 
-/* The ECN field of the IPv4/IPv6 frame at data (Ethernet, at most one VLAN tag): 0 Not-ECT,
- * 1 ECT(1), 2 ECT(0), 3 CE; -1 if it is not IP. */
-static __always_inline int ecn_of(void *data, void *data_end)
+/* The fixed IPv4 or IPv6 header of the frame at data (Ethernet, at most one VLAN tag), bounds
+ * checked; *v6 says which.  NULL: neither (or truncated). */
+static __always_inline void *ip_of(void *data, void *data_end, int *v6)
 {
 	struct hdr_cursor nh = { .pos = data };
 	struct ethhdr *eth;
@@ -107,66 +107,63 @@ static __always_inline int ecn_of(void *data, void *data_end)
 
 	if (proto_is_vlan(proto))
 		proto = parse_vlanhdr(&nh, data_end);
-	if (proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = nh.pos;
-
-		if ((void *)(ip + 1) > data_end)
-			return -1;
-		return ip->tos & ECN_MASK;
-	}
-	if (proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = nh.pos;
-
-		if ((void *)(ip6 + 1) > data_end)
-			return -1;
-		return (ip6->flow_lbl[0] >> 4) & ECN_MASK;
-	}
-	return -1;
+	*v6 = proto == bpf_htons(ETH_P_IPV6);
+	if (proto == bpf_htons(ETH_P_IP) && nh.pos + sizeof(struct iphdr) <= data_end)
+		return nh.pos;
+	if (*v6 && nh.pos + sizeof(struct ipv6hdr) <= data_end)
+		return nh.pos;
+	return NULL;
 }
 
-/* Set the ECN field of the IPv4/IPv6 frame at data (Ethernet, at most one VLAN tag) to CE if it
- * is ECT(0) or ECT(1): 1 if marked; 0 (the frame untouched) if it is not IP, Not-ECT or CE already.
- * Only the fixed header is read and written, after its bounds check. */
+/* The ECN field of the header ip_of found: 0 Not-ECT, 1 ECT(1), 2 ECT(0), 3 CE.  The IPv6
+ * traffic class is the low nibble of byte 0 and the high nibble of byte 1 (flow_lbl[0]): its
+ * ECN bits are flow_lbl[0] & 0x30. */
+static __always_inline int ecn_at(void *l3, int v6)
+{
+	if (v6)
+		return (((struct ipv6hdr *)l3)->flow_lbl[0] >> 4) & ECN_MASK;
+	return ((struct iphdr *)l3)->tos & ECN_MASK;
+}
+
+/* The ECN field of the frame at data; -1 if it is not IP. */
+static __always_inline int ecn_of(void *data, void *data_end)
+{
+	int v6;
+	void *l3 = ip_of(data, data_end, &v6);
+
+	return l3 ? ecn_at(l3, v6) : -1;
+}
+
+/* Set the ECN field of the IPv4/IPv6 frame at data to CE if it is ECT(0) or ECT(1): 1 if
+ * marked; 0 (the frame untouched) if it is not IP, Not-ECT or CE already.  Only the fixed
+ * header is read and written, after its bounds check. */
 static __always_inline int mark_ce(void *data, void *data_end)
 {
-	struct hdr_cursor nh = { .pos = data };
-	struct ethhdr *eth;
-	int proto = parse_ethhdr(&nh, data_end, &eth);
+	int v6;
+	void *l3 = ip_of(data, data_end, &v6);
 
-	if (proto_is_vlan(proto))
-		proto = parse_vlanhdr(&nh, data_end);
-	if (proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = nh.pos;
+	if (!l3)
+		return 0;
+	int ecn = ecn_at(l3, v6);
+	if (ecn == 0 || ecn == ECN_CE)
+		return 0;
+	if (v6) {
+		struct ipv6hdr *ip6 = l3;
 
-		if ((void *)(ip + 1) > data_end)
-			return 0;
-		u8 tos = ip->tos;
-		if ((tos & ECN_MASK) == 0 || (tos & ECN_MASK) == ECN_CE)
-			return 0;
-		/* RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), m the 16-bit word holding the TOS byte
-		 * (version/IHL, TOS), in host order on both sides */
-		u32 m = ((u32)(*(u8 *)ip) << 8) | tos;
-		u32 sum = (~(u32)bpf_ntohs(ip->check) & 0xffff) + (~m & 0xffff) + (m | ECN_CE);
-		sum = (sum & 0xffff) + (sum >> 16);
-		sum = (sum & 0xffff) + (sum >> 16);
-		ip->tos = tos | ECN_CE;
-		ip->check = bpf_htons((u16)~sum);
+		ip6->flow_lbl[0] |= ECN_CE << 4;
 		return 1;
 	}
-	if (proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = nh.pos;
-
-		if ((void *)(ip6 + 1) > data_end)
-			return 0;
-		/* traffic class = the low nibble of byte 0 and the high nibble of byte 1 (flow_lbl[0]):
-		 * its ECN bits are flow_lbl[0] & 0x30 */
-		u8 b = ip6->flow_lbl[0];
-		if ((b & (ECN_MASK << 4)) == 0 || (b & (ECN_MASK << 4)) == (ECN_CE << 4))
-			return 0;
-		ip6->flow_lbl[0] = b | (ECN_CE << 4);
-		return 1;
-	}
-	return 0;
+	struct iphdr *ip = l3;
+	u8 tos = ip->tos;
+	/* RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), m the 16-bit word holding the TOS byte
+	 * (version/IHL, TOS), in host order on both sides */
+	u32 m = ((u32)(*(u8 *)ip) << 8) | tos;
+	u32 sum = (~(u32)bpf_ntohs(ip->check) & 0xffff) + (~m & 0xffff) + (m | ECN_CE);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	ip->tos = tos | ECN_CE;
+	ip->check = bpf_htons((u16)~sum);
+	return 1;
 }
 
 /* Burst window armed on this port and `now` inside one. */
