@@ -494,6 +494,9 @@ def _add_experiment(sub):
     p.add_argument("--ge-bad", type=float, metavar="RATIO", help="ge: drop ratio in the bad state (default 0.8)")
     p.add_argument("--p-low", type=float, help="static tolerance, DBLP's P_low (default 0.016)")
     p.add_argument("--k", type=float, help="DBLP's P_high - P_low (default 0.40)")
+    p.add_argument("--high", choices=["fixed", "loss"],
+                   help="DBLP's relaxed bound: p-low + k (fixed, the paper's; default) or p-low plus the loss "
+                        "the network makes, measured from STOPs' echoes, at most k (loss)")
     p.add_argument("--freq", type=int, help="DBLP measures the gradient norm every FREQ steps (default 10)")
     p.add_argument("--eta", type=float, help="DBLP: critical while |dG|/G >= ETA (default 0.5)")
     p.add_argument("--g-over", choices=["step", "window"],
@@ -567,7 +570,7 @@ def _experiment_options(args):
         if bad or not arms:
             raise UsageError(f"--arms takes gloo, static, dblp (got {args.arms!r})")
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
-                                       "loss_model", "ge_len", "ge_bad", "p_low", "k", "freq", "eta", "g_over",
+                                       "loss_model", "ge_len", "ge_bad", "p_low", "k", "high", "freq", "eta", "g_over",
                                        "estimator", "order", "stagger", "consistency", "mode", "allgather", "target", "seed")}
     eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
     ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio

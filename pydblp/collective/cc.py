@@ -42,6 +42,8 @@ times passed in.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from pydblp.collective.config import MASK32, Config
@@ -53,6 +55,54 @@ BUCKET_FRAMES = 128   # frames a paced destination's token bucket holds ...
 BUCKET_S = 0.00025    # ... or this many s of its rate, if more (above 6 Gbit/s)
 WAIT_FRAMES = 64      # a sender held back waits until this many frames are covered
 BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by this share of the gap
+
+
+class Echo(NamedTuple):
+    """What one echo tells that the previous one did not, from one destination."""
+
+    got: int   # DATA packets that arrived
+    ce: int    # of them, CE-marked
+    sent: int  # DATA packets sent to it over the same span (0 while nothing new arrives: the span
+               # stays open until something does)
+
+
+class Ledger:
+    """Per destination rank: the DATA packets this rank sent it, and what its STOPs' echoes say
+    arrived.  The echoed counts are cumulative modulo 2**32 and start at 0 on both ends, so a lost
+    echo loses nothing and one overtaken by a newer STOP is recognised and ignored.
+
+    :class:`RateControl` reads marks from it; a loss-following bound (``Dblp(high="loss")``) reads
+    ``sent - got``, the packets the network lost.  Per destination, what :meth:`echo` returns sums
+    to the echoed total, so a packet in flight at one echo counts as lost there and as arrived at
+    the next: over many echoes the difference is the loss.
+    """
+
+    def __init__(self, world: int):
+        self.last = [(0, 0)] * world         # the latest echo's (received, marked): both ends start at 0
+        self.heard = [False] * world          # an echo came from it
+        self.sent = [0] * world               # DATA frames sent to it (sent) ...
+        self.sent_echoed = [0] * world        # ... and as of its latest echo with news
+
+    def spend(self, dst: int, frames: int) -> None:
+        """``frames`` DATA packets went to ``dst``."""
+        self.sent[dst] += frames
+
+    def echo(self, dst: int, received: int, marked: int) -> Echo | None:
+        """A STOP from ``dst`` echoing its cumulative counts of this rank's DATA packets
+        (``received``, of them ``marked`` CE): what is new since the latest echo, or None when
+        nothing is (a first echo from a receiver whose counts began before this rank's: a
+        baseline; an older STOP overtaken by a newer one)."""
+        prev = self.last[dst]
+        got = (received - prev[0]) & MASK32
+        if got >= 1 << 31 and self.heard[dst]:
+            return None  # overtaken: nothing new, and not the latest counts
+        self.last[dst], self.heard[dst] = (received & MASK32, marked & MASK32), True
+        if got >= 1 << 31:
+            return None
+        if got == 0:
+            return Echo(0, 0, 0)
+        sent, self.sent_echoed[dst] = self.sent[dst] - self.sent_echoed[dst], self.sent[dst]
+        return Echo(got, min((marked - prev[1]) & MASK32, got), sent)
 
 
 class RateControl:
@@ -74,29 +124,17 @@ class RateControl:
         self.alpha = np.full(world, ALPHA0)
         self.tokens = np.zeros(world)         # bytes
         self.t_tok = np.zeros(world)
-        self.last = [(0, 0)] * world         # the latest echo's (received, marked): both ends start at 0
-        self.heard = [False] * world          # an echo came from it
         self.clean = [0] * world              # clean echoes in a row at the cap
-        self.sent = [0] * world               # DATA frames sent to it (sent) ...
-        self.sent_echoed = [0] * world        # ... and as of its latest echo
         self.base = np.full(world, np.inf)    # least STOP delay seen (s)
         self.counters = dict.fromkeys(("echoes", "marked_echoes", "marks", "cuts", "unpaced"), 0)
 
     def paced(self, dst: int) -> bool:
         return bool(self.rate[dst])
 
-    def echo(self, dst: int, received: int, marked: int, now: float, sent_rate: float | None,
-             delay: float | None = None) -> None:
-        """A STOP from ``dst``: its cumulative counts of this rank's DATA packets (``received``,
-        ``marked`` CE), when it came, the rate (bits/s) the message it ends went out at (None:
-        unknown), and its delay (s from the message's last send; None: not measured)."""
-        prev = self.last[dst]
-        got = (received - prev[0]) & MASK32
-        if got >= 1 << 31 and self.heard[dst]:
-            return  # an older STOP overtaken by a newer one: nothing new, and not the latest counts
-        self.last[dst], self.heard[dst] = (received & MASK32, marked & MASK32), True
-        if got >= 1 << 31:
-            return  # the first echo, from a receiver whose counts began before this rank: a baseline
+    def echo(self, dst: int, news: Echo, now: float, sent_rate: float | None, delay: float | None = None) -> None:
+        """A STOP from ``dst`` whose echo :meth:`Ledger.echo` read as ``news``, when it came, the
+        rate (bits/s) the message it ends went out at (None: unknown), and its delay (s from the
+        message's last send; None: not measured)."""
         if sent_rate:
             self.top = max(self.top, sent_rate)
         late = False
@@ -104,17 +142,15 @@ class RateControl:
             base = self.base[dst]
             late = delay - base > self.delay
             self.base[dst] = delay if delay < base else base + (delay - base) * BASE_DRIFT
-        if got == 0:  # nothing new
+        if news.got == 0:  # nothing new
             if late:
                 self._update(dst, 1.0, now, sent_rate)
             return
-        ce = min((marked - prev[1]) & MASK32, got)
-        sent, self.sent_echoed[dst] = self.sent[dst] - self.sent_echoed[dst], self.sent[dst]
-        f = ce / got
-        if ce and sent > got:  # marked, and lost some: the same queue overflowing
-            f = min(1.0, f + (sent - got) / sent)
+        f = news.ce / news.got
+        if news.ce and news.sent > news.got:  # marked, and lost some: the same queue overflowing
+            f = min(1.0, f + (news.sent - news.got) / news.sent)
         self.counters["echoes"] += 1
-        self.counters["marks"] += ce
+        self.counters["marks"] += news.ce
         self._update(dst, 1.0 if late else f, now, sent_rate)
 
     def _update(self, dst: int, f: float, now: float, sent_rate: float | None) -> None:
@@ -155,8 +191,7 @@ class RateControl:
         return int(tokens // self.frame)
 
     def spend(self, dst: int, frames: int) -> None:
-        """``frames`` DATA packets went to ``dst``."""
-        self.sent[dst] += frames
+        """``frames`` DATA packets went to ``dst`` (out of its tokens)."""
         if self.rate[dst]:
             self.tokens[dst] -= frames * self.frame
 

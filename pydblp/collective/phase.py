@@ -4,7 +4,8 @@
 DBLP's phase-aware controller (Ma et al.): every ``freq`` rounds it compares
 the L2 norm G of the averaged gradient with the previous measurement; the
 regime is *critical* when ``|G_prev - G| / G_prev >= eta``.  Training starts
-critical.  Critical rounds use ``p_low``; the others ``p_low + k``.
+critical.  Critical rounds use ``p_low``; the others ``p_low + k`` (``high="fixed"``, the
+paper's), or ``p_low`` plus the loss the network makes, at most ``k`` (``high="loss"``).
 ``Schedule`` takes any callable ``round index -> tolerance``.
 
 Granularity: by default a controller observes every round (one allreduce per
@@ -42,6 +43,8 @@ import numpy as np
 DBLP_K = 0.40  # DBLP's P_high - P_low: 40 percentage points
 HISTORY_MAX = 1024  # measurements Dblp.history keeps
 G_OVER = ("step", "window")  # what Dblp measures G on
+HIGH = ("fixed", "loss")     # what Dblp's relaxed bound is over P_low: k, or the measured loss (at most k)
+LOSS_GAIN = 1 / 64           # Dblp(high="loss"): the weight of one echo in the running loss
 
 
 class PhaseController:
@@ -57,6 +60,16 @@ class PhaseController:
 
     def observe(self, index: int, result: np.ndarray) -> None:
         """Called with the averaged gradient after round ``index``."""
+
+    def observe_loss(self, sent: int, lost: int) -> None:
+        """Called when a STOP's echo closes a span in which this rank sent ``sent`` DATA packets
+        to its sender, ``lost`` of them lost (negative when packets in flight at the previous
+        echo arrived since: ``sent`` may then be 0); only when :attr:`hears_loss`."""
+
+    @property
+    def hears_loss(self) -> bool:
+        """Whether :meth:`observe_loss` is wanted (the protocol then counts what echoes say)."""
+        return False
 
     @property
     def observes(self) -> bool:
@@ -112,12 +125,26 @@ class Dblp(PhaseController):
     reads as a critical regime); the window's mean keeps the signal and averages the noise down.
     Each round's vector must have the same shape at the same position in every step.  ``"step"``
     (default) is the paper's: the measured step's averaged gradient.
+
+    ``high="loss"``: a relaxed round's bound is ``p_low`` plus the share of this rank's DATA
+    packets the network lost lately, at most ``k``, instead of ``p_low + k``.  The share is
+    measured from the echoes in STOPs (:class:`~pydblp.collective.cc.Ledger`): packets lost and
+    packets sent, each a running sum weighted ``LOSS_GAIN`` per echo, over every destination.
+    An echo counts packets still queued or in flight as lost and the next one as arrived, so the
+    sums are long (1/64 an echo) and start from the first span taken as lossless: the measured
+    share rises from 0 to the network's loss over about 1/LOSS_GAIN echoes (63 % of it after 64,
+    86 % after 128; a 4-rank allreduce gives each rank about 6 an echo a round).
+    Such a round ends as soon as what the network delivered is in, so it waits for no repair
+    but cuts nothing the network did deliver: at a fixed ``k`` above the loss, relaxed rounds
+    drop delivered data the model then lacks; below it, they repair.  Nothing else changes:
+    the bound only sets when a message may stop, and the estimators stay unbiased at any bound.
+    Each rank measures its own (its tolerance travels in its packets' headers).
     """
 
     name = "dblp"
 
     def __init__(self, p_low: float = 0.016, k: float = DBLP_K, freq: int = 10, eta: float = 0.5,
-                 g_over: str = "step"):
+                 g_over: str = "step", high: str = "fixed"):
         _check(p_low)
         _check(p_low + k)
         if k < 0:
@@ -126,7 +153,10 @@ class Dblp(PhaseController):
             raise ValueError("freq must be >= 1 and eta > 0")
         if g_over not in G_OVER:
             raise ValueError(f"g_over {g_over!r}: use {' or '.join(G_OVER)}")
-        self.p_low, self.k, self.freq, self.eta, self.g_over = p_low, k, freq, eta, g_over
+        if high not in HIGH:
+            raise ValueError(f"high {high!r}: use {' or '.join(HIGH)}")
+        self.p_low, self.k, self.freq, self.eta, self.g_over, self.high = p_low, k, freq, eta, g_over, high
+        self._lost = self._sent = 0.0  # high="loss": running sums of packets lost and sent
         self._acc: list[np.ndarray] = []  # window: per round of a step, its vectors summed over the window
         self._k = 0                       # window: rounds observed in the current step
         self._n = 0                       # window: steps ended since the last measurement
@@ -144,10 +174,28 @@ class Dblp(PhaseController):
         return self.g_over == "window"
 
     def tol(self, index: int) -> float:
-        return self.p_low if self.critical else self.p_low + self.k
+        if self.critical:
+            return self.p_low
+        return self.p_low + (self.loss() if self.high == "loss" else self.k)
 
     def phase(self) -> str:
         return "critical" if self.critical else "relaxed"
+
+    @property
+    def hears_loss(self) -> bool:
+        return self.high == "loss"
+
+    def observe_loss(self, sent: int, lost: int) -> None:
+        if not self._sent:  # the first span sets the scale, as if lossless: its own count is mostly
+            self._sent = float(sent)  # packets still queued or in flight, not lost
+            return
+        self._sent += LOSS_GAIN * (sent - self._sent)
+        self._lost += LOSS_GAIN * (lost - self._lost)
+
+    def loss(self) -> float:
+        """The share of this rank's DATA packets the network lost lately, within [0, k] (0 before
+        any echo)."""
+        return min(self.k, max(0.0, self._lost / self._sent)) if self._sent > 0 else 0.0
 
     def observe(self, index: int, result: np.ndarray) -> None:
         if self.window:
@@ -195,12 +243,13 @@ class Dblp(PhaseController):
         self._sq = 0.0
 
     def state_dict(self) -> dict:
-        """The regime, the last G and the measurements kept (``history``), the step counter, and
+        """The regime, the last G and the measurements kept (``history``), the step counter,
         what a step or window under way has summed so far (a checkpoint may fall between a step's
-        rounds: its rounds so far are counted once)."""
+        rounds: its rounds so far are counted once), and the running loss (``high="loss"``)."""
         return {"name": self.name, "critical": self.critical, "g_prev": self.g_prev,
                 "history": [list(h) for h in self.history], "steps": self.steps, "sq": self._sq,
-                "acc": [a.copy() for a in self._acc], "k": self._k, "n": self._n}
+                "acc": [a.copy() for a in self._acc], "k": self._k, "n": self._n,
+                "lost": self._lost, "sent": self._sent}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -210,6 +259,7 @@ class Dblp(PhaseController):
         self.steps, self._sq = state["steps"], float(state["sq"])
         self._acc = [np.array(a, np.float64) for a in state["acc"]]
         self._k, self._n = int(state["k"]), int(state["n"])
+        self._lost, self._sent = float(state.get("lost", 0.0)), float(state.get("sent", 0.0))
 
     def _decide(self, index: int, g: float) -> None:
         if self.g_prev is not None and self.g_prev > 0 and math.isfinite(g):

@@ -29,7 +29,7 @@ import numpy as np
 from pydblp import wire
 from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
-from pydblp.collective.cc import RateControl
+from pydblp.collective.cc import Echo, Ledger, RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, FINAL, LINGER,
                                       MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
                                       TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
@@ -118,7 +118,11 @@ class Protocol:
                                                   # neighbour round's, Round.began; empty after other kinds)
         self.frame = c.chunk_bytes + wire.DATAGRAM_OVERHEAD  # bytes a DATA packet takes on the wire (at most)
         self.cc = RateControl(world, c, self.frame) if c.cc == "ecn" else None  # per destination's rate
-        self.rx_from = np.zeros(world + 1, np.int64)  # per sender: packets received from it (late ones too;
+        # what STOPs' echoes say arrived of this rank's DATA, per destination: for the rate control
+        # and a bound that follows the network's loss (the job's ranks share both settings, so each
+        # counts what its peers will read)
+        self.ledger = Ledger(world) if self.cc is not None or self.controller.hears_loss else None
+        self.rx_from = np.zeros(world + 1, np.int64)  # per sender: DATA received from it (late ones too;
         self.ce_from = np.zeros(world + 1, np.int64)  # [world]: no rank's) and those that came CE-marked:
                                                   # both echoed in STOPs, cumulative
         self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
@@ -499,8 +503,8 @@ class Protocol:
         """
         b = self.t.recv(self._rx, timeout=timeout, want=want, linger=linger, copy=False)
         if b.n:
-            if self.cc is not None:
-                self._count_marks(b)
+            if self.ledger is not None:
+                self._count_rx(b)
             try:
                 self.process(st, b.headers[: b.n], b.payload[: b.n], b.lengths[: b.n], self.clock())
             except Exception as e:  # what arrives never ends a round: drop the batch, repair as loss
@@ -508,15 +512,17 @@ class Protocol:
                 self._drop_log(e, self.counters["rx_errors"])
         return b.n
 
-    def _count_marks(self, b: Batch) -> None:
-        """Count ``b``'s packets per sender, and those that arrived CE-marked (echoed in STOPs).
-        Every packet counts, those the round takes and those it drops as late or duplicate alike:
-        the sender compares the count with what it sent, and what is missing was lost."""
-        src = np.minimum(b.headers["src"][: b.n], self.world)
+    def _count_rx(self, b: Batch) -> None:
+        """Count ``b``'s DATA packets per sender, and those that arrived CE-marked (echoed in
+        STOPs).  Every DATA packet counts, those the round takes and those it drops as late or
+        duplicate alike: the sender compares the count with the DATA it sent, and what is missing
+        was lost."""
+        data = b.headers["kind"][: b.n] == DATA
+        src = np.where(data, np.minimum(b.headers["src"][: b.n], self.world), self.world)
         self.rx_from += np.bincount(src, minlength=self.world + 1)
         if b.ecn is None:
             return
-        ce = b.ecn[: b.n] == CE
+        ce = (b.ecn[: b.n] == CE) & data
         if ce.any():
             self.ce_from += np.bincount(src[ce], minlength=self.world + 1)
             self.counters["ce_received"] += int(np.count_nonzero(ce))
@@ -647,10 +653,12 @@ class Protocol:
                 parts.append((o, idx, 0))
                 if o.sent == o.n:
                     o.t_sent_all = now
-            if cc is not None:
+            if self.ledger is not None:
                 sent = sum(len(p[1]) for p in parts[n0:])
                 for d in (self._others if o.dst == wire.DST_ALL else (o.dst,)):
-                    cc.spend(d, sent)
+                    self.ledger.spend(d, sent)
+                    if cc is not None:
+                        cc.spend(d, sent)
             o.t_last = now
         if bc is not None:
             for o in bc.members:  # they went out with the group's copy
@@ -792,8 +800,8 @@ class Protocol:
         echo = None
         if kind == STOP and len(payload) >= 2:
             self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
-            if len(payload) >= STOP_PAYLOAD.size and self.cc is not None:
-                echo = STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:]
+            if len(payload) >= STOP_PAYLOAD.size and self.ledger is not None:
+                echo = self._echo(src, *STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:])
         if kind == BITMAP and f[F_FLAGS] & FINAL:  # what an owner's estimate used of my contribution
             o = st.outs.get((False, src)) if current and not flag else None
             if o is None:  # (the round is over: its feedback was taken as used whole)
@@ -806,15 +814,15 @@ class Protocol:
             return
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
-            if echo is not None:  # (the counts are cumulative: any STOP's are news; a message the
-                # owner's all-gather ended, as a parameter server's, gets its STOP only now)
-                self.cc.echo(src, *echo, now, self._sent_rate(o, now) if o is not None else None)
+            if echo is not None and self.cc is not None:  # (the counts are cumulative: any STOP's are
+                # news; a message the owner's all-gather ended, as a parameter server's, gets its STOP only now)
+                self.cc.echo(src, echo, now, self._sent_rate(o, now) if o is not None else None)
             self.counters["stray"] += 1
             return
         if kind == STOP:
-            if echo is not None:
+            if echo is not None and self.cc is not None:
                 delay = now - o.t_sent_all if o.t_sent_all is not None and o.timeouts == 0 else None
-                self.cc.echo(src, *echo, now, self._sent_rate(o, now), delay)
+                self.cc.echo(src, echo, now, self._sent_rate(o, now), delay)
             self._out_done(o, now)
         elif kind == BITMAP:
             if current:
@@ -822,6 +830,13 @@ class Protocol:
             if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
                         self.probe_timeout):
                 self._out_done(o, now)
+
+    def _echo(self, src: int, received: int, marked: int) -> Echo | None:
+        """Read a STOP's echo from ``src`` into the ledger; the phase controller hears the loss."""
+        news = self.ledger.echo(src, received, marked)
+        if news is not None and news.got and self.controller.hears_loss:
+            self.controller.observe_loss(news.sent, news.sent - news.got)
+        return news
 
     def _sent_rate(self, o: OutMessage, now: float) -> float | None:
         """Bits/s message ``o`` went out at: its bytes sent over the time from its first send to now."""

@@ -63,6 +63,7 @@ class Options:
     ge_bad: float = 0.8             # ge: drop ratio in the bad state (the good state drops nothing)
     p_low: float = 0.016            # static tolerance and DBLP's P_low
     k: float = 0.40                 # DBLP's P_high - P_low
+    high: str = "fixed"             # DBLP's relaxed bound: P_low + k ("fixed") or P_low + the measured loss ("loss")
     freq: int = 10                  # DBLP measures G every freq steps
     eta: float = 0.5                # DBLP's critical threshold
     g_over: str = "step"            # DBLP's G: the measured step's ("step") or the window's mean ("window")
@@ -253,7 +254,8 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       str(opt.workers), "--master", master, "--arm", arm.method, "--algo", opt.algo, "--via", opt.via,
                       "--net", opt.net,
                       "--iface", "eth0", "--model", opt.model, "--steps", str(opt.steps), "--seed",
-                      str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--freq", str(opt.freq),
+                      str(seed), "--p-low", str(opt.p_low), "--k", str(opt.k), "--high", opt.high,
+                      "--freq", str(opt.freq),
                       "--eta", str(opt.eta), "--g-over", opt.g_over, "--estimator", opt.estimator,
                       "--order", opt.order, "--stagger", opt.stagger, "--consistency", opt.consistency,
                       *(("--batch", str(opt.batch)) if opt.batch else ()), "--relax", arm.relax,

@@ -58,6 +58,7 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p-low", type=float, default=0.016, help="static tolerance; dblp's P_low")
     p.add_argument("--k", type=float, default=0.40, help="dblp's P_high - P_low")
+    p.add_argument("--high", choices=["fixed", "loss"], default="fixed", help="dblp's relaxed bound (pydblp Dblp.high)")
     p.add_argument("--freq", type=int, default=10, help="dblp measures G every FREQ steps")
     p.add_argument("--eta", type=float, default=0.5, help="dblp's critical threshold on |dG|/G")
     p.add_argument("--g-over", choices=["step", "window"], default="step", help="dblp's G (pydblp Dblp.g_over)")
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
             from pydblp.collective import Config, Dblp, Static
 
             phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
-                                                                           g_over=a.g_over)
+                                                                           g_over=a.g_over, high=a.high)
             cfg = Config(job=11, phase=phase, **knobs, **relax_knobs(a.relax, a.estimator), order=a.order,
                          stagger=a.stagger == "on",
                          peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,

@@ -8,15 +8,34 @@ import numpy as np
 import pytest
 
 from pydblp.collective import Config
-from pydblp.collective.cc import CEILING_OVER, RateControl
+from pydblp.collective.cc import CEILING_OVER, Echo, Ledger, RateControl
 from pydblp.collective.config import MASK32
 from pydblp.sim import Link, Sim
 
 FRAME = 1408 + 80
 
 
-def ctl(**kw) -> RateControl:
-    return RateControl(4, Config(**kw), FRAME)
+class Sender:
+    """A rate control and the ledger that reads its echoes, as the protocol joins them."""
+
+    def __init__(self, **kw):
+        self.rc, self.ledger = RateControl(4, Config(**kw), FRAME), Ledger(4)
+
+    def echo(self, dst, received, marked, now, sent_rate, delay=None):
+        news = self.ledger.echo(dst, received, marked)
+        if news is not None:
+            self.rc.echo(dst, news, now, sent_rate, delay)
+
+    def spend(self, dst, frames):
+        self.ledger.spend(dst, frames)
+        self.rc.spend(dst, frames)
+
+    def __getattr__(self, name):
+        return getattr(self.rc, name)
+
+
+def ctl(**kw) -> Sender:
+    return Sender(**kw)
 
 
 def test_the_first_echo_counts_from_zero():
@@ -79,9 +98,21 @@ def test_counters_wrap_and_an_overtaken_stop_is_ignored():
     rc.echo(2, 90, MASK32 - 9, 0.1, 500e6)  # 100 new packets across the wrap, none marked
     assert rc.counters["echoes"] == 1 and not rc.paced(2)
     rc.echo(2, 50, 40, 0.2, 500e6)  # older than the last: (50 - 90) mod 2**32 is huge
-    assert rc.counters["echoes"] == 1 and not rc.paced(2) and rc.last[2] == (90, MASK32 - 9)
+    assert rc.counters["echoes"] == 1 and not rc.paced(2) and rc.ledger.last[2] == (90, MASK32 - 9)
     rc.echo(2, 190, MASK32 - 9 + 50, 0.3, 500e6)  # then half of the next 100 marked
     assert rc.counters["echoes"] == 2 and rc.counters["marks"] == 50 and rc.paced(2)
+
+
+def test_the_ledger_sums_to_the_echoed_totals():
+    led = Ledger(2)
+    led.spend(1, 100)
+    assert led.echo(1, 0, 0) == Echo(0, 0, 0)  # nothing arrived yet: the span stays open
+    led.spend(1, 100)
+    assert led.echo(1, 150, 3) == Echo(150, 3, 200)  # 50 lost or in flight
+    led.spend(1, 100)
+    assert led.echo(1, 300, 3) == Echo(150, 0, 100)  # 50 in flight arrived: -50 lost here
+    assert led.echo(1, 250, 3) is None  # an overtaken STOP
+    assert led.sent[1] == led.last[1][0] == 300  # all 300 arrived in the end
 
 
 def test_delay_counts_as_a_mark_only_when_asked():

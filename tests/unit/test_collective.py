@@ -259,6 +259,40 @@ def test_dblp_controller_by_step_measures_each_steps_whole_gradient():
         Dblp(k=-0.1)
 
 
+def test_dblp_high_loss_relaxes_by_the_measured_loss_up_to_k():
+    """high="loss": a relaxed round's bound is P_low plus the running share of DATA the network
+    lost (echo by echo, negative spans included), capped at k; critical rounds keep P_low."""
+    c = Dblp(p_low=0.02, k=0.3, high="loss")
+    assert c.hears_loss and not Dblp().hears_loss and not Static().hears_loss
+    c.critical = False
+    assert c.tol(0) == 0.02 and c.loss() == 0.0  # no echo yet: nothing lost that it knows of
+    c.observe_loss(100, 60)  # the first span sets the scale, as lossless (mostly still in flight)
+    assert c.loss() == 0.0
+    for _ in range(400):
+        c.observe_loss(100, 12)
+        c.observe_loss(100, 8)
+    assert c.loss() == pytest.approx(0.10, abs=1e-3) and c.tol(1) == pytest.approx(0.12, abs=1e-3)
+    c.critical = True
+    assert c.tol(2) == 0.02
+    c.critical = False
+    for _ in range(400):  # in-flight packets counted lost at one echo arrive by the next
+        c.observe_loss(100, 40)
+        c.observe_loss(0, -40)
+    assert c.loss() == pytest.approx(0.0, abs=0.01)
+    for _ in range(400):
+        c.observe_loss(50, 45)
+    assert c.loss() == pytest.approx(0.3) and c.tol(3) == pytest.approx(0.32)  # at most k
+    fixed = Dblp(p_low=0.02, k=0.3)
+    fixed.critical = False
+    fixed.observe_loss(100, 90)
+    assert fixed.tol(0) == pytest.approx(0.32)
+    d = Dblp(p_low=0.02, k=0.3, high="loss")
+    d.load_state_dict(c.state_dict())
+    assert d.tol(4) == c.tol(4) and d.loss() == c.loss()
+    with pytest.raises(ValueError, match="high 'auto': use fixed or loss"):
+        Dblp(high="auto")
+
+
 def test_dblp_window_measures_the_mean_gradient_since_the_last_measurement():
     """g_over="window": G at a measured step is the norm of the mean, over the steps since the
     last measurement, of each step's vectors (two rounds a step here): noise that cancels

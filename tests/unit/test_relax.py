@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pydblp import wire
-from pydblp.collective import Config, rotation
+from pydblp.collective import Config, Dblp, rotation
 from pydblp.sim import Link, Sim
 from tests.helpers import lose_sent
 
@@ -133,3 +133,46 @@ def test_what_error_feedback_holds_back_is_part_of_a_collective_s_state():
     fresh = Sim(4, Config(estimator="zero", error_feedback=True), link=LINK).nodes[1].collective
     fresh.load_state_dict(state)
     np.testing.assert_array_equal(fresh.protocol._residual[0], held)
+
+
+def _relaxed(high: str, loss: float, rounds: int = 30, n: int = 100_000):
+    """4 ranks' allreduces in the relaxed regime of ``Dblp(high=...)``, P_low 1.6 %, k 0.40,
+    under ``loss`` random loss on every port: per rank its controller and records."""
+    s = Sim(4, Config(job=1, phase=Dblp(high=high)), link=LINK, seed=7)
+    if loss:
+        s.network.loss(loss)
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+
+    def program(node):
+        c = Dblp(high=high)  # a controller per rank (the config's is one object)
+        c.critical = False
+        node.collective.controller = node.collective.protocol.controller = c
+        for _ in range(rounds):
+            node.collective.allreduce(x)
+        return c
+
+    nodes = s.run(program)
+    assert not any(nd.error for nd in nodes)
+    return [nd.result for nd in nodes], [nd.records for nd in nodes]
+
+
+def test_a_loss_following_bound_settles_at_the_loss_the_network_makes():
+    """high="loss" reads the echoes in STOPs: at 10 % random loss each rank's measured loss
+    rises from 0 to near 10 % (the first echo sets the scale as lossless) and its relaxed bound
+    to near P_low + 10 %, so its messages stop once what the network delivered is in (about 88 %
+    of them, where P_low + k stops at 58 %); with no loss the bound stays near P_low from the
+    first round on (packets queued or in flight at an echo are not taken for lost)."""
+    ctl, recs = _relaxed("loss", 0.10)
+    for c, rr in zip(ctl, recs):
+        assert 0.07 < c.loss() < 0.12
+        tols = [r.tol for r in rr]
+        assert tols[0] == pytest.approx(0.016, abs=1 / 255)  # before any echo
+        assert tols[5] < tols[-1] and 0.08 < np.median(tols[-10:]) < 0.14 and max(tols) < 0.2
+    late = lambda rr: [r for recs_ in rr for r in recs_[-10:]]
+    _, fixed = _relaxed("fixed", 0.10)
+    follow = np.mean([r.min_delivered for r in late(recs)])
+    cut = np.mean([r.min_delivered for r in late(fixed)])
+    assert follow > 0.8 > 0.7 > cut  # k 0.40 cuts what the network delivered; the loss bound does not
+    ctl0, recs0 = _relaxed("loss", 0.0)
+    assert all(c.loss() < 0.01 for c in ctl0)
+    assert all(r.tol < 0.04 and r.min_delivered > 0.96 for rr in recs0 for r in rr)
