@@ -11,6 +11,8 @@ a seed gives the same packets, drops and round records on every run.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pydblp.collective import Collective, Config, RoundRecord
+from pydblp.collective import Collective, Config, PhaseController, RoundRecord
 from pydblp.sim.network import QUANTUM, Link, Network
 from pydblp.sim.transport import GROUP_ADDR, SimTransport, _Arrivals, rank_addr
 
@@ -99,7 +101,8 @@ class Sim:
 
     Args:
         world: ranks, 1..65535.
-        config: every rank's :class:`~pydblp.collective.Config` (default ``Config()``).
+        config: every rank's :class:`~pydblp.collective.Config` (default ``Config()``); a phase
+            controller given as an object is copied for each rank.
         link: every rank's :class:`~pydblp.sim.network.Link`, or one per rank.
         seed: the network's random draws (loss); the only source of randomness.
         cost: virtual s a rank spends per packet it sends or receives (its CPU; default 0:
@@ -138,7 +141,10 @@ class Sim:
         self.nodes: list[Node] = []
         for r in range(world):
             t = SimTransport(self, r)
-            col = Collective(t, r, world, peers, cfg, group=group, clock=self.clock, idle_thread=False)
+            own = cfg  # a controller given as an object is a copy per rank, as in separate processes
+            if isinstance(cfg.phase, PhaseController):
+                own = dataclasses.replace(cfg, phase=copy.deepcopy(cfg.phase))
+            col = Collective(t, r, world, peers, own, group=group, clock=self.clock, idle_thread=False)
             self.nodes.append(Node(self, r, col))
 
     def clock(self) -> float:

@@ -138,18 +138,17 @@ def test_what_error_feedback_holds_back_is_part_of_a_collective_s_state():
 def _relaxed(high: str, loss: float, rounds: int = 30, n: int = 100_000):
     """4 ranks' allreduces in the relaxed regime of ``Dblp(high=...)``, P_low 1.6 %, k 0.40,
     under ``loss`` random loss on every port: per rank its controller and records."""
-    s = Sim(4, Config(job=1, phase=Dblp(high=high)), link=LINK, seed=7)
+    relaxed = Dblp(high=high)
+    relaxed.critical = False
+    s = Sim(4, Config(job=1, phase=relaxed), link=LINK, seed=7)  # (each rank gets a copy)
     if loss:
         s.network.loss(loss)
     x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
 
     def program(node):
-        c = Dblp(high=high)  # a controller per rank (the config's is one object)
-        c.critical = False
-        node.collective.controller = node.collective.protocol.controller = c
         for _ in range(rounds):
             node.collective.allreduce(x)
-        return c
+        return node.collective.controller
 
     nodes = s.run(program)
     assert not any(nd.error for nd in nodes)
@@ -163,6 +162,7 @@ def test_a_loss_following_bound_settles_at_the_loss_the_network_makes():
     of them, where P_low + k stops at 58 %); with no loss the bound stays near P_low from the
     first round on (packets queued or in flight at an echo are not taken for lost)."""
     ctl, recs = _relaxed("loss", 0.10)
+    assert len({id(c) for c in ctl}) == 4
     for c, rr in zip(ctl, recs):
         assert 0.07 < c.loss() < 0.12
         tols = [r.tol for r in rr]
