@@ -223,7 +223,9 @@ def table(rep: dict) -> str:
     for arm, v in s.items():
         by = v.get("delivered_by_phase") or {}
         if by and arm != "gloo":
-            parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds)" for ph, d in by.items())
+            bound = v.get("bound_by_phase") or {}
+            parts = ", ".join(f"{ph} {d:.4f} ({v['rounds_by_phase'][ph]:.0f} rounds"
+                              + (f", bound {bound[ph] * 100:.1f} %)" if ph in bound else ")") for ph, d in by.items())
             same = {True: "identical on every rank", False: "DIFFER between ranks"}.get(v.get("phase_identical"), "")
             text.append(f"{arm}: delivered by phase: {parts}; phase decisions {same}".rstrip("; "))
         ge = v.get("grad_error_by_phase") or {}

@@ -384,8 +384,10 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     rounds = run.final.get("rounds", [])
     compute = (run.calibrate or 0.0) + float(np.median([s.get("opt", 0.0) for s in run.steps]))
     by_phase: dict[str, list] = {}
+    bound: dict[str, list] = {}
     for r in rounds:
         by_phase.setdefault(r["phase"], []).append(r["delivered"])
+        bound.setdefault(r["phase"], []).append(r["tol"])
     retx = int(sum(r["retx"] for r in rounds)) + run.final.get("trail_retransmits", 0) if rounds else None
     ph = run.final.get("phase") or {}
     hist = ph.get("history") or []
@@ -408,6 +410,7 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
         "clean_round_ms": float(np.median(sync[~in_burst]) * 1e3) if (~in_burst).any() else None,
         "delivered": float(np.mean([r["delivered"] for r in rounds])) if rounds else 1.0,
         "delivered_by_phase": {k: float(np.mean(v)) for k, v in by_phase.items()},
+        "bound_by_phase": {k: float(np.mean(v)) for k, v in bound.items()},  # the mean loss bound
         "rounds_by_phase": {k: len(v) for k, v in by_phase.items()},
         "retransmits": retx,
         "ce_received": int(sum(r.get("ce", 0) for r in rounds)) if rounds else None,  # (rank 0's)
@@ -507,7 +510,7 @@ def aggregate(per_seed: list[dict]) -> tuple[dict, dict]:
                                             and all(isinstance(x, (int, float)) for x in r[key]) for r in rows):
                 m[key] = [float(x) for x in np.mean([r[key] for r in rows], axis=0)]  # (per priority, per rank)
                 continue
-            if key == "grad_error_by_phase":  # per phase, over the seeds that measured it
+            if key.endswith("_by_phase"):  # per phase, over the seeds that measured it
                 phases = {ph for r in rows for ph in (r.get(key) or {})}
                 m[key] = {ph: float(np.mean([r[key][ph] for r in rows if ph in (r.get(key) or {})]))
                           for ph in sorted(phases)}

@@ -142,17 +142,19 @@ def test_ge_params_give_the_asked_mean_loss_and_run_length():
         assert 1 / r == pytest.approx(length) and p * bad / (p + r) == pytest.approx(loss)
 
 
-def _summary(arm, wall, ttt, div):
+def _summary(arm, wall, ttt, div, relaxed=0.6):
     return {"arm": arm, "wall_s": wall, "time_to_target_s": ttt, "final_metric": 0.9, "metric": "accuracy",
             "retransmit_bytes": 2816, "divergence_max": div, "phase_identical": True,
-            "delivered_by_phase": {"critical": 0.99}, "rounds_by_phase": {"critical": 10}}
+            "delivered_by_phase": {"critical": 0.99, "relaxed": relaxed},
+            "rounds_by_phase": {"critical": 10, "relaxed": 20},
+            "bound_by_phase": {"critical": 0.016, "relaxed": 1 - relaxed - 0.01}}
 
 
 def test_aggregate_and_table_show_mean_and_spread_over_seeds():
     from pydblp.experiment import runner
 
     per_seed = [{"static": _summary("static", 10.0, 8.0, 0.0), "dblp": _summary("dblp", 8.0, 6.0, 1e-3)},
-                {"static": _summary("static", 12.0, None, 0.0), "dblp": _summary("dblp", 6.0, 4.0, 3e-3)}]
+                {"static": _summary("static", 12.0, None, 0.0), "dblp": _summary("dblp", 6.0, 4.0, 3e-3, 0.8)}]
     mean, spread = runner.aggregate(per_seed)
     assert mean["dblp"]["wall_s"] == 7.0 and spread["dblp"]["wall_s"] == 1.0
     assert mean["static"]["time_to_target_s"] == 8.0 and mean["static"]["time_to_target_s_n"] == 1
@@ -162,6 +164,8 @@ def test_aggregate_and_table_show_mean_and_spread_over_seeds():
     text = report.table(rep)
     assert "7.0 +-1.0" in text and "0.91 (mean of 2)" in text and "speedup dblp vs static: wall 1.50x" in text
     assert "phase decisions identical on every rank" in text
+    # by phase: means over the seeds, each with the phase's mean bound
+    assert "relaxed 0.7000 (20 rounds, bound 29.0 %)" in text and "critical 0.9900 (10 rounds, bound 1.6 %)" in text
 
 
 def _options(monkeypatch, *argv):
