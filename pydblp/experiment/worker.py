@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pydblp.collective.phase import G_OVER, HIGH
 from pydblp.experiment import data, models
 
 
@@ -58,10 +59,10 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p-low", type=float, default=0.016, help="static tolerance; dblp's P_low")
     p.add_argument("--k", type=float, default=0.40, help="dblp's P_high - P_low")
-    p.add_argument("--high", choices=["fixed", "loss"], default="fixed", help="dblp's relaxed bound (pydblp Dblp.high)")
+    p.add_argument("--high", choices=HIGH, default="fixed", help="dblp's relaxed bound (pydblp Dblp.high)")
     p.add_argument("--freq", type=int, default=10, help="dblp measures G every FREQ steps")
     p.add_argument("--eta", type=float, default=0.5, help="dblp's critical threshold on |dG|/G")
-    p.add_argument("--g-over", choices=["step", "window"], default="step", help="dblp's G (pydblp Dblp.g_over)")
+    p.add_argument("--g-over", choices=G_OVER, default="step", help="dblp's G (pydblp Dblp.g_over)")
     p.add_argument("--consistency", default="allgather", help=f"{CONSISTENCY_USE} (see consistency())")
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")

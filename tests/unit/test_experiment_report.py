@@ -375,3 +375,22 @@ def test_a_run_that_never_reaches_the_target_counts_its_end_and_is_said_so():
     assert r["time_to_target_s"]["per_seed"] == pytest.approx([1.6, 0.8]) and r["time_to_target_s"]["censored"] == 1
     assert "1 never reached" in "\n".join(report.ratio_lines({"ratios": {"dblp / static": r}}))
     assert r["curve"]["ratio"] == pytest.approx(0.8)  # (both curves cross 0.6 at 0.9 of their span)
+
+
+
+def test_the_cli_and_the_worker_offer_the_controller_s_choices():
+    """`dblp experiment` names --high and --g-over without importing the collective (a fast
+    CLI); its choices must stay the controller's, which the worker takes from it."""
+    import argparse
+
+    from pydblp import cli
+    from pydblp.collective.phase import G_OVER, HIGH
+    from pydblp.experiment import worker
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    got = {a.dest: tuple(a.choices) for a in sub.choices["experiment"]._actions if a.dest in ("high", "g_over")}
+    assert got == {"high": HIGH, "g_over": G_OVER}
+    a = worker.parse(["--high", "loss", "--g-over", "window"])
+    assert (a.high, a.g_over) == ("loss", "window")
+    with pytest.raises(SystemExit):
+        worker.parse(["--high", "auto"])
