@@ -94,20 +94,21 @@ class Fill:
         y[need:] = 0
 
     def missing_rows(self, st) -> None:
-        """Fill the result rows of ``st`` (in the round's row order) that did not arrive."""
+        """Fill the result rows of ``st`` that did not arrive (``st.have``, in the round's row order;
+        written where ``st.put`` keeps them)."""
         missing = ~st.have
         if not missing.any():
             return
         rule = self.rule(st)
         if rule == "base":
-            st.y[missing] = st.base[missing]
+            st.put(missing, st.base[missing])
         elif rule in ("carry", "zero"):
-            st.y[missing] = 0  # (carry: the owners carry what they cut to the next round)
+            st.put(missing, 0)  # (carry: the owners carry what they cut to the next round)
         elif rule == "stale":
             last = self.stale[st.tensor]  # (in the tensor's own order)
-            st.y[missing] = last[missing] if st.perm is None else last[st.perm[missing]]
+            st.put(missing, last[missing] if st.perm is None else last[st.perm[missing]])
         else:
-            st.y[missing] = st.x[missing]
+            st.put(missing, st.x[missing])
 
     def keep(self, st, give: bool = False) -> np.ndarray | None:
         """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill

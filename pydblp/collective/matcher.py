@@ -35,7 +35,8 @@ from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN,
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, p, p, p, p, p, p]
+    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, p, p, p, p, p, p,
+                                p]
     lib.dblp_absorb.restype = i64
 
 
@@ -182,7 +183,9 @@ class Matcher:
                 int(self.broadcast), self.rank, W, self.C * 4, int(not rs),
                 _addr(st.rflat) if rs else None, _addr(st.rmflat) if rs else None,
                 st.rmask.shape[1] if rs else 0, int(self.stagger), int(gather),
-                _addr(st.y) if gather else None, _addr(st.have) if gather else None,
+                _addr(st.y if st.result is None else st.result) if gather else None,
+                _addr(st.perm) if gather and st.result is not None else None,
+                _addr(st.have) if gather else None,
                 _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
                 *self._fixed))
         k = self._lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2])
@@ -334,7 +337,7 @@ class Matcher:
             if not ok.all():
                 h, prow, src, chunk, per = self._drop_bad(st, h, prow, src, chunk, ok, st.ag_n[src], now)
             row = st.ag_first[src] + chunk
-            st.y[row] = self._chunks(pay, prow)
+            st.put(row, self._chunks(pay, prow))
             st.have[row] = True
             np.maximum.at(st.hi[1], src, chunk + 1)
             hi = st.hi[1].tolist()

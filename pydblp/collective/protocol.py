@@ -234,6 +234,9 @@ class Protocol:
         fields = self._fields(rnd, tensor, x, exact)
         if perm is not None or out is not None:  # y is scratch: reorder() makes the caller's result
             fields["y"] = self._scratch("y", tensor, (T, self.C))
+        if kind.gather and perm is not None and out is not None:  # (the all-gather writes there through perm)
+            whole = out.size == T * self.C
+            more["result"] = out.reshape(T, self.C) if whole else self._scratch("yout", tensor, (T, self.C))
         st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, out=out, **relax, **more)
         if my is not None:
             a, b = bounds[my]

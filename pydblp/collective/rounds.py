@@ -212,8 +212,14 @@ class GatherRound(ShardRound):
     ag_n: np.ndarray                 # per owner, chunks of its all-gather message to me (-1: none)
     bcast: OutMessage | None = None  # broadcast all-gather: the message sending its first pass to all
 
+    result = None    # (a plain class attribute: only an allreduce writes its result in place; see there)
+
     def conclude(self, fill) -> None:
         fill.missing_rows(self)
+
+    def put(self, rows: np.ndarray, values) -> None:
+        """Write result rows ``rows`` (the round's row numbers, or a mask over them): into ``y``."""
+        self.y[rows] = values
 
 
 @dataclass(eq=False, kw_only=True)
@@ -239,6 +245,30 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     own: np.ndarray | None = None    # owner, fill "carry" or a sharded update: its shard's estimate of this
                                      # step's mean gradient alone (what the controller measures)
+    result: np.ndarray | None = None  # a shuffled round with ``out``: the result in the tensor's order (T, C),
+                                      # the caller's array itself when of whole rows (else scratch, copied
+                                      # out at the end).  All-gather rows are written there as they arrive
+                                      # (the round's row i at row perm[i]), the own shard and the fill as
+                                      # the round ends (conclude): no pass to reorder the result.  None:
+                                      # every row goes to y, and reorder() puts y in order
+
+    def put(self, rows: np.ndarray, values) -> None:
+        if self.result is None:
+            self.y[rows] = values
+        else:
+            self.result[self.perm[rows]] = values
+
+    def conclude(self, fill) -> None:
+        if self.result is not None and self.my_shard is not None:  # (before the fill: it may overwrite
+            a, b = self.bounds[self.my_shard]                     # rows the all-gather cut, as in y)
+            self.result[self.perm[a:b]] = self.y[a:b]
+        fill.missing_rows(self)
+
+    def reorder(self, into: np.ndarray | None = None) -> None:
+        if self.result is None:
+            super().reorder(into)
+        else:  # (already in order there: conclude wrote the rest)
+            self.y = self.result
 
 
 @dataclass(eq=False, kw_only=True)

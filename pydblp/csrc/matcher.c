@@ -39,8 +39,9 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
 /* Packets [0, n): headers at hdrs + 32 i, payloads at pay + i * pstride (chunk
  * bytes c4 each).  The round: reduce-scatter inbox rflat (world * nrs rows of c4
  * bytes, row src * nrs + chunk) and its mask rmflat, unless reduced; all-gather
- * result y (rows of c4 bytes, row ag_first[src] + chunk of ag_n[src]) and its
- * mask have, if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
+ * result y (rows of c4 bytes: the round's row ag_first[src] + chunk of ag_n[src],
+ * at y's row rowmap[row] when rowmap is not NULL, the result in the tensor's
+ * order) and its mask have (by the round's row), if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
  * 1 all-gather) to 1 + the furthest chunk in the sender's send order (with
  * stagger, a reduce-scatter sender starts at chunk src * nrs / world, as
  * messages.stagger_first, and
@@ -49,7 +50,8 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
  * Returns how many packets did not match (their rows in rest, in order), or -1. */
 int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t pstride, const uint64_t *mask,
                     const uint64_t *vals, int broadcast, int64_t rank, int64_t world, int64_t c4, int reduced,
-                    uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int stagger, int gather, uint8_t *y, uint8_t *have,
+                    uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int stagger, int gather, uint8_t *y,
+                    const int64_t *rowmap, uint8_t *have,
                     const int64_t *ag_first, const int64_t *ag_n, int64_t *hi, int64_t *got, int64_t *tol,
                     int64_t *rest) {
     int64_t nrest = 0;
@@ -78,7 +80,7 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         int64_t row, sent = chunk; /* its place in the sender's send order */
         if (kind) {
             row = ag_first[src] + chunk;
-            memcpy(y + row * c4, pay + i * pstride, c4);
+            memcpy(y + (rowmap ? rowmap[row] : row) * c4, pay + i * pstride, c4);
             have[row] = 1;
         } else if (!reduced) {
             row = (int64_t)src * nrs + chunk;

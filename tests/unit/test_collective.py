@@ -1035,14 +1035,25 @@ def test_a_cut_after_the_same_share_of_every_sender_leaves_no_row_to_its_owner_a
         assert alone >= 0.25 * T
 
 
+def _allreduce(c, x, into: bool):
+    """``c.allreduce(x)``, or with ``into`` in place (``out=``: the all-gather and the fill write
+    the result in the tensor's order through the round's permutation, into the caller's array
+    itself when of whole rows)."""
+    if not into:
+        return c.allreduce(x)
+    y = x.copy()
+    return c.allreduce(y, out=y)
+
+
+@pytest.mark.parametrize("n,into", [(30_000, False), (30_000, True), (352 * 85, True)])  # (352 * 85: whole rows)
 @pytest.mark.parametrize("mode", ["tar", "ps"])
-def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode):
+def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode, n, into):
     """Fill "carry" (error feedback), bound 30 %, no loss.  Every rank holds the same result; a
     row the all-gather cut is zero in it, and its owner adds it to the row's next estimate: each
     round's result plus what owners still carry equals the exact means summed so far, so nothing
     cut is lost.  The first round is cut too (nothing to fill from is needed), and a whole round
-    (bound 0) hands out everything carried."""
-    world, n, rounds = 3, 30_000, 4
+    (bound 0) hands out everything carried.  The same in place."""
+    world, rounds = 3, 4
     rk = ranks(world, mode=mode, allgather_bound=True, fill="carry")
     tols = [0.3, 0.3, 0.3, 0.0]
 
@@ -1058,7 +1069,7 @@ def test_the_carry_fill_applies_what_the_allgather_cut_a_round_later(ranks, mode
     def run(r, c):
         out = []
         for i in range(rounds):
-            out.append(c.allreduce(xs[i][r]))
+            out.append(_allreduce(c, xs[i][r], into))
             acc = c.protocol.fill.carried.get(0)
             held[r][i] = None if acc is None else acc.copy()
         return out
@@ -1133,14 +1144,16 @@ def test_the_carry_fill_needs_a_consistent_bounded_allgather():
     Config(fill="carry", allgather_bound=True).check()
 
 
+@pytest.mark.parametrize("n,into", [(30_000, False), (30_000, True), (352 * 85, True)])  # (352 * 85: whole rows)
 @pytest.mark.parametrize("bound", [True, False])
-def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ranks, bound):
+def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ranks, bound, n, into):
     """Bound 30 %, consistent replicas, no loss.  With ``allgather_bound`` each owner's all-gather
     carries the first ``need`` rows of its shuffled shard and every rank, the owner too, fills the
     rest from the previous result: identical results on every rank, each row either this round's
     exact mean or last round's result, and exactly the bound's share of rows stale (the first
-    round, with nothing to fill from, goes whole).  Without it every row is exact."""
-    world, n = 3, 30_000  # (small: each reduce-scatter message goes out in one turn, before any STOP)
+    round, with nothing to fill from, goes whole).  Without it every row is exact.  The same in
+    place."""
+    world = 3  # (small: each reduce-scatter message goes out in one turn, before any STOP)
     rk = ranks(world, allgather_bound=bound)
 
     class Seen(Static):  # bound 30 %; records the vectors the collective hands the controller
@@ -1154,7 +1167,7 @@ def test_a_consistent_allgather_stops_at_the_bound_and_every_rank_fills_alike(ra
     for c in rk.cols:
         c.controller = c.protocol.controller = Seen()
     xs = [[v * (1 + i) for v in r] for i, r in enumerate(inputs(world, n, rounds=3, seed=7))]  # (stale rows: smaller)
-    res, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
+    res, errs = rk.run(lambda r, c: [_allreduce(c, xs[i][r], into) for i in range(3)])
     assert not errs
     C = rk.cols[0].C
     T = -(-n // C)

@@ -221,8 +221,9 @@ def test_peer_matching_and_unknown_sources():
 
 def test_collective_rounds_are_identical_on_both_paths(ranks, monkeypatch):
     """Four ranks, shuffled rows, magnitude priorities, bound 0, and a deterministic loss of every
-    7th first-pass chunk from ranks 0 and 2 (repaired): allreduce, reduce-scatter and all-gather
-    rounds give bit-identical results and the same records on the compiled and Python paths."""
+    7th first-pass chunk from ranks 0 and 2 (repaired): allreduce (also in place: the all-gather
+    written through the permutation), reduce-scatter and all-gather rounds give
+    bit-identical results and the same records on the compiled and Python paths."""
     from tests.helpers import lose_sent
 
     n = 50_000
@@ -249,6 +250,9 @@ def test_collective_rounds_are_identical_on_both_paths(ranks, monkeypatch):
 
         def job(r, c):
             a = [c.allreduce(xs[r] * (i + 1)) for i in range(3)]
+            for m in (352 * 140, 30_001):  # in place, whole rows and not
+                v = xs[r][:m].copy()
+                a.append(c.allreduce(v, out=v))
             rs = c.reduce_scatter(xs[r][: 4 * 12_000])
             ag = c.all_gather(xs[r][:9_000])
             recs = [(rec.round, rec.tensor, rec.tol, rec.phase, rec.min_delivered, sorted(rec.delivered.items()))
@@ -265,3 +269,5 @@ def test_collective_rounds_are_identical_on_both_paths(ranks, monkeypatch):
         assert rec1 == rec2
     mean = sum(xs) / 4
     assert np.allclose(out[True][1][0][2], 3 * mean, atol=1e-5)  # exact: the loss was repaired
+    assert np.allclose(out[False][3][0][3], mean[: 352 * 140], atol=1e-5)
+    assert np.allclose(out[True][2][0][4], mean[:30_001], atol=1e-5)
