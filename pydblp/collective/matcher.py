@@ -220,12 +220,27 @@ class Matcher:
         return self._rest[:k].copy()
 
     def _sort(self, st: Round | None, h, pay, lens, rows, now: float, base: int, out: Sorted) -> None:
-        """:meth:`process` packet by packet for rows ``rows`` of a batch (None: all of them)."""
-        fields = (h if rows is None else wire.take(h, rows)).tolist()
-        rows = range(len(h)) if rows is None else rows.tolist()
+        """:meth:`process` packet by packet for rows ``rows`` of a batch (None: all of them).
+
+        Packets of a round to come from a peer (what a rank ahead of this one sends: most of what
+        the compiled absorb leaves) are told apart in numpy calls first, and stashed in order; the
+        loop below would stash each of them alike, one by one."""
+        sel = h if rows is None else wire.take(h, rows)
+        rows = np.arange(len(h)) if rows is None else rows
+        keep = []
+        if len(sel) > FEW:
+            ahead = self._ahead(sel, base)
+            if ahead.any():
+                keep = rows[ahead].tolist()
+                if st is not None:
+                    st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
+                rest = (~ahead).nonzero()[0]
+                sel, rows = wire.take(sel, rest), rows[rest]
+        fields = sel.tolist()
+        rows = rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
         prev = (base - 1) & MASK32
-        data, keep, ctrl = [], [], []
+        data, ctrl = [], []
         foreign = late = bad = stray = 0
         for i, f in zip(rows, fields):
             kind, rnd, src = f[F_KIND], f[F_ROUND], f[F_SRC]
@@ -279,6 +294,15 @@ class Matcher:
             rows = np.array(data)
             self.absorb(st, wire.take(h, rows), pay, rows, now, out)
         out.control += [(f, pay[i, : lens[i]], current) for f, i, current in ctrl]
+
+    def _ahead(self, h, base: int) -> np.ndarray:
+        """Which packets of ``h`` the loop in :meth:`_sort` stashes: of this job, from a peer rank,
+        to this rank (or all-gather DATA to all), of a round 1..STASH_AHEAD past ``base``."""
+        dst, kind = h["dst"], h["kind"]
+        to_me = (dst == self.rank) | ((dst == DST_ALL) & (kind == DATA) & ((h["flags"] & AG) != 0))
+        d = (h["round"].astype(np.int64) - base) & MASK32
+        src = h["src"]
+        return (h["job"] == self.job) & (src < self.world) & (src != self.rank) & to_me & (d > 0) & (d <= STASH_AHEAD)
 
     def _keep(self, h, pay, lens, rows) -> None:
         """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs)."""

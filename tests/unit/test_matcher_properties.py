@@ -57,8 +57,9 @@ PROFILES = [
     ("ps", "broadcast", "static:0", False, False, "stale", "shuffle"),
 ]
 
-# what the round is: an allreduce, a broadcast of shards, or a neighbour round
-ROUND_KINDS = ("allreduce", "broadcast", "neighbours", "reduce_scatter", "all_gather")
+# what the round is: an allreduce (also into the caller's array: with order "shuffle" the all-gather
+# writes it through the round's permutation), a broadcast of shards, or a neighbour round
+ROUND_KINDS = ("allreduce", "allreduce_into", "broadcast", "neighbours", "reduce_scatter", "all_gather")
 
 rounds = st.fixed_dictionaries({
     "world": st.sampled_from([2, 3]),
@@ -105,7 +106,10 @@ class Rank:
             return p.start_reduce_scatter(np.arange(self.world * chunks * self.col.C, dtype=np.float32), tensor)
         if kind == "all_gather":
             return p.start_all_gather(flat, tensor)
-        return p.start(flat, tensor, kind == "allreduce")
+        if kind == "allreduce_into":  # (whole rows with an even number of them: the caller's array itself)
+            flat = flat[: flat.size - (chunks % 2) * 5]
+            return p.start(flat, tensor, True, out=np.full(flat.size, np.nan, np.float32))
+        return p.start(flat, tensor, kind != "broadcast")
 
     def finish(self, st, now: float) -> None:
         """End round ``st`` with every message of its sent whole (so the all-gather's trail)."""
@@ -282,7 +286,8 @@ def results(p, s) -> dict:
          "trail": {k: _out(o) for k, o in p.trail.items()},
          "prev": None if p._prev is None else (p._prev[0], {k: _inn(i) for k, i in p._prev[1].items()})}
     if s is not None:
-        r.update(x=_b(s.x), y=_b(s.y), have=_b(getattr(s, "have", None)), rbuf=_b(getattr(s, "rbuf", None)),
+        r.update(x=_b(s.x), y=_b(s.y), result=_b(getattr(s, "result", None)), have=_b(getattr(s, "have", None)),
+                 rbuf=_b(getattr(s, "rbuf", None)),
                  rmask=_b(getattr(s, "rmask", None)), hi=_b(s.hi),
                  heard=_b(s.heard), misfit=dict(s.misfit), repair=s.repair, reduced=s.reduced,
                  ins={k: _inn(i) for k, i in s.ins.items()}, outs={k: _out(o) for k, o in s.outs.items()})
@@ -336,7 +341,15 @@ def check_writes(before: dict, after: dict, p, s) -> None:
                 may[s.ag_first[k]: s.ag_first[k] + inn.n] = True
         y0 = np.frombuffer(before["y"], np.uint8).reshape(T, -1)
         y1 = np.frombuffer(after["y"], np.uint8).reshape(T, -1)
-        assert (y0[~may] == y1[~may]).all(), "a result row no message to this rank fills changed"
+        if getattr(s, "result", None) is not None:  # the all-gather writes there, at row perm[i] for row i
+            assert (y0 == y1).all(), "the round's own y changed where the all-gather writes the result"
+            mt = np.zeros(T, bool)
+            mt[s.perm[may]] = True
+            y0 = np.frombuffer(before["result"], np.uint8).reshape(T, -1)
+            y1 = np.frombuffer(after["result"], np.uint8).reshape(T, -1)
+            assert (y0[~mt] == y1[~mt]).all(), "a result row no message to this rank fills changed"
+        else:
+            assert (y0[~may] == y1[~may]).all(), "a result row no message to this rank fills changed"
         if isinstance(s, GatherRound):
             h0, h1 = np.frombuffer(before["have"], bool), np.frombuffer(after["have"], bool)
             assert (h0[~may] == h1[~may]).all() and (h1 >= h0).all()
@@ -349,7 +362,7 @@ def check_writes(before: dict, after: dict, p, s) -> None:
             m1 = np.frombuffer(after["rmask"], bool).reshape(p.world, n)
             assert (m0[p.rank] == m1[p.rank]).all() and (m1 >= m0).all()
         for k, v in after["bufs"].items():
-            if all(p._bufs[k] is not b for b in (getattr(s, "rbuf", None), s.x, s.y)):  # (y: checked above)
+            if all(p._bufs[k] is not b for b in (getattr(s, "rbuf", None), s.x, s.y, getattr(s, "result", None))):
                 assert v == before["bufs"][k], f"scratch buffer {k} changed"
     else:
         assert after["bufs"] == before["bufs"], "a scratch buffer changed between rounds"
@@ -464,8 +477,9 @@ def test_a_genuine_packet_among_junk_arrives(r, junk, at, which, chunk, dst_all,
         if not same:
             if isinstance(s, NeighbourRound):
                 got = s.rbuf[s.slot[src], c]
-            elif ag:
-                got = s.y[s.ag_first[src] + c]
+            elif ag:  # (written through the permutation into an allreduce's result in place)
+                row = s.ag_first[src] + c
+                got = s.y[row] if s.result is None else s.result[s.perm[row]]
             else:
                 got = s.rbuf[src, c]
             assert got.tobytes() == values
