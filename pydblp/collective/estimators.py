@@ -103,8 +103,8 @@ def _classes(n: int) -> np.ndarray:
     return c
 
 
-def chunk_priority(rows: np.ndarray, how: str, first_row: int | np.ndarray = 0, total_rows: int | None = None,
-                   layers: np.ndarray | None = None) -> np.ndarray:
+def chunk_priority(rows: np.ndarray | None, how: str, first_row: int | np.ndarray = 0, total_rows: int | None = None,
+                   layers: np.ndarray | None = None, sq: np.ndarray | None = None, n: int | None = None) -> np.ndarray:
     """Priority class 1 (most important) .. 7 per chunk; 0 is kept for control and pins.
 
     ``magnitude``: chunks ranked by L2 norm, largest first (MLT).
@@ -114,9 +114,11 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int | np.ndarray = 0, 
     per chunk from the model's structure (:func:`layer_classes`); without
     ``layers`` (a tensor nobody described), as ``position``.  ``none``: all 1.
     Every class but ``layer``'s is relative to the message.  ``first_row`` may instead be an
-    array: each row's number in the tensor (a message in shuffled order).
+    array: each row's number in the tensor (a message in shuffled order).  A caller that has
+    the rows' squared norms gives them as ``sq`` (``magnitude``), or their number as ``n``, and
+    ``rows`` None.
     """
-    n = len(rows)
+    n = len(rows) if rows is not None else len(sq) if sq is not None else n
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
     ids = first_row + np.arange(n) if np.isscalar(first_row) else first_row  # (layer, position only)
@@ -126,7 +128,7 @@ def chunk_priority(rows: np.ndarray, how: str, first_row: int | np.ndarray = 0, 
         else:
             return np.ascontiguousarray(layers[ids], np.uint8)
     if how == "magnitude":
-        norms = np.einsum("ij,ij->i", rows, rows)  # squared: same order, no temporary
+        norms = np.einsum("ij,ij->i", rows, rows) if sq is None else sq  # squared: same order, no temporary
         out = np.empty(n, np.uint8)
         out[np.argsort(-norms, kind="stable")] = _classes(n)  # the chunk ranked r gets rank r's class
         return out

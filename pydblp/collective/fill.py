@@ -108,7 +108,7 @@ class Fill:
             last = self.stale[st.tensor]  # (in the tensor's own order)
             st.put(missing, last[missing] if st.perm is None else last[st.perm[missing]])
         else:
-            st.put(missing, st.x[missing])
+            st.put(missing, st.input_rows(missing))
 
     def keep(self, st, give: bool = False) -> np.ndarray | None:
         """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill

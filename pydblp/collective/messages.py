@@ -43,7 +43,7 @@ class OutMessage:
     Args:
         ag: an all-gather message (else reduce-scatter).
         dst: the receiving rank (``wire.DST_ALL`` for a broadcast all-gather's first pass).
-        rows: the chunks, one float32 row each.
+        rows: the chunks, one float32 row each; or None with ``addrs``.
         prio: per chunk, its priority byte.
         tol8: the loss bound in 1/255 units; ``need`` chunks make it done.
         rnd: the round number.
@@ -51,14 +51,18 @@ class OutMessage:
         nb: a neighbour round's message (flag ``NEIGHBOUR``; ``ag`` is False).
         first: the chunk its first send starts at (``Config.stagger``); the sends go on to the
             end and wrap to 0, and ``sent`` counts them in that order.  0: chunk order.
+        addrs: per chunk, the address of its row (uint64), read where it lies by a transport
+            that reads addresses (``Transport.reads_addresses``) when it is sent; the memory must
+            hold the row for as long as the message may send it.
     """
 
-    def __init__(self, ag: bool, dst: int, rows: np.ndarray, prio: np.ndarray, tol8: int, rnd: int, tensor: int,
-                 nb: bool = False, first: int = 0):
+    def __init__(self, ag: bool, dst: int, rows: np.ndarray | None, prio: np.ndarray, tol8: int, rnd: int,
+                 tensor: int, nb: bool = False, first: int = 0, addrs: np.ndarray | None = None):
         self.ag, self.dst, self.rows, self.prio, self.tol8, self.nb = ag, dst, rows, prio, tol8, nb
+        self.addrs = addrs
         self.flag = AG if ag else NB if nb else 0  # the header flag marking its kind of message
         self.rnd, self.tensor = rnd, tensor
-        self.n = len(rows)
+        self.n = len(rows) if addrs is None else len(addrs)
         self.need = self.n - self.n * tol8 // 255
         self.first = first % self.n if self.n else 0
         self.sent = 0                        # first sends made, in send order (from ``first``)

@@ -217,10 +217,15 @@ class Protocol:
         rnd = self._next_round()
         bounds = self._bounds(T, nsh)
         perm = self._order(rnd, tensor, T, bounds)
-        x = self._take_input(tensor, T, perm, put, flat)
-        relax = self._relax(rnd, tensor, x, perm, bounds, flat) if not exact else {}
+        cfg = self.cfg
+        # an allreduce's shuffled input read where it lies: each message sends its rows from the
+        # caller's array (the transport reads addresses), with no pass to put them in order
+        inplace = (kind.gather and base is None and perm is not None and flat is not None and self.t.reads_addresses
+                   and (exact or not (cfg.error_feedback or cfg.rotate)))
+        x = None if inplace else self._take_input(tensor, T, perm, put, flat)
+        relax = self._relax(rnd, tensor, x, perm, bounds, flat) if not (exact or inplace) else {}
         x = relax.pop("x", x)
-        more = {}
+        more = {"flat": flat} if inplace else {}
         if base is not None:  # (in the round's row order, as x)
             held = self._scratch("basein", tensor, (T, self.C))
             base(held)
@@ -231,9 +236,9 @@ class Protocol:
             more.update(self._gather_fields(T))
         me = self.rank
         my = me if me < nsh else None
-        fields = self._fields(rnd, tensor, x, exact)
-        if perm is not None or out is not None:  # y is scratch: reorder() makes the caller's result
-            fields["y"] = self._scratch("y", tensor, (T, self.C))
+        # y is scratch where reorder() makes the caller's result
+        y = self._scratch("y", tensor, (T, self.C)) if perm is not None or out is not None else None
+        fields = self._fields(rnd, tensor, x, exact, y)
         if kind.gather and perm is not None and out is not None:  # (the all-gather writes there through perm)
             whole = out.size == T * self.C
             more["result"] = out.reshape(T, self.C) if whole else self._scratch("yout", tensor, (T, self.C))
@@ -241,19 +246,47 @@ class Protocol:
         if my is not None:
             a, b = bounds[my]
             st.open_inbox(self._scratch("rbuf", tensor, (self.world, b - a, self.C)))  # row src * n + chunk
-            st.rbuf[me] = x[a:b]
+            st.input_rows(slice(a, b), into=st.rbuf[me])
             st.rmask[me] = True
             for src in range(self.world):
                 if src != me:
                     st.ins[(False, src)] = InMessage(False, src, st.rmask[src])
+        addrs, sq = self._in_place(st) if inplace else (None, None)
         for k, (a, b) in enumerate(bounds):
-            if k != my:
+            if k == my:
+                continue
+            if inplace:
+                prio = self._prio(st, None, a, sq if sq is None else sq[a:b], b - a)
+                o = OutMessage(False, k, None, prio, st.tol8, rnd, tensor, first=self._first(b - a), addrs=addrs[a:b])
+            else:
                 rows = x[a:b]
-                st.outs[(False, k)] = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor,
-                                                 first=self._first(b - a))
+                o = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor, first=self._first(b - a))
+            st.outs[(False, k)] = o
         if kind.gather:
             self._expect_gather(st)
         return self._begin(st)
+
+    def _in_place(self, st: ReduceScatterRound) -> tuple[np.ndarray, np.ndarray | None]:
+        """For a round that reads its input where it lies (``st.flat``): per round row, the address
+        of its input row (the last, padded row: a scratch copy) and, for magnitude priorities, its
+        squared norm (None for others)."""
+        flat, perm, C = st.flat, st.perm, self.C
+        T = len(perm)
+        full = flat.size // C
+        rows = flat[: full * C].reshape(full, C)
+        addrs = np.uint64(flat.ctypes.data) + perm.astype(np.uint64) * np.uint64(C * 4)
+        if full < T:  # (the tensor's last row is partial: sent from a padded copy)
+            tail = self._scratch("tail", st.tensor, (1, C))
+            _pad(flat[full * C:], tail)
+            addrs[perm == T - 1] = np.uint64(tail.ctypes.data)
+        sq = None
+        if self.cfg.priority == "magnitude":
+            by_row = np.empty(T)
+            by_row[:full] = np.einsum("ij,ij->i", rows, rows)
+            if full < T:
+                by_row[T - 1] = float(np.dot(tail[0], tail[0]))
+            sq = by_row[perm]
+        return addrs, sq
 
     def _take_input(self, tensor: int, T: int, perm: np.ndarray | None, put: Callable, flat: np.ndarray | None):
         """The round's x: ``T`` rows of this rank's input in the round's order, in one pass at most.
@@ -389,14 +422,17 @@ class Protocol:
         self.round = (self.round + 1) & MASK32
         return self.round
 
-    def _fields(self, rnd: int, tensor: int, x: np.ndarray, exact: bool = False) -> dict:
+    def _fields(self, rnd: int, tensor: int, x: np.ndarray | None, exact: bool = False,
+                y: np.ndarray | None = None) -> dict:
         """What every round begins with (:class:`~pydblp.collective.rounds.Round`'s fields): round
-        ``rnd`` of ``tensor`` on input ``x``, at the controller's bound (0 if ``exact``), from now."""
+        ``rnd`` of ``tensor`` on input ``x`` (None: read in place), at the controller's bound (0 if
+        ``exact``), from now; ``y``: the result's buffer (default a new one, ``x``'s shape)."""
         tol = 0.0 if exact else self.controller.tol(self.index)
         t0 = self.clock()
         return dict(round=rnd, tensor=tensor, index=self.index, tol=tol, tol8=min(254, int(tol * 255)),
                     phase=self.controller.phase(), x=x,
-                    y=np.empty_like(x),  # every row is written: own shard, all-gather, arrivals or the fill
+                    y=np.empty_like(x) if y is None else y,  # every row is written: own shard, all-gather,
+                                                              # arrivals or the fill
                     t0=t0, heard=np.full(self.world, t0), hi=np.zeros((2, self.world), np.intp),
                     foreign0=self.counters["foreign"], ce0=self.counters["ce_received"], stats0=self.t.stats(),
                     t_timers=t0, t_alive=t0)
@@ -437,10 +473,13 @@ class Protocol:
             buf = self._bufs[key] = np.empty(shape, np.float32)
         return buf
 
-    def _prio(self, st: Round, rows: np.ndarray, first: int) -> np.ndarray:
-        """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers."""
-        return estimators.chunk_priority(rows, self.cfg.priority, st.tensor_rows(first, len(rows)), len(st.x),
-                                         self.layers.get(st.tensor))
+    def _prio(self, st: Round, rows: np.ndarray | None, first: int, sq: np.ndarray | None = None,
+              n: int | None = None) -> np.ndarray:
+        """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers.
+        Rows read in place: ``rows`` None, their number ``n`` and squared norms ``sq`` instead."""
+        n = len(rows) if rows is not None else n
+        return estimators.chunk_priority(rows, self.cfg.priority, st.tensor_rows(first, n), len(st.y),
+                                         self.layers.get(st.tensor), sq=sq, n=n)
 
     def _order(self, rnd: int, tensor: int, T: int, bounds: list) -> np.ndarray | None:
         """Order "shuffle": the round's permutation of the tensor's ``T`` rows within each shard
@@ -742,7 +781,9 @@ class Protocol:
                     h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
                 lo = int(idx[0])
                 r = o.rows  # (alive through the send below)
-                if addr is not None and r.strides[1] == 4:
+                if o.addrs is not None:  # (made only for a transport that reads addresses)
+                    addr[i:j] = o.addrs[idx]
+                elif addr is not None and r.strides[1] == 4:
                     addr[i:j] = np.uint64(r.ctypes.data) + idx.astype(np.uint64) * np.uint64(r.strides[0])
                 else:
                     rows = r[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else r[idx]

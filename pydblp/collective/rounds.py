@@ -59,7 +59,8 @@ class Round:
     tol: float                       # the loss bound the phase controller chose
     tol8: int                        # the same in 1/255 units, as on the wire
     phase: str                       # the controller's phase name
-    x: np.ndarray                    # (T, C) this rank's input, padded
+    x: np.ndarray | None             # (T, C) this rank's input, padded; None: read in place (an allreduce's
+                                     # ``flat``: input_rows)
     y: np.ndarray                    # (T, C) the result
     t0: float                        # when it began (the protocol's clock)
     heard: np.ndarray                # per rank, when it was last heard from
@@ -107,6 +108,14 @@ class Round:
         """The tensor's row numbers of the round's rows ``first .. first + n``: ``first`` (the
         first of a run in the tensor's own order) or an array (a shuffled round)."""
         return first
+
+    def input_rows(self, rows, into: np.ndarray | None = None) -> np.ndarray:
+        """This rank's input, padded, at the round's rows ``rows`` (indices, a slice or a mask), in
+        ``into`` when given."""
+        if into is None:
+            return self.x[rows]
+        into[...] = self.x[rows]
+        return into
 
     def expire(self, now: float) -> None:
         """Act on the round's own deadlines at ``now`` (a forgiving round's; none by default)."""
@@ -174,9 +183,29 @@ class ReduceScatterRound(ShardRound, Inbox):
                                      # rotates its estimate back), else None
     feedback: bool = False           # Config.error_feedback: owners send FINAL BITMAPs; finish keeps what
                                      # their estimates left out
+    flat: np.ndarray | None = None   # an allreduce that reads its shuffled input where it lies: the caller's
+                                     # array, flat (x is None; its messages send rows from there by address).
+                                     # In place (``out`` is it) a row is overwritten only once its owner's
+                                     # all-gather brings it, when that owner is done with this rank's
+                                     # contribution, or as the round ends; else None
 
     def tensor_rows(self, first: int, n: int) -> int | np.ndarray:
         return first if self.perm is None else self.perm[first: first + n]
+
+    def input_rows(self, rows, into: np.ndarray | None = None) -> np.ndarray:
+        if self.flat is None:
+            return super().input_rows(rows, into)
+        t = self.perm[rows]  # the tensor's rows; its last may be partial
+        C = self.y.shape[1]
+        full = self.flat.size // C
+        dst = np.empty((len(t), C), np.float32) if into is None else into
+        np.take(self.flat[: full * C].reshape(full, C), t, axis=0, out=dst, mode="clip")
+        part = t >= full
+        if part.any():
+            k = self.flat.size - full * C
+            dst[part, :k] = self.flat[full * C:]
+            dst[part, k:] = 0
+        return dst
 
     def reorder(self, into: np.ndarray | None = None) -> None:
         """Make ``y`` the result in the tensor's order: in ``into`` ((T, C), one pass into memory
@@ -259,10 +288,14 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
             self.result[self.perm[rows]] = values
 
     def conclude(self, fill) -> None:
-        if self.result is not None and self.my_shard is not None:  # (before the fill: it may overwrite
-            a, b = self.bounds[self.my_shard]                     # rows the all-gather cut, as in y)
-            self.result[self.perm[a:b]] = self.y[a:b]
-        fill.missing_rows(self)
+        fill.missing_rows(self)  # (first: it may read the input in place, where the result goes)
+        if self.result is not None and self.my_shard is not None:  # the own shard's rows, but those the
+            a, b = self.bounds[self.my_shard]                     # all-gather cut (filled alike above)
+            if self.have[a:b].all():
+                self.result[self.perm[a:b]] = self.y[a:b]
+            else:
+                rows = a + np.flatnonzero(self.have[a:b])
+                self.result[self.perm[rows]] = self.y[rows]
 
     def reorder(self, into: np.ndarray | None = None) -> None:
         if self.result is None:

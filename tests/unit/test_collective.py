@@ -1309,3 +1309,39 @@ def test_allreduce_into_out_and_in_place(ranks, order, n):
     for bad in (np.zeros(n, np.float64), np.zeros(n + 1, np.float32), np.zeros((n, 2), np.float32)[:, 0]):
         with pytest.raises(ValueError, match="out: a writeable C-contiguous float32"):
             c.allreduce(xs[0], out=bad)
+
+
+@pytest.mark.parametrize("n", [352 * 40, 352 * 40 - 17])  # whole rows, and a partial last row
+def test_an_allreduce_read_in_place_sends_and_keeps_what_a_copy_would(n):
+    """A transport that reads addresses lets a shuffled allreduce read its input where it lies
+    (no copy in the round's order): each reduce-scatter message's rows at their addresses, the
+    owner's own contribution, the magnitude priorities and the rows the fill "local" takes are
+    byte for byte what the round built on a copy (a transport that does not read addresses)
+    holds, the partial last row padded with zeros."""
+    import ctypes
+
+    with UdpTransport(port=0) as t:
+        if not t.reads_addresses:
+            require_native("udp")
+
+    x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    cols = [Collective(UdpTransport(port=0, native=native), 1, 3, [("127.0.0.1", 9)] * 3, Config(job=3),
+                       idle_thread=False) for native in (True, False)]
+    try:
+        direct, copy = (c.protocol.start(x, 0, True) for c in cols)
+        assert direct.flat is x and direct.x is None and copy.flat is None and copy.x is not None
+        assert np.array_equal(direct.perm, copy.perm)
+        assert np.array_equal(direct.rbuf[1], copy.rbuf[1])
+        C = cols[0].C
+        for key, o in direct.outs.items():
+            ref = copy.outs[key]
+            assert o.rows is None and o.n == ref.n and np.array_equal(o.prio, ref.prio)
+            got = b"".join(ctypes.string_at(int(a), C * 4) for a in o.addrs)
+            assert got == ref.rows.tobytes(), key
+        mask = np.random.default_rng(6).random(len(copy.x)) < 0.4
+        mask[np.argmax(copy.perm == len(copy.x) - 1)] = True  # (the last row among them)
+        assert np.array_equal(direct.input_rows(mask), copy.x[mask])
+        assert np.array_equal(direct.input_rows(slice(3, 9)), copy.x[3:9])
+    finally:
+        for c in cols:
+            c.close()

@@ -286,7 +286,7 @@ def results(p, s) -> dict:
          "trail": {k: _out(o) for k, o in p.trail.items()},
          "prev": None if p._prev is None else (p._prev[0], {k: _inn(i) for k, i in p._prev[1].items()})}
     if s is not None:
-        r.update(x=_b(s.x), y=_b(s.y), result=_b(getattr(s, "result", None)), have=_b(getattr(s, "have", None)),
+        r.update(x=_b(s.x), flat=_b(getattr(s, "flat", None)), y=_b(s.y), result=_b(getattr(s, "result", None)), have=_b(getattr(s, "have", None)),
                  rbuf=_b(getattr(s, "rbuf", None)),
                  rmask=_b(getattr(s, "rmask", None)), hi=_b(s.hi),
                  heard=_b(s.heard), misfit=dict(s.misfit), repair=s.repair, reduced=s.reduced,
@@ -333,8 +333,8 @@ def check_writes(before: dict, after: dict, p, s) -> None:
     """Nothing written outside the running round's receive buffers: its input, this rank's own
     contribution and result rows, every other scratch buffer, the trailing messages' rows."""
     if s is not None:
-        assert after["x"] == before["x"], "the round's input changed"
-        T = len(s.x)
+        assert after["x"] == before["x"] and after["flat"] == before["flat"], "the round's input changed"
+        T = len(s.y)
         may = np.zeros(T, bool)  # result rows the all-gather messages to this rank may fill
         for (ag, k), inn in s.ins.items():
             if ag:
