@@ -307,12 +307,15 @@ class Collective:
     def _own_rows(self, st) -> np.ndarray | None:
         """The owner's estimate of its shard's mean (before anything carried was added, before a
         sharded update), flat; None for a rank that owns no shard.  For a controller that sums it
-        over steps (``Dblp(g_over="window")``) a copy in the tensor's row order, so the rows line
-        up; else a view in the round's order (only its norm is used)."""
+        over steps (``Dblp(g_over="window")``) in the tensor's row order, so the rows line up;
+        else in any order (only its norm is used).  The round has finished: its result ``y`` is
+        in the tensor's order, the estimate kept apart (``own``) in the round's."""
         if st.my_shard is None:
             return None
         a, b = st.bounds[st.my_shard]
-        v = st.own if st.own is not None else st.y[a:b]
+        if st.own is None:
+            return st.y[a:b].reshape(-1)
+        v = st.own
         if st.perm is not None and getattr(self.controller, "window", False):
             v = v[np.argsort(st.perm[a:b])]
         return v.reshape(-1)

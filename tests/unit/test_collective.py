@@ -349,6 +349,33 @@ def test_dblp_window_over_a_sharded_update_sums_each_row_with_itself(ranks):
         assert g3 == pytest.approx(np.linalg.norm(np.mean(means[1:4], axis=0)), rel=1e-4)
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_dblp_window_over_an_allreduce_sums_each_row_with_itself(ranks, into):
+    """The same over allreduce rounds without consistent replicas (each rank measures its own
+    shard, summed over ranks in end_step), also into the caller's array: an owner's shard is
+    summed over steps in the tensor's row order, whatever each round's shuffle."""
+    world, n = 3, 30_000
+    rk = ranks(world, consistent=False, phase="dblp")
+    for c in rk.cols:
+        c.controller = c.protocol.controller = Dblp(freq=3, g_over="window")
+        c.controller.count_steps()
+    xs = inputs(world, n, rounds=4, seed=32)
+
+    def job(r, c):
+        for i in range(4):
+            _allreduce(c, xs[i][r], into)
+            c.end_step()
+
+    _, errs = rk.run(job)
+    assert not errs
+    means = [np.mean(np.float64(x), axis=0) for x in xs]
+    for c in rk.cols:
+        (s0, g0, _), (s3, g3, _) = c.controller.history
+        assert (s0, s3) == (0, 3)
+        assert g0 == pytest.approx(np.linalg.norm(means[0]), rel=1e-4)
+        assert g3 == pytest.approx(np.linalg.norm(np.mean(means[1:4], axis=0)), rel=1e-4)
+
+
 def test_dblp_tolerance_reaches_the_wire(ranks):
     rk = ranks(2, phase=Schedule(lambda i: [0.0, 0.4][i % 2]))
     xs = inputs(2, 5000, rounds=4)
