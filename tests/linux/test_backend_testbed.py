@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,14 @@ def _torchrun(tb, backend: str, port: int, out: Path, env: dict | None = None) -
     """Run the ``ddp`` case under torchrun on every worker (node rank = worker); by rank, what it
     wrote: ``{"params": [...], "group": {...}}``."""
     out.mkdir(exist_ok=True)
+    left = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    # (--log-dir: torchrun's per-run log directories go under the test's own, not the system's temp)
     run_in_workers(tb, lambda r: [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(WORLD),
                                   "--nproc-per-node", "1", "--node-rank", str(r), "--master-addr", tb.addr(0),
-                                  "--master-port", str(port), str(SCRIPT), "ddp", backend, "env", "env", str(out)],
+                                  "--master-port", str(port), "--log-dir", str(out / f"elastic-{r}"),
+                                  str(SCRIPT), "ddp", backend, "env", "env", str(out)],
                    {**ENV, **(env or {})}, 150, f"torchrun ddp over {backend} {env or ''}")
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= left, "torchrun left a log directory behind"
     return [{name: torch.load(out / f"{name}.{backend}.{r}.pt", weights_only=False) for name in ("params", "group")}
             for r in range(WORLD)]
 
