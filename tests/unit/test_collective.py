@@ -330,40 +330,26 @@ def test_dblp_window_measures_the_mean_gradient_since_the_last_measurement():
         Dblp(g_over="epoch")
 
 
-def test_dblp_window_over_a_sharded_update_sums_each_row_with_itself(ranks):
-    """Shuffled rows, sharded update, g_over="window", no loss: each owner's estimate is put back in
-    the tensor's row order before it is summed over steps, so every rank's G is the norm of the
-    mean of the steps' exact mean gradients."""
+@pytest.mark.parametrize("kind", ["sharded", "allreduce", "allreduce_into"])
+def test_dblp_window_sums_each_row_with_itself(ranks, kind):
+    """Shuffled rows, no consistent replicas (each rank measures the shard it owns, summed over
+    ranks in end_step), g_over="window", no loss: each owner's estimate is summed over steps in
+    the tensor's row order, whatever each round's shuffle, so every rank's G is the norm of the
+    mean of the steps' exact mean gradients.  Over sharded updates (the estimate kept in the
+    round's order, put back), allreduce rounds (the result, in order as the round ends) and
+    allreduce rounds into the caller's array."""
     world, n = 3, 30_000
     rk = ranks(world, consistent=False, phase="dblp")
     for c in rk.cols:
         c.controller = c.protocol.controller = Dblp(freq=3, g_over="window")
     xs = inputs(world, n, rounds=4, seed=31)
-    res, errs = rk.run(lambda r, c: [c.sharded_update(xs[i][r], np.zeros(n, np.float32), _sgd(0.1)) for i in range(4)])
-    assert not errs
-    means = [np.mean(np.float64(x), axis=0) for x in xs]
-    for c in rk.cols:
-        (s0, g0, _), (s3, g3, _) = c.controller.history
-        assert (s0, s3) == (0, 3)
-        assert g0 == pytest.approx(np.linalg.norm(means[0]), rel=1e-4)
-        assert g3 == pytest.approx(np.linalg.norm(np.mean(means[1:4], axis=0)), rel=1e-4)
-
-
-@pytest.mark.parametrize("into", [False, True])
-def test_dblp_window_over_an_allreduce_sums_each_row_with_itself(ranks, into):
-    """The same over allreduce rounds without consistent replicas (each rank measures its own
-    shard, summed over ranks in end_step), also into the caller's array: an owner's shard is
-    summed over steps in the tensor's row order, whatever each round's shuffle."""
-    world, n = 3, 30_000
-    rk = ranks(world, consistent=False, phase="dblp")
-    for c in rk.cols:
-        c.controller = c.protocol.controller = Dblp(freq=3, g_over="window")
-        c.controller.count_steps()
-    xs = inputs(world, n, rounds=4, seed=32)
 
     def job(r, c):
+        if kind == "sharded":  # (it counts steps and ends each itself)
+            return [c.sharded_update(xs[i][r], np.zeros(n, np.float32), _sgd(0.1)) for i in range(4)]
+        c.controller.count_steps()
         for i in range(4):
-            _allreduce(c, xs[i][r], into)
+            _allreduce(c, xs[i][r], kind == "allreduce_into")
             c.end_step()
 
     _, errs = rk.run(job)
