@@ -37,7 +37,7 @@ from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
 from pydblp.collective.rounds import (AllGatherRound, AllreduceRound, BroadcastRound, GatherRound, NeighbourRound,
-                                      ReduceScatterRound, Round, ShardedRound, ShardRound)
+                                      ReduceScatterRound, Round, ShardedRound, ShardRound, rows_of)
 from pydblp.transport.base import Batch, DropLog, Transport
 from pydblp.wire import F_CHUNK, F_FLAGS, F_KIND, F_NCHUNKS, F_ROUND, F_SRC, F_TENSOR, F_TOL
 
@@ -256,7 +256,7 @@ class Protocol:
             if k == my:
                 continue
             if inplace:
-                prio = self._prio(st, None, a, sq if sq is None else sq[a:b], b - a)
+                prio = self._prio(st, None, a, None if sq is None else sq[a:b], b - a)
                 o = OutMessage(False, k, None, prio, st.tol8, rnd, tensor, first=self._first(b - a), addrs=addrs[a:b])
             else:
                 rows = x[a:b]
@@ -273,20 +273,19 @@ class Protocol:
         flat, perm, C = st.flat, st.perm, self.C
         T = len(perm)
         full = flat.size // C
-        rows = flat[: full * C].reshape(full, C)
         addrs = np.uint64(flat.ctypes.data) + perm.astype(np.uint64) * np.uint64(C * 4)
+        tail = None
         if full < T:  # (the tensor's last row is partial: sent from a padded copy)
-            tail = self._scratch("tail", st.tensor, (1, C))
-            _pad(flat[full * C:], tail)
+            tail = rows_of(flat, np.array([T - 1]), C, into=self._scratch("tail", st.tensor, (1, C)))
             addrs[perm == T - 1] = np.uint64(tail.ctypes.data)
-        sq = None
-        if self.cfg.priority == "magnitude":
-            by_row = np.empty(T)
-            by_row[:full] = np.einsum("ij,ij->i", rows, rows)
-            if full < T:
-                by_row[T - 1] = float(np.dot(tail[0], tail[0]))
-            sq = by_row[perm]
-        return addrs, sq
+        if self.cfg.priority != "magnitude":
+            return addrs, None
+        rows = flat[: full * C].reshape(full, C)
+        by_row = np.empty(T)
+        by_row[:full] = np.einsum("ij,ij->i", rows, rows)
+        if tail is not None:
+            by_row[T - 1] = float(np.dot(tail[0], tail[0]))
+        return addrs, by_row[perm]
 
     def _take_input(self, tensor: int, T: int, perm: np.ndarray | None, put: Callable, flat: np.ndarray | None):
         """The round's x: ``T`` rows of this rank's input in the round's order, in one pass at most.
@@ -299,14 +298,8 @@ class Protocol:
         if perm is None and whole:
             return flat.reshape(T, C)
         x = self._scratch("x", tensor, (T, C))
-        if perm is not None and flat is not None and T > 1:  # (mode "clip": a valid permutation)
-            full = flat.size // C
-            np.take(flat[: full * C].reshape(full, C), perm, axis=0, out=x, mode="clip")
-            if not whole:  # the row perm sent T - 1 to holds row T - 2 (clipped): the padded tail
-                j = int((perm == T - 1).argmax())
-                x[j, : flat.size - full * C] = flat[full * C:]
-                x[j, flat.size - full * C:] = 0
-            return x
+        if perm is not None and flat is not None and T > 1:
+            return rows_of(flat, perm, C, into=x)
         into = x if perm is None else self._scratch("xin", tensor, (T, C))
         put(into)
         if perm is not None:
@@ -1056,8 +1049,7 @@ class Protocol:
                 self.fill.keep(st)
             else:  # y (scratch) in the tensor's order, its values copied out, itself kept as it is
                 key = ("y", st.tensor) if st.perm is None else ("yout", st.tensor)
-                if st.perm is not None:
-                    st.reorder(self._scratch(*key, (T, C)))
+                st.reorder()  # (shuffled: y becomes the result, in order in the "yout" scratch)
                 np.copyto(out, st.y.reshape(-1)[: out.size])
                 spare = self.fill.keep(st, give=True)
                 if self.fill.stale.get(st.tensor) is st.y:  # the stale fill holds that scratch now

@@ -37,6 +37,22 @@ from pydblp.collective.config import LINGER_MIN, LINGER_WANT, NB, RoundRecord
 from pydblp.collective.messages import OutMessage
 
 
+def rows_of(flat: np.ndarray, rows: np.ndarray, C: int, into: np.ndarray | None = None) -> np.ndarray:
+    """The rows ``rows`` (row numbers) of ``flat`` cut in rows of ``C`` values (``flat`` holds at
+    least one whole row), the last padded with zeros where ``flat`` ends inside it, gathered in one
+    pass (into ``into``, (len(rows), C), when given)."""
+    full = flat.size // C
+    dst = np.empty((len(rows), C), np.float32) if into is None else into
+    # (mode "clip": a partial row's number is past the whole rows; it is written below)
+    np.take(flat[: full * C].reshape(full, C), rows, axis=0, out=dst, mode="clip")
+    part = rows >= full
+    if part.any():
+        k = flat.size - full * C
+        dst[part, :k] = flat[full * C:]
+        dst[part, k:] = 0
+    return dst
+
+
 @dataclass(eq=False, kw_only=True)
 class Round:
     """What every round of one rank has (made by ``Protocol.start*``); rows are float32, ``C``
@@ -195,29 +211,15 @@ class ReduceScatterRound(ShardRound, Inbox):
     def input_rows(self, rows, into: np.ndarray | None = None) -> np.ndarray:
         if self.flat is None:
             return super().input_rows(rows, into)
-        t = self.perm[rows]  # the tensor's rows; its last may be partial
-        C = self.y.shape[1]
-        full = self.flat.size // C
-        dst = np.empty((len(t), C), np.float32) if into is None else into
-        np.take(self.flat[: full * C].reshape(full, C), t, axis=0, out=dst, mode="clip")
-        part = t >= full
-        if part.any():
-            k = self.flat.size - full * C
-            dst[part, :k] = self.flat[full * C:]
-            dst[part, k:] = 0
-        return dst
+        return rows_of(self.flat, self.perm[rows], self.y.shape[1], into)
 
     def reorder(self, into: np.ndarray | None = None) -> None:
-        """Make ``y`` the result in the tensor's order: in ``into`` ((T, C), one pass into memory
-        the caller holds) when given, else a fresh array where shuffled (the round's messages
+        """Make ``y`` the result in the tensor's order: in ``into`` ((T, C), memory the caller holds)
+        when given, for a round in the tensor's own order (a shuffled allreduce with ``out`` writes
+        its ``result`` there as it goes); else a fresh array where shuffled (the round's messages
         keep their order)."""
         if into is not None:
-            if self.perm is None:
-                np.copyto(into, self.y)
-            else:  # (mode "clip": a valid permutation; "raise" would buffer the whole copy)
-                inv = np.empty_like(self.perm)
-                inv[self.perm] = np.arange(len(self.perm))
-                np.take(self.y, inv, axis=0, out=into, mode="clip")
+            np.copyto(into, self.y)
             self.y = into
         elif self.perm is not None:
             back = np.empty_like(self.y)
@@ -291,11 +293,8 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
         fill.missing_rows(self)  # (first: it may read the input in place, where the result goes)
         if self.result is not None and self.my_shard is not None:  # the own shard's rows, but those the
             a, b = self.bounds[self.my_shard]                     # all-gather cut (filled alike above)
-            if self.have[a:b].all():
-                self.result[self.perm[a:b]] = self.y[a:b]
-            else:
-                rows = a + np.flatnonzero(self.have[a:b])
-                self.result[self.perm[rows]] = self.y[rows]
+            rows = slice(a, b) if self.have[a:b].all() else a + np.flatnonzero(self.have[a:b])
+            self.put(rows, self.y[rows])
 
     def reorder(self, into: np.ndarray | None = None) -> None:
         if self.result is None:
