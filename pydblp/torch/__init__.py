@@ -296,11 +296,14 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
             col.set_layers(tensor_id, classes)
         if ready is not None:
             ready.synchronize()
-        out = _stepped_allreduce(col, host.to(torch.float32).numpy(), tensor_id, last)
+        grad = host.to(torch.float32)  # (float32: host itself, so the round runs in place, as Gloo's)
+        _stepped_allreduce(col, grad.numpy(), tensor_id, last)
         if ready is None:
-            return torch.from_numpy(out).to(buf.dtype).view_as(buf)
-        _cuda_staging().release(host)
-        _cuda_staging().up(torch.from_numpy(out), buf)
+            if grad.data_ptr() != host.data_ptr():
+                buf.copy_(grad.view_as(buf))
+            return buf
+        _cuda_staging().up(grad, buf)
+        _cuda_staging().release(host)  # (after the copy up: grad may be host itself)
         return buf
 
     return state.submit(run)
@@ -334,14 +337,14 @@ def _bucket_layers(state: State, bucket, values: int):
                                     cfg.chunk_bytes // 4)
 
 
-def _stepped_allreduce(col: Collective, grad: np.ndarray, tensor: int, last: bool) -> np.ndarray:
-    """One bucket's round, its controller counting steps; ``last`` closes the step (after its round:
-    the transport thread runs a step's buckets in order, so every one of them is observed by then)."""
+def _stepped_allreduce(col: Collective, grad: np.ndarray, tensor: int, last: bool) -> None:
+    """One bucket's round, in place in ``grad`` (its mean replaces it), its controller counting
+    steps; ``last`` closes the step (after its round: the transport thread runs a step's buckets in
+    order, so every one of them is observed by then)."""
     col.controller.count_steps()
-    out = col.allreduce(grad, tensor=tensor)
+    col.allreduce(grad, tensor=tensor, out=grad)
     if last:
         col.end_step()
-    return out
 
 
 class ParameterBroadcaster:

@@ -100,3 +100,45 @@ def test_from_process_group_rejects_bad_arguments_before_opening_anything(tmp_pa
         assert store.num_keys() == keys_before
     finally:
         dist.destroy_process_group()
+
+
+class _Bucket:
+    """What the hook reads of a DDP GradBucket: the flat buffer, its index, whether it is the step's last."""
+
+    def __init__(self, buf: torch.Tensor, index: int = 0):
+        self._buf, self._index = buf, index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hook_writes_the_mean_into_the_bucket_itself(ranks, dtype):
+    """As DDP's own allreduce hook: the future's value is the bucket's buffer, holding the mean
+    (float32: the round ran in place, reading and writing that memory; other dtypes: through a
+    float32 copy, written back).  Two ranks over loopback, a bucket of a partial last chunk."""
+    import pydblp.torch as ptorch
+
+    rk = ranks(2)
+    states = [ptorch.State(c) for c in rk.cols]
+    try:
+        n = 5 * 352 + 17
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(n, generator=g).to(dtype) for _ in range(2)]
+        bufs = [x.clone() for x in xs]
+        ptrs = [b.data_ptr() for b in bufs]
+        futs = [ptorch.hook(states[r], _Bucket(bufs[r])) for r in range(2)]
+        got = [f.wait() for f in futs]
+        want = (xs[0].float() + xs[1].float()) / 2
+        for r in range(2):
+            assert got[r] is bufs[r] and got[r].data_ptr() == ptrs[r] and got[r].dtype == dtype
+            torch.testing.assert_close(got[r].float(), want.to(dtype).float(), rtol=0, atol=1e-6)
+    finally:
+        for s in states:
+            s.close(barrier=False)
