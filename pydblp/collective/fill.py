@@ -114,13 +114,13 @@ class Fill:
         """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill
         "stale" only: a snapshot, the caller owns ``st.y`` and may change it.  ``give``: ``st.y`` is
         the protocol's own buffer, kept as it is (no copy); returns the buffer it replaces (None:
-        none of that shape, or nothing kept), for the protocol to reuse."""
+        none, or nothing kept), for the protocol to reuse."""
         if st.missing != "policy" or self.cfg.fill != "stale":
             return None
         last = self.stale.get(st.tensor)
         if give:
             self.stale[st.tensor] = st.y
-            return last if last is not None and last.shape == st.y.shape else None
+            return last
         if last is None or last.shape != st.y.shape:
             last = self.stale[st.tensor] = np.empty_like(st.y)
         np.copyto(last, st.y)

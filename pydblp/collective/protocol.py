@@ -459,11 +459,21 @@ class Protocol:
         return st
 
     def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
-        """A float32 buffer kept across rounds (no allocation or page faults per round); contents stale."""
+        """A float32 buffer kept across rounds (no allocation or page faults per round); contents
+        stale.  A new shape that fits in the memory of the one kept reuses it: DDP rebuilds its
+        buckets after the first step, and their buffers' pages stay mapped."""
         key = (name, tensor)
         buf = self._bufs.get(key)
         if buf is None or buf.shape != shape:
-            buf = self._bufs[key] = np.empty(shape, np.float32)
+            n = int(np.prod(shape))
+            mem = buf
+            while mem is not None and isinstance(mem.base, np.ndarray):
+                mem = mem.base  # (the array that owns the memory)
+            if mem is not None and mem.dtype == np.float32 and mem.flags.c_contiguous and mem.size >= n:
+                buf = mem.reshape(-1)[:n].reshape(shape)
+            else:
+                buf = np.empty(shape, np.float32)
+            self._bufs[key] = buf
         return buf
 
     def _prio(self, st: Round, rows: np.ndarray | None, first: int, sq: np.ndarray | None = None,
@@ -1090,11 +1100,12 @@ class Protocol:
         rows = pending[0].rows  # (every all-gather message of a round carries the same rows, my shard;
                                 # every neighbour message its round's input)
         keep = self._scratch("trail", st.tensor, rows.shape)
-        old = None
-        for o in self.trail.values():  # an earlier round's messages still on this buffer keep a copy of their own
-            if o.rows is keep:
-                old = keep.copy() if old is None else old
-                o.rows = old
+        old: dict[int, np.ndarray] = {}  # an earlier round's messages still on this memory keep a copy of their own
+        for o in self.trail.values():      # (their rows may be a view of another shape: _scratch reuses memory)
+            if np.may_share_memory(o.rows, keep):
+                if id(o.rows) not in old:
+                    old[id(o.rows)] = o.rows.copy()
+                o.rows = old[id(o.rows)]
         np.copyto(keep, rows)
         now = self.clock()
         for o in pending:

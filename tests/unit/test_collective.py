@@ -1358,3 +1358,42 @@ def test_an_allreduce_read_in_place_sends_and_keeps_what_a_copy_would(n):
     finally:
         for c in cols:
             c.close()
+
+
+def test_a_smaller_round_of_a_tensor_reuses_its_buffers_and_trailing_rows_keep_their_bytes(ranks):
+    """DDP rebuilds its buckets after the first step: a tensor id's next round is smaller.  Its
+    scratch buffers then reuse the larger round's memory (no new pages), and an earlier round's
+    all-gather messages still trailing on that memory keep a copy of their own rows, whatever
+    the new round's shape."""
+    from pydblp.collective.messages import OutMessage
+
+    rk = ranks(2)
+    p = rk.cols[0].protocol
+    big = p._scratch("y", 0, (40, p.C))
+    small = p._scratch("y", 0, (30, p.C))
+    assert small.shape == (30, p.C) and np.shares_memory(big, small)
+    assert p._scratch("y", 0, (30, p.C)) is small  # (the same shape again: the same array)
+    bigger = p._scratch("y", 0, (50, p.C))
+    assert not np.shares_memory(big, bigger)
+
+    # a trailing all-gather message of a 40-row round, its rows on the "trail" buffer
+    rows = p._scratch("trail", 7, (40, p.C))
+    rows[:] = np.arange(rows.size, dtype=np.float32).reshape(rows.shape)
+    want = rows.copy()
+    old = OutMessage(True, 1, rows, np.zeros(40, np.uint8), 0, 5, 7)
+    old.sent = old.n
+    p.trail[(5, True, 1)] = old
+    # the next round of tensor 7 (20 rows) leaves its own all-gather trailing: it takes that memory
+    new_rows = np.full((20, p.C), -1.0, np.float32)
+    msg = OutMessage(True, 1, new_rows, np.zeros(20, np.uint8), 0, 6, 7)
+    msg.sent = msg.n
+
+    class St:
+        tensor = 7
+        outs = {(True, 1): msg}
+
+    p._trail_from(St())
+    assert np.shares_memory(msg.rows, rows)  # (the new message's rows: the reused memory)
+    np.testing.assert_array_equal(msg.rows, new_rows)
+    assert not np.shares_memory(old.rows, rows)
+    np.testing.assert_array_equal(old.rows, want)  # (the old message: its own bytes, unchanged)
