@@ -272,9 +272,11 @@ def _arrays(obj):
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's mean gradient over ranks, through the bounded-loss collective.
 
-    The future completes on the transport thread with a tensor of the
-    bucket's dtype and device.  DDP does not pre-divide: the hook returns
-    the mean, as DDP's default allreduce hook does.  A CUDA bucket is copied
+    The future completes on the transport thread with the bucket's own
+    buffer, the mean written into it (the round reads and writes a float32
+    bucket in place; other dtypes go through a float32 copy).  DDP does not
+    pre-divide: the hook returns the mean, as DDP's default allreduce hook
+    does.  If the round fails the buffer holds anything.  A CUDA bucket is copied
     to pinned host memory on a side stream (the call returns at once, the copy
     overlaps the rounds before it) and the mean is copied back into it.
 
