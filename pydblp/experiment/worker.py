@@ -336,6 +336,7 @@ def main(argv=None) -> int:
             if state is not None and a.grad_error_every and not sharded and not fsdp and step % a.grad_error_every == 0:
                 te0 = time.monotonic()
                 exact = exact_mean(batch)
+                dist.barrier()  # (a ring allreduce lets ranks go tens of ms apart: the next step starts aligned)
                 paused += time.monotonic() - te0
             ts = time.monotonic()
             loss = loss_of(batch)
@@ -369,6 +370,7 @@ def main(argv=None) -> int:
                 div, div_rel = divergence(model) if not fsdp else (0.0, 0.0)  # (FSDP: one copy, sharded)
                 if a.rank == 0:
                     emit({"div": div, "div_rel": div_rel, "step": step})
+                dist.barrier()  # (rank 0 evaluated alone: the next step starts aligned)
                 paused += time.monotonic() - te0
         final = {"final": True, "wall": time.monotonic() - t_start - paused,
                  "tcp_retransmits": tcp_retransmits() - retrans0,
