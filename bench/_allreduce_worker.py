@@ -113,7 +113,7 @@ class Pydblp:
         return x
 
     def round(self, buf) -> np.ndarray:
-        return self.col.allreduce(buf)
+        return self.col.allreduce(buf, out=buf)  # in place, as Gloo's all_reduce (and the DDP hook's round)
 
     def record(self) -> dict:
         r = self.col.records[-1]
