@@ -291,7 +291,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     if buf.is_cuda:  # copied on a side stream: this returns at once, the copy overlaps earlier rounds
         host, ready = _cuda_staging().down(buf)
     else:
-        host, ready = buf.detach().reshape(-1), None
+        host, ready = buf.detach().reshape(-1).contiguous(), None
 
     def run(col: Collective):
         if classes is not None:
@@ -301,8 +301,8 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         grad = host.to(torch.float32)  # (float32: host itself, so the round runs in place, as Gloo's)
         _stepped_allreduce(col, grad.numpy(), tensor_id, last)
         if ready is None:
-            if grad.data_ptr() != host.data_ptr():
-                buf.copy_(grad.view_as(buf))
+            if grad.data_ptr() != buf.data_ptr():  # (another dtype, or a strided buffer: a copy ran)
+                buf.copy_(grad.reshape(buf.shape))
             return buf
         _cuda_staging().up(grad, buf)
         _cuda_staging().release(host)  # (after the copy up: grad may be host itself)

@@ -118,11 +118,12 @@ class _Bucket:
         return True
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_hook_writes_the_mean_into_the_bucket_itself(ranks, dtype):
+@pytest.mark.parametrize("dtype,strided", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_the_hook_writes_the_mean_into_the_bucket_itself(ranks, dtype, strided):
     """As DDP's own allreduce hook: the future's value is the bucket's buffer, holding the mean
-    (float32: the round ran in place, reading and writing that memory; other dtypes: through a
-    float32 copy, written back).  Two ranks over loopback, a bucket of a partial last chunk."""
+    (float32: the round ran in place, reading and writing that memory; another dtype or a strided
+    buffer: through a contiguous float32 copy, written back).  Two ranks over loopback, a bucket
+    of a partial last chunk."""
     import pydblp.torch as ptorch
 
     rk = ranks(2)
@@ -131,7 +132,7 @@ def test_the_hook_writes_the_mean_into_the_bucket_itself(ranks, dtype):
         n = 5 * 352 + 17
         g = torch.Generator().manual_seed(3)
         xs = [torch.randn(n, generator=g).to(dtype) for _ in range(2)]
-        bufs = [x.clone() for x in xs]
+        bufs = [torch.zeros(2 * n, dtype=dtype)[::2].copy_(x) if strided else x.clone() for x in xs]
         ptrs = [b.data_ptr() for b in bufs]
         futs = [ptorch.hook(states[r], _Bucket(bufs[r])) for r in range(2)]
         got = [f.wait() for f in futs]
