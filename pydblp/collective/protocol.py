@@ -110,7 +110,7 @@ class Protocol:
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
-        self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id) -> scratch reused across rounds
+        self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id or None) -> scratch reused across rounds
         self._residual: dict[int, np.ndarray] = {}  # tensor id -> (T, C) rows the last round's estimates left
                                                   # out, in the tensor's order (Config.error_feedback)
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
@@ -236,8 +236,10 @@ class Protocol:
             more.update(self._gather_fields(T))
         me = self.rank
         my = me if me < nsh else None
-        # y is scratch where reorder() makes the caller's result
-        y = self._scratch("y", tensor, (T, self.C)) if perm is not None or out is not None else None
+        # y is scratch where reorder() makes the caller's result: the round's own ("yr", shuffled: the
+        # result is made elsewhere) or the tensor's ("y", in order: handed to the stale fill)
+        y = (self._scratch("yr", tensor, (T, self.C)) if perm is not None
+             else self._scratch("y", tensor, (T, self.C)) if out is not None else None)
         fields = self._fields(rnd, tensor, x, exact, y)
         if kind.gather and perm is not None and out is not None:  # (the all-gather writes there through perm)
             whole = out.size == T * self.C
@@ -460,9 +462,11 @@ class Protocol:
 
     def _scratch(self, name: str, tensor: int, shape: tuple) -> np.ndarray:
         """A float32 buffer kept across rounds (no allocation or page faults per round); contents
-        stale.  A new shape that fits in the memory of the one kept reuses it: DDP rebuilds its
-        buckets after the first step, and their buffers' pages stay mapped."""
-        key = (name, tensor)
+        stale.  One per tensor id, but one for all of them where nothing outlives the round
+        (``ROUND_SCRATCH``: rounds run one at a time).  A new shape that fits in the memory of
+        the one kept reuses it: DDP rebuilds its buckets after the first step, and their
+        buffers' pages stay mapped."""
+        key = (name, None if name in ROUND_SCRATCH else tensor)
         buf = self._bufs.get(key)
         if buf is None or buf.shape != shape:
             n = int(np.prod(shape))
@@ -1111,6 +1115,13 @@ class Protocol:
         for o in pending:
             o.rows, o.trailing, o.t_heard = keep, True, now
             self.trail[(o.rnd, o.ag, o.dst)] = o
+
+
+# Scratch that no round leaves behind (an input or result in the round's order, an owner's inbox,
+# a padded row): shared by every tensor id, so a job's memory for them is its largest round's, not the sum
+# over its buckets.  What outlives a round stays per tensor id: "y" and "yout" (handed to the
+# stale fill), "trail" (rows of trailing all-gather messages).
+ROUND_SCRATCH = frozenset({"x", "xin", "yr", "rbuf", "nbuf", "basein", "base", "tail"})
 
 
 def _pad(flat: np.ndarray, into: np.ndarray) -> None:

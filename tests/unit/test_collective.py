@@ -1397,3 +1397,33 @@ def test_a_smaller_round_of_a_tensor_reuses_its_buffers_and_trailing_rows_keep_t
     np.testing.assert_array_equal(msg.rows, new_rows)
     assert not np.shares_memory(old.rows, rows)
     np.testing.assert_array_equal(old.rows, want)  # (the old message: its own bytes, unchanged)
+
+
+def test_tensors_share_the_scratch_no_round_leaves_behind(ranks):
+    """Rounds of several tensor ids, of several sizes, alternating: the inbox and the input's
+    copy are one buffer for all of them (a job holds its largest round's, not one per bucket),
+    what outlives a round (the result kept for the stale fill) stays per tensor id, and every
+    round is the exact mean."""
+    rk = ranks(3, order="rows")
+    sizes = {0: 30_001, 1: 7_000, 2: 19_500}
+    xs = {t: inputs(3, n, rounds=2, seed=10 + t) for t, n in sizes.items()}
+
+    def job(r, c):
+        got = []
+        for i in range(2):
+            for t in (0, 1, 2):
+                got.append(c.allreduce(xs[t][i][r], tensor=t).copy())
+        return got
+
+    res, errs = rk.run(job)
+    assert not errs, errs
+    for r in range(3):
+        k = 0
+        for i in range(2):
+            for t in (0, 1, 2):
+                np.testing.assert_allclose(res[r][k], sum(xs[t][i]) / 3, rtol=1e-5, atol=1e-6)
+                k += 1
+    bufs = rk.cols[0].protocol._bufs
+    assert ("rbuf", None) in bufs and ("x", None) in bufs
+    assert not any(name in ("rbuf", "x") and t is not None for name, t in bufs)
+    assert rk.cols[0].protocol.fill.stale.keys() == {0, 1, 2}  # (fill "stale": each tensor's last result)
