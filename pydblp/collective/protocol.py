@@ -986,9 +986,15 @@ class Protocol:
             r = min(needed, key=lambda q: (st.heard[q], q))
             if now - st.heard[r] > self.cfg.peer_timeout:
                 foreign = self.counters["foreign"] - st.foreign0
+                # (several at once: e.g. a round after the one a rank died in, where a survivor that
+                # gave up on that round is as silent as the dead rank; this rank cannot tell them apart)
+                also = sorted(q for q in needed if q != r and now - st.heard[q] > self.cfg.peer_timeout)
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
                     f"{st.index} (tensor {st.tensor}): peer dead or unreachable"
+                    + (f" (also silent as long: rank{'s' if len(also) > 1 else ''} "
+                       f"{', '.join(map(str, also[:8]))}{f' and {len(also) - 8} more' if len(also) > 8 else ''})"
+                       if also else "")
                     + (f" ({foreign} packets of another job or for another rank came meanwhile: every rank "
                        f"must use the same Config.job, world and peer list)" if foreign else ""))
         for q, (since, what) in st.misfit.items():

@@ -92,6 +92,16 @@ def test_ranks_of_other_jobs_fail_the_round_saying_so(ranks):
         assert "packets of another job or for another rank came meanwhile" in str(e), e
 
 
+def test_peers_silent_together_are_all_named(ranks):
+    """Two of three ranks never begin the round: rank 0's error names the first and lists the
+    other as silent as long (it cannot tell which of them is the cause)."""
+    rk = ranks(3, peer_timeout=0.5)
+    _, errs = rk.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), ranks=[0], timeout=10)
+    e = errs[0]
+    assert isinstance(e, CollectiveError), e
+    assert "rank 0: rank 1 sent nothing for 0.5 s" in str(e) and "(also silent as long: rank 2)" in str(e), e
+
+
 def test_a_peer_with_other_chunk_bytes_fails_the_round_saying_so(ranks):
     """Ranks with another ``chunk_bytes`` are alive and keep probing, so no peer goes silent: each
     must still fail the round with a clear error after ``peer_timeout`` (before, they probed and
