@@ -115,10 +115,10 @@ def chunk_priority(rows: np.ndarray | None, how: str, first_row: int | np.ndarra
     ``layers`` (a tensor nobody described), as ``position``.  ``none``: all 1.
     Every class but ``layer``'s is relative to the message.  ``first_row`` may instead be an
     array: each row's number in the tensor (a message in shuffled order).  A caller that has
-    the rows' squared norms gives them as ``sq`` (``magnitude``), or their number as ``n``, and
+    the rows' squared norms gives them as ``sq`` (``magnitude``), their number as ``n``, and
     ``rows`` None.
     """
-    n = len(rows) if rows is not None else len(sq) if sq is not None else n
+    n = len(rows) if rows is not None else n
     if n == 0 or how == "none":
         return np.ones(n, np.uint8)
     ids = first_row + np.arange(n) if np.isscalar(first_row) else first_row  # (layer, position only)

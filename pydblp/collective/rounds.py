@@ -285,7 +285,7 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
 
     def put(self, rows: np.ndarray, values) -> None:
         if self.result is None:
-            self.y[rows] = values
+            super().put(rows, values)
         else:
             self.result[self.perm[rows]] = values
 
