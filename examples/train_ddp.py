@@ -154,6 +154,7 @@ def main(argv=None) -> int:
         ddp = DDP(model)
         diffs: list[float] = []
         ddp.register_comm_hook(state, gloo_checked(ptorch.hook, diffs) if a.check_gloo else ptorch.hook)
+        state.warm_up(ddp)  # (DDP broadcast the parameters over Gloo: the data path's first rounds come now)
         bc = ptorch.ParameterBroadcaster(state, model, a.broadcast_every) if a.broadcast_every else None
         opt = torch.optim.SGD(ddp.parameters(), lr=a.lr, momentum=0.9)
 

@@ -30,9 +30,11 @@ TENSOR_BROADCAST = 0xFFFF  # pydblp.torch.ParameterBroadcaster's shard broadcast
 TENSOR_AGREE = 0xFFFE      # Collective.end_step: the ranks' partial gradient norms summed
 TENSOR_SHARDED = 0xFFFD    # pydblp.torch.ShardedSGD / ShardedAdam: the step's round
 TENSOR_DILOCO = 0xFFFC     # pydblp.torch.PydblpExchange: DiLoCo's outer rounds
+TENSOR_WARM_UP = 0xFFFB    # Collective.warm_up: rounds of zeros before the first real one
 TENSOR_BACKEND = (0x8000, 0x7000)  # pydblp.torch.backend: ids first .. first + count - 1, one per round shape
 RESERVED_TENSORS = {TENSOR_BROADCAST: "ParameterBroadcaster", TENSOR_AGREE: "Collective.end_step",
-                    TENSOR_SHARDED: "sharded optimizers", TENSOR_DILOCO: "PydblpExchange (DiLoCo)"}
+                    TENSOR_SHARDED: "sharded optimizers", TENSOR_DILOCO: "PydblpExchange (DiLoCo)",
+                    TENSOR_WARM_UP: "Collective.warm_up"}
 STASH_MAX = 65536  # packets of the next rounds kept before they start
 STASH_AHEAD = 64  # rounds ahead whose packets are kept (a rank behind in neighbour rounds catches up on them)
 RECV_BATCH = 2048  # packets taken from the transport per receive call

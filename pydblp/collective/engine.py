@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pydblp.collective.config import (IDLE_GRACE, REAL_CLOCK, RECV_BATCH, TENSOR_AGREE, CollectiveError, Config,
-                                     RoundRecord)
+from pydblp.collective.config import (IDLE_GRACE, REAL_CLOCK, RECV_BATCH, TENSOR_AGREE, TENSOR_WARM_UP,
+                                     CollectiveError, Config, RoundRecord)
 from pydblp.collective.protocol import Protocol
 from pydblp.collective.timer import Alarm
 from pydblp.transport.base import Transport, TransportError
@@ -27,6 +27,16 @@ from pydblp.transport.base import Transport, TransportError
 log = logging.getLogger(__name__)
 
 CLOSE_JOIN = 5.0  # s close() waits for the idle responder before leaving the transport to it
+
+
+def warm_up_args(size, rounds) -> tuple[int, int]:
+    """:meth:`Collective.warm_up`'s arguments checked, as ints; ValueError naming the one that is
+    wrong (for callers that check before handing the call to another thread)."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"warm_up: size is a number of values, 1 or more, not {size!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 0:
+        raise ValueError(f"warm_up: rounds is a count, 0 or more, not {rounds!r}")
+    return int(size), int(rounds)
 
 
 class Collective:
@@ -252,6 +262,42 @@ class Collective:
         if op == "sum":
             out *= np.float32(self.world)
         return out
+
+    def warm_up(self, size: int, rounds: int = 2) -> None:
+        """Run ``rounds`` exact allreduce rounds of ``size`` zeros that nothing reads, before the
+        rounds that count.
+
+        A process's first rounds cost up to twice a later one of the same size, and take up to
+        three times as long: the kernel's socket buffers and caches, the transport's rings and
+        this collective's scratch are used for the first time (the main job on the testbed's
+        AF_XDP path, 4.2-4.5 MB rounds: 24-51 ms of CPU and 68-102 ms each for the first two,
+        15-21 ms and 27-51 ms later).  A job whose first rounds are on its critical path (DDP's
+        first step hands the comm hook a model under 25 MiB as one bucket, once the backward
+        is done) pays it there; Gloo's sockets have carried DDP's initial broadcast of the
+        parameters by then.
+
+        Collective: every rank calls it at the same point between rounds, with the same
+        arguments.  The rounds use their own tensor id (``TENSOR_WARM_UP``), are recorded like
+        any round (:attr:`records`, ``Config.on_record``) and are not shown to the phase
+        controller; afterwards nothing is kept for that id but the scratch every tensor id
+        shares.
+
+        Args:
+            size: values per round: the largest tensor the job's rounds will carry (DDP's first
+                bucket: the model's gradient, up to ``bucket_cap_mb``).
+            rounds: how many (default 2; 0 does nothing).
+
+        Raises:
+            ValueError: ``size`` below 1 or ``rounds`` below 0.
+            CollectiveError: as :meth:`allreduce`.
+        """
+        size, rounds = warm_up_args(size, rounds)
+        x = np.zeros(size, np.float32)
+        try:
+            for _ in range(rounds):
+                self.allreduce(x, tensor=TENSOR_WARM_UP, exact=True, out=x)
+        finally:
+            self.protocol.forget(TENSOR_WARM_UP)
 
     def sharded_update(self, grad: np.ndarray, params: np.ndarray, update, tensor: int = 0) -> np.ndarray:
         """One training step's round of a sharded optimizer (ZeRO-1 style): reduce-scatter the

@@ -110,6 +110,11 @@ class Fill:
         else:
             st.put(missing, st.input_rows(missing))
 
+    def forget(self, tensor: int) -> None:
+        """Drop what the fills keep for ``tensor`` (a tensor id no round will use again)."""
+        self.stale.pop(tensor, None)
+        self.carried.pop(tensor, None)
+
     def keep(self, st, give: bool = False) -> np.ndarray | None:
         """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill
         "stale" only: a snapshot, the caller owns ``st.y`` and may change it.  ``give``: ``st.y`` is

@@ -480,6 +480,14 @@ class Protocol:
             self._bufs[key] = buf
         return buf
 
+    def forget(self, tensor: int) -> None:
+        """Drop what this rank keeps across rounds for ``tensor``: its fills' rows, its own
+        scratch (a trailing message keeps the rows it holds), its layer classes.  Between rounds."""
+        self.fill.forget(tensor)
+        for key in [k for k in self._bufs if k[1] == tensor]:
+            del self._bufs[key]
+        self.layers.pop(tensor, None)
+
     def _prio(self, st: Round, rows: np.ndarray | None, first: int, sq: np.ndarray | None = None,
               n: int | None = None) -> np.ndarray:
         """The priority of ``rows``, the round's rows ``first..``: by the tensor's own row numbers.

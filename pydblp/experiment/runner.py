@@ -94,6 +94,7 @@ class Options:
     eval_every: int = 25
     grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
                                     # mean (a Gloo allreduce, left out of the timings) every N steps
+    warm_up: int = 2                # pydblp runs over the hook or a sharded optimizer: State.warm_up rounds
     timeout: float = 600.0          # per arm
     scenario: str = "demo"
 
@@ -262,6 +263,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
                       "--priority", arm.priority, "--cc", arm.cc, "--grad-error-every", str(opt.grad_error_every),
+                      "--warm-up", str(opt.warm_up),
                       "--eval-at", str(target_step(opt)),
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)

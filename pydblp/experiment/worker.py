@@ -80,6 +80,9 @@ def parse(argv=None):
     p.add_argument("--eval-at", type=int, action="append", default=[], help="also evaluate after this step")
     p.add_argument("--grad-error-every", type=int, default=0,
                    help="every N steps (pydblp runs) compare the averaged gradient with the exact mean (0: never)")
+    p.add_argument("--warm-up", type=int, default=2,
+                   help="pydblp runs over the hook or a sharded optimizer: exact rounds of zeros of the model's "
+                        "size before the first step (State.warm_up; 0: none)")
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--no-round-records", dest="round_records", action="store_false",
                    help="leave every round's record out of the final line (long runs: memory stays flat)")
@@ -279,6 +282,8 @@ def main(argv=None) -> int:
                 ddp.register_comm_hook(state, ptorch.hook)
             if every:
                 broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
+            if a.warm_up and not backend:  # (over the backend DDP's initial broadcast has used the data path)
+                state.warm_up(model, a.warm_up)
         if sharded:  # the same rules, each rank stepping the shard it owns (no DDP synchronisation)
             opt = (ptorch.ShardedSGD(state, model, lr=lr, momentum=0.9) if digits
                    else ptorch.ShardedAdam(state, model, lr=lr))

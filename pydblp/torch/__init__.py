@@ -37,10 +37,12 @@ from pydblp import net, wire
 from pydblp.jobkey import load_key, new_epoch
 from pydblp.collective import Collective, CollectiveError, Config, estimators, link_chunk_bytes
 from pydblp.collective.config import TENSOR_BROADCAST
+from pydblp.collective.engine import warm_up_args
 from pydblp.dataplane import check_kind, open_dataplane
 from pydblp.torch._flat import assign, flatten
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
+DDP_BUCKET_VALUES = 25 * 2**20 // 4  # float32 values in DDP's default bucket (bucket_cap_mb 25)
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,34 @@ class State:
         """
         owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
         self.depth = {id(p): (d, len(owners)) for d, m in enumerate(owners) for p in m.parameters(recurse=False)}
+
+    def warm_up(self, model, rounds: int = 2) -> None:
+        """Run the collective's first rounds now, not in the first step: ``rounds`` exact rounds
+        of zeros (:meth:`pydblp.collective.Collective.warm_up`) as large as ``model``'s trainable
+        parameters, up to DDP's default bucket (25 MiB), or of ``model`` values (an int).
+
+        DDP's first step hands :func:`hook` a model under 25 MiB as one bucket, once the backward
+        is done, and a process's first rounds cost up to twice a later one; over Gloo (and over
+        the ``dblp`` backend) DDP's initial broadcast of the parameters has already used the
+        sockets.  Call it on every
+        rank after registering the hook and before the first backward.  Blocks until done.
+
+        Args:
+            model: a ``torch.nn.Module`` (a DDP one too), or the number of values.
+            rounds: how many (default 2).
+
+        Raises:
+            ValueError: no trainable parameters, or a size or count out of range.
+            CollectiveError: as a round.
+        """
+        if isinstance(model, torch.nn.Module):
+            size = min(sum(p.numel() for p in model.parameters() if p.requires_grad), DDP_BUCKET_VALUES)
+            if size == 0:
+                raise ValueError("warm_up: the model has no trainable parameters; give a number of values")
+        else:
+            size = model
+        size, rounds = warm_up_args(size, rounds)  # (here: a bad argument must not fail the state)
+        self.submit(lambda col: col.warm_up(size, rounds)).wait()
 
     @property
     def data_plane(self):

@@ -131,3 +131,53 @@ def test_serve_is_for_a_collective_without_an_idle_thread():
     assert owned.t.closed
     with pytest.raises(CollectiveError, match="closed"):
         owned.serve()
+
+
+def test_warm_up_runs_exact_rounds_on_its_own_id_and_keeps_nothing_of_them(ranks):
+    """``Collective.warm_up``: two exact rounds of zeros on ``TENSOR_WARM_UP``, recorded, unseen by
+    the phase controller.  Afterwards the fills and the per-tensor scratch hold nothing for that
+    id, and the job's first round of tensor 0 runs in the shared scratch the warm-up faulted in
+    (what it is for), exact, with no stale result of the warm-up to fill from."""
+    from pydblp.collective.config import TENSOR_WARM_UP
+
+    rk = ranks(3, phase="dblp")
+    n = 20_000
+    before = [{k: v for k, v in c.controller.state_dict().items() if k in ("critical", "history", "steps", "g_prev")}
+              for c in rk.cols]
+    _, errs = rk.run(lambda r, c: c.warm_up(n))
+    assert not errs
+    shared = []
+    for c, b in zip(rk.cols, before):
+        recs = list(c.records)
+        assert [r.tensor for r in recs] == [TENSOR_WARM_UP] * 2
+        assert all(r.tol == 0 and r.min_delivered == 1.0 and r.bytes_sent > 0 for r in recs)
+        assert {k: v for k, v in c.controller.state_dict().items() if k in b} == b
+        p = c.protocol
+        assert TENSOR_WARM_UP not in p.fill.stale and not [k for k in p._bufs if k[1] == TENSOR_WARM_UP]
+        assert 0 not in p.fill.stale
+        shared.append({k: v for k, v in p._bufs.items() if k[1] is None})
+        assert shared[-1]  # the round-only scratch every tensor id shares stays
+    xs = inputs_of(3, n)
+    res, errs = rk.run(lambda r, c: c.allreduce(xs[r], tensor=0, out=xs[r].copy()))
+    assert not errs
+    for r, c in enumerate(rk.cols):
+        np.testing.assert_allclose(res[r], np.mean(xs, axis=0), atol=1e-5)
+        kept = {k: v for k, v in c.protocol._bufs.items() if k[1] is None}
+        assert any(np.may_share_memory(kept[k], shared[r][k]) for k in shared[r] if k in kept)
+        assert [x.tensor for x in c.records][-1] == 0
+
+
+def test_warm_up_checks_its_arguments_and_zero_rounds_do_nothing(ranks):
+    rk = ranks(2)
+    c = rk.cols[0]
+    for size, rounds, says in ((0, 2, "size"), (-5, 2, "size"), (1.5, 2, "size"), (True, 2, "size"),
+                               (10, -1, "rounds"), (10, 2.0, "rounds")):
+        with pytest.raises(ValueError, match=f"warm_up: {says}"):
+            c.warm_up(size, rounds)
+    c.warm_up(10, 0)
+    assert not c.records
+
+
+def inputs_of(world, n, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]

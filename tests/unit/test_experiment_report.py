@@ -45,7 +45,7 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--loss-model", "ge", "--loss", "0.85"], "--loss 0.85"), (["--ge-len", "0.5"], "--ge-len 0.5"),
     (["--ge-bad", "0"], "--ge-bad 0"), (["--ge-bad", "1.5"], "--ge-bad 1.5"),
     (["--k", "-0.1"], "--k -0.1"), (["--k", "0.99"], "--k 0.99"), (["--freq", "0"], "--freq 0"),
-    (["--eta", "0"], "--eta 0"), (["--seeds", "0"], "--seeds 0"),
+    (["--eta", "0"], "--eta 0"), (["--seeds", "0"], "--seeds 0"), (["--warm-up", "-1"], "--warm-up -1"),
     (["--consistency", "allgathr"], "--consistency allgathr"),
     (["--consistency", "broadcast:0"], "--consistency broadcast:0"),
     (["--consistency", "broadcast"], "--consistency broadcast"),
@@ -118,7 +118,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
                   "--burst-ratio", "0.7,0.8", "--consistency", "broadcast:5"])
         cli.main(["experiment", "--consistency", "sharded:whole"])
         cli.main(["experiment", "--rate", "0", "--algo", "fsdp", "--consistency", "none"])
-        cli.main(["experiment", "--via", "backend", "--stagger", "off"])
+        cli.main(["experiment", "--via", "backend", "--stagger", "off", "--warm-up", "0"])
     finally:
         signal.signal(signal.SIGTERM, old)
     paper, base = runner.SCENARIOS["paper"], runner.Options()
@@ -132,6 +132,7 @@ def test_experiment_scenario_presets_yield_to_given_options(monkeypatch):
     assert (seen[3].rate_mbit, seen[3].algo, seen[3].consistency) == (0.0, "fsdp", "none")  # 0: no link limit
     assert (seen[4].via, seen[4].algo, base.via, base.algo) == ("backend", "ddp", "hook", "ddp")
     assert (seen[4].stagger, seen[0].stagger, base.stagger) == ("off", "on", "on")
+    assert (seen[4].warm_up, seen[0].warm_up, base.warm_up) == (0, 2, 2)
 
 
 def test_ge_params_give_the_asked_mean_loss_and_run_length():

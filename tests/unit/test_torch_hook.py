@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pydblp.collective.config import TENSOR_WARM_UP
+
 WORLD = 3
 STEPS = 15
 
@@ -32,6 +34,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         ours = DDP(_model(0), bucket_cap_mb=0.01)  # small buckets: several rounds per step
         ours.register_comm_hook(state, ptorch.hook)
+        state.warm_up(ours)  # (before the first backward: rounds of zeros the controller never sees)
         ref = DDP(_model(0), bucket_cap_mb=0.01)
         opt_a = torch.optim.SGD(ours.parameters(), lr=0.2)
         opt_b = torch.optim.SGD(ref.parameters(), lr=0.2)
@@ -52,6 +55,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             opt_a.step()
             opt_b.step()
         log["rounds"] = len(state.collective.records)
+        log["tensors"] = [r.tensor for r in state.collective.records]
         log["history"] = list(state.collective.controller.history)
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(log, f)
@@ -67,7 +71,8 @@ def test_hook_matches_gloo_gradients_and_training_curve(tmp_path):
     for log in logs:
         assert max(log["grad_diff"]) < 1e-5
         assert log["loss_ours"] == pytest.approx(log["loss_gloo"], abs=1e-4)
-        assert log["rounds"] > STEPS  # more than one bucket per step went through pydblp
+        assert log["rounds"] > STEPS + 2  # more than one bucket per step went through pydblp
+        assert log["tensors"][:2] == [TENSOR_WARM_UP] * 2 and TENSOR_WARM_UP not in log["tensors"][2:]
     assert logs[0]["loss_ours"][-1] < logs[0]["loss_ours"][0]  # it trained
     # the phase controller observes by step: G is the norm of the whole step's averaged gradient
     # (every bucket), measured every freq=2 steps, the same on every rank
@@ -140,6 +145,38 @@ def test_the_hook_writes_the_mean_into_the_bucket_itself(ranks, dtype, strided):
         for r in range(2):
             assert got[r] is bufs[r] and got[r].data_ptr() == ptrs[r] and got[r].dtype == dtype
             torch.testing.assert_close(got[r].float(), want.to(dtype).float(), rtol=0, atol=1e-6)
+    finally:
+        for s in states:
+            s.close(barrier=False)
+
+
+def test_state_warm_up_sizes_its_rounds_to_the_model_and_refuses_bad_arguments_without_failing(ranks):
+    """``State.warm_up(model)``: rounds as large as the model's trainable parameters (a frozen
+    layer does not count); a bad argument is refused in the caller's thread with ValueError, and
+    the state's rounds go on (a failure on the transport thread would have ended them)."""
+    import pydblp.torch as ptorch
+    from tests.helpers import run_threads
+
+    rk = ranks(2)
+    states = [ptorch.State(c) for c in rk.cols]
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 7))
+        model[0].requires_grad_(False)
+        for s in states:
+            with pytest.raises(ValueError, match="warm_up: rounds"):
+                s.warm_up(model, rounds=-1)
+            with pytest.raises(ValueError, match="no trainable parameters"):
+                s.warm_up(torch.nn.Linear(3, 3).requires_grad_(False))
+        _, errs = run_threads(lambda r: states[r].warm_up(model, rounds=1), range(2), 60.0)
+        assert not errs
+        for c in rk.cols:
+            (rec,) = c.records
+            assert rec.tensor == TENSOR_WARM_UP
+            # 287 values (40 * 7 + 7) in one chunk: a tar round moves each rank's share of it
+            assert 0 < rec.bytes_sent < 2 * 1500
+        bufs = [torch.full((500,), float(r)) for r in range(2)]
+        got = [f.wait() for f in [ptorch.hook(states[r], _Bucket(bufs[r])) for r in range(2)]]
+        assert all(torch.equal(g, torch.full((500,), 0.5)) for g in got)
     finally:
         for s in states:
             s.close(barrier=False)
