@@ -6,6 +6,7 @@ is the control plane, used here only for rendezvous)::
     dist.init_process_group("gloo")
     state = pydblp.torch.State.from_process_group(iface="eth0", config=Config(phase="dblp"))
     ddp.register_comm_hook(state, pydblp.torch.hook)
+    state.warm_up(ddp)  # the data path's first rounds, before the first step's
 
 Rendezvous: each rank publishes its data-plane address, port, MAC and queue
 in the default store under ``pydblp/<job>/<rank>`` and reads everyone else's.
