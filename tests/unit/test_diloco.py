@@ -45,6 +45,13 @@ def test_neighbours_shapes():
 
 # ---- workers -------------------------------------------------------------------
 
+def _leave() -> None:
+    """End a spawned rank whose work is done without the interpreter's finalization: torch's
+    teardown of Gloo's and autograd's threads at exit now and then aborts such a process
+    ("terminate called without an active exception"; pytorch/pytorch#190489)."""
+    os._exit(0)
+
+
 def _init(rank: int, init_file: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
 
@@ -77,11 +84,13 @@ def _train(rank: int, init_file: str, out_dir: str, mode: str, topology: str, bl
                 if (step + 1) % 4 == 0:
                     after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
         final = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-        json.dump({"after": after, "final": final, "records": [r.__dict__ for r in d.records], "bytes": ex.bytes_sent},
-                  open(os.path.join(out_dir, f"{rank}.json"), "w"), default=str)
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump({"after": after, "final": final, "records": [r.__dict__ for r in d.records],
+                       "bytes": ex.bytes_sent}, f, default=str)
     finally:
         ex.close()
         dist.destroy_process_group()
+    _leave()
 
 
 def _run(fn, tmp_path, *args):
@@ -122,8 +131,10 @@ def _last_round_then_close(rank: int, init_file: str, out_dir: str):
         _, arrived = ex.neighbours_average(torch.full((4,), float(rank)), peers, [0.3] * len(peers), round=0)
     finally:
         ex.close()  # the last rank closes right after queueing its message: it must still go out
-    json.dump({"arrived": arrived}, open(os.path.join(out_dir, f"{rank}.json"), "w"))
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"arrived": arrived}, f)
     dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.slow
@@ -172,9 +183,11 @@ def _rounds(rank: int, init_file: str, out_dir: str):
             x = torch.full((1000,), float(rank))
             y, arrived = ex.neighbours_average(x, peers, [1 / 3, 1 / 3], rnd)
             log.append({"round": rnd, "arrived": arrived, "value": y[0].item(), "suspects": sorted(ex.suspects)})
-        json.dump(log, open(os.path.join(out_dir, f"{rank}.json"), "w"))
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(log, f)
     finally:
         ex.close()
+    _leave()
 
 
 def _run_rounds(tmp_path):

@@ -172,8 +172,9 @@ def test_state_warm_up_sizes_its_rounds_to_the_model_and_refuses_bad_arguments_w
         for c in rk.cols:
             (rec,) = c.records
             assert rec.tensor == TENSOR_WARM_UP
-            # 287 values (40 * 7 + 7) in one chunk: a tar round moves each rank's share of it
-            assert 0 < rec.bytes_sent < 2 * 1500
+            # 287 values (40 * 7 + 7): one chunk, which each rank sends once (a retransmission
+            # allowed); the frozen layer's 1,240 more would make it five chunks, 7,200 bytes a rank
+            assert 0 < rec.bytes_sent < 4 * 1500
         bufs = [torch.full((500,), float(r)) for r in range(2)]
         got = [f.wait() for f in [ptorch.hook(states[r], _Bucket(bufs[r])) for r in range(2)]]
         assert all(torch.equal(g, torch.full((500,), 0.5)) for g in got)
