@@ -283,7 +283,7 @@ def main(argv=None) -> int:
             if every:
                 broadcaster = ptorch.ParameterBroadcaster(state, model, every=every)
             if a.warm_up and not backend:  # (over the backend DDP's initial broadcast has used the data path)
-                state.warm_up(model, a.warm_up)
+                state.warm_up(ddp if ddp is not None else model, a.warm_up)  # (DDP: its bucket cap)
         if sharded:  # the same rules, each rank stepping the shard it owns (no DDP synchronisation)
             opt = (ptorch.ShardedSGD(state, model, lr=lr, momentum=0.9) if digits
                    else ptorch.ShardedAdam(state, model, lr=lr))

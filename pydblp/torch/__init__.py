@@ -43,7 +43,7 @@ from pydblp.dataplane import check_kind, open_dataplane
 from pydblp.torch._flat import assign, flatten
 
 DEFAULT_CHUNK = Config().chunk_bytes  # 1408: fits MTU 1500
-DDP_BUCKET_VALUES = 25 * 2**20 // 4  # float32 values in DDP's default bucket (bucket_cap_mb 25)
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb, for a module that is not a DDP one
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,8 @@ class State:
     def warm_up(self, model, rounds: int = 2) -> None:
         """Run the collective's first rounds now, not in the first step: ``rounds`` exact rounds
         of zeros (:meth:`pydblp.collective.Collective.warm_up`) as large as ``model``'s trainable
-        parameters, up to DDP's default bucket (25 MiB), or of ``model`` values (an int).
+        parameters, up to its bucket cap (a DDP module's ``bucket_bytes_cap``; else DDP's
+        default, 25 MiB), or of ``model`` values (an int).
 
         DDP's first step hands :func:`hook` a model under 25 MiB as one bucket, once the backward
         is done, and a process's first rounds cost up to twice a later one; over Gloo (and over
@@ -192,7 +193,8 @@ class State:
             CollectiveError: as a round.
         """
         if isinstance(model, torch.nn.Module):
-            size = min(sum(p.numel() for p in model.parameters() if p.requires_grad), DDP_BUCKET_VALUES)
+            cap = getattr(model, "bucket_bytes_cap", DDP_BUCKET_BYTES) // 4  # (float32 values)
+            size = min(sum(p.numel() for p in model.parameters() if p.requires_grad), cap)
             if size == 0:
                 raise ValueError("warm_up: the model has no trainable parameters; give a number of values")
         else:

@@ -56,6 +56,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             opt_b.step()
         log["rounds"] = len(state.collective.records)
         log["tensors"] = [r.tensor for r in state.collective.records]
+        log["warm_bytes"] = [r.bytes_sent for r in list(state.collective.records)[:2]]
         log["history"] = list(state.collective.controller.history)
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(log, f)
@@ -73,6 +74,9 @@ def test_hook_matches_gloo_gradients_and_training_curve(tmp_path):
         assert log["loss_ours"] == pytest.approx(log["loss_gloo"], abs=1e-4)
         assert log["rounds"] > STEPS + 2  # more than one bucket per step went through pydblp
         assert log["tensors"][:2] == [TENSOR_WARM_UP] * 2 and TENSOR_WARM_UP not in log["tensors"][2:]
+        # sized to DDP's bucket cap (0.01 MiB: 2,621 values, 8 chunks; a rank sends ~12 of them),
+        # not to the model's 5,829 values (17 chunks; ~23 a rank, 33 KB)
+        assert all(0 < b < 25_000 for b in log["warm_bytes"]), log["warm_bytes"]
     assert logs[0]["loss_ours"][-1] < logs[0]["loss_ours"][0]  # it trained
     # the phase controller observes by step: G is the norm of the whole step's averaged gradient
     # (every bucket), measured every freq=2 steps, the same on every rank
