@@ -30,14 +30,17 @@ first echo counts from 0: both ends' counters start there):
   round trip of the message's last packets, a queue's growth) as a marked echo with ``F = 1``.
 
 Loss that no mark and no delay go with (random loss, bursts) changes nothing: bounded loss and
-repair deal with it.  A paced destination gets a token bucket of ``BUCKET_FRAMES`` frames (or
-``BUCKET_S`` of its rate, if more).  :class:`~pydblp.collective.protocol.Protocol` sends to it
-only what the tokens cover, and a sender held back waits until ``WAIT_FRAMES`` frames are
-covered.  Both are sized by the CPU, not the switch: a loop turn costs as much as tens of
-frames' bookkeeping, and with a turn every 8 frames a 7-sender incast on 2 vCPUs spent 2.6x
-cc=off's CPU and took 1.88x its time (64 frames: 1.07x).  A pacing transport (AF_XDP's, a
-NIC) spreads what a turn hands it at the link's rate.  Everything here is bookkeeping over
-times passed in.
+repair deal with it.  A paced destination gets a token bucket of ``BUCKET_S`` of its rate (at
+least ``BUCKET_FRAMES`` frames).  :class:`~pydblp.collective.protocol.Protocol` sends it only
+what the tokens cover, and nothing until they cover a quantum of ``WAIT_FRAMES`` frames (or
+what the message has left, if less); a sender held back sleeps until then, in whole
+milliseconds, the unit of the transports' poll(2).  So a paced sender wakes about once a
+millisecond and hands the transport a millisecond of its rate: a finer quantum costs a loop
+turn per few frames (the CPU of a whole rank on 2 vCPUs), a coarser one is a burst that a
+switch marks for itself (past a 32 KiB mark, about 20 frames).  The bucket holds 2 ms so a
+sender woken late keeps its rate; a destination idle longer than that (between messages)
+restarts with a quantum, not a full bucket, so all senders of an incast do not open a round
+with a bucket each.  Everything here is bookkeeping over times passed in.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ from pydblp.collective.config import MASK32, Config
 ALPHA0 = 1.0          # alpha before the first echo (Linux's DCTCP starts at 1: the first mark halves)
 CEILING_OVER = 1.25   # a paced destination's rate stays below this x the fastest send (``top``) ...
 UNPACE_AFTER = 32     # ... and it is unpaced again after this many clean echoes in a row there
-BUCKET_FRAMES = 128   # frames a paced destination's token bucket holds ...
-BUCKET_S = 0.00025    # ... or this many s of its rate, if more (above 6 Gbit/s)
-WAIT_FRAMES = 64      # a sender held back waits until this many frames are covered
+BUCKET_S = 0.002      # a paced destination's token bucket holds this many s of its rate ...
+BUCKET_FRAMES = 16    # ... and at least this many frames
+WAIT_FRAMES = 8       # a sender held back waits until this many frames are covered (its quantum)
 BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by this share of the gap
 
 
@@ -186,7 +189,10 @@ class RateControl:
         rate = self.rate[dst]
         if not rate:
             return 1 << 30
-        tokens = min(self._bucket(dst), self.tokens[dst] + (now - self.t_tok[dst]) * rate / 8)
+        gap = now - self.t_tok[dst]
+        tokens = min(self._bucket(dst), self.tokens[dst] + gap * rate / 8)
+        if gap > BUCKET_S:  # idle, between messages: it restarts with a quantum, not a full bucket
+            tokens = min(tokens, WAIT_FRAMES * self.frame)
         self.tokens[dst], self.t_tok[dst] = tokens, now
         return int(tokens // self.frame)
 
@@ -195,12 +201,19 @@ class RateControl:
         if self.rate[dst]:
             self.tokens[dst] -= frames * self.frame
 
-    def wait(self, dst: int) -> float:
-        """Seconds (from the last :meth:`allowed`) until ``dst`` may be sent ``WAIT_FRAMES`` frames."""
+    def quantum(self, left: int) -> int:
+        """Frames a paced destination is sent at once, of ``left`` waiting: ``WAIT_FRAMES``, or all
+        of them if fewer.  Fewer tokens than that hold the message back (:meth:`wait`), so a paced
+        sender hands the transport quanta, not the frame or two its tokens grow by in a loop turn."""
+        return max(1, min(WAIT_FRAMES, left))
+
+    def wait(self, dst: int, left: int = WAIT_FRAMES) -> float:
+        """Seconds (from the last :meth:`allowed`) until ``dst`` may be sent a quantum of ``left``
+        frames waiting (:meth:`quantum`)."""
         rate = self.rate[dst]
         if not rate:
             return 0.0
-        want = min(WAIT_FRAMES * self.frame, self._bucket(dst))
+        want = min(self.quantum(left) * self.frame, self._bucket(dst))
         return max(0.0, (want - self.tokens[dst]) * 8 / rate)
 
     def state(self) -> dict:

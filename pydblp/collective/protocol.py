@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import struct
 from collections.abc import Callable
 
@@ -691,9 +692,10 @@ class Protocol:
             if paced:
                 dsts = self._others if o.dst == wire.DST_ALL else (o.dst,)
                 allowed = min(cc.allowed(d, now) for d in dsts)
-                if allowed <= 0:
+                left = o.avail - o.sent + o.nretx
+                if allowed < cc.quantum(left):
                     held.add(id(o))
-                    w = max(cc.wait(d) for d in dsts)
+                    w = max(cc.wait(d, left) for d in dsts)
                     wait = w if wait is None else min(wait, w)
                     continue
                 budget = min(budget, allowed)
@@ -729,8 +731,9 @@ class Protocol:
         if k >= 16 and grown > 0:  # what a packet costs the pacer: learnt, the protocol has no rate
             self.pkt_s = grown / k
         more = any((o.sent < o.avail or o.nretx) and id(o) not in held for o in active)
-        if not more and held:  # the rate control holds the rest back: wait for its tokens
-            self.tx_wait = max(wait, 50e-6)
+        if not more and held:  # the rate control holds the rest back: sleep until its tokens cover a
+            # quantum, in whole ms: the transports' poll(2) counts them, and a shorter wait would not sleep
+            self.tx_wait = math.ceil(max(wait, 50e-6) * 1000) / 1000
         elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pydblp.collective import Config
-from pydblp.collective.cc import CEILING_OVER, Echo, Ledger, RateControl
+from pydblp.collective.cc import BUCKET_S, CEILING_OVER, WAIT_FRAMES, Echo, Ledger, RateControl
 from pydblp.collective.config import MASK32
 from pydblp.sim import Link, Sim
 
@@ -137,6 +137,21 @@ def test_the_token_bucket_lets_the_rate_through():
         sent += k
         t += max(rc.wait(0), 1e-4)
     assert sent * FRAME * 8 == pytest.approx(rate, rel=0.05)
+
+
+def test_an_idle_destination_restarts_with_a_quantum_not_a_full_bucket():
+    """Between messages the bucket would fill: every sender of an incast would open the next round
+    with a bucket's burst at once.  Idle longer than the bucket's time, it restarts with a quantum;
+    sending steadily, the bucket holds BUCKET_S of the rate, so a sender woken late keeps it."""
+    rc = ctl()
+    rc.echo(0, 0, 0, 0.0, None)
+    rc.echo(0, 100, 100, 1.0, 2e9)  # paced: 1 Gbit/s after the cut
+    rate = rc.rate[0]
+    assert rc._bucket(0) == pytest.approx(rate / 8 * BUCKET_S)
+    rc.spend(0, rc.allowed(0, 1.0))
+    assert rc.allowed(0, 1.0 + BUCKET_S / 2) == int(rate / 8 * BUCKET_S / 2 // FRAME)  # steady: what accrued
+    rc.spend(0, rc.allowed(0, 1.0 + BUCKET_S / 2))
+    assert rc.allowed(0, 1.5) == WAIT_FRAMES  # idle half a second: one quantum
 
 
 @pytest.mark.parametrize("kw, says", [

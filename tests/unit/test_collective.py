@@ -771,6 +771,31 @@ def test_sender_keeps_a_pacing_transports_queue_short(rank0, monkeypatch):
     assert sent == [100] and o.sent == 100 and rank0.col.tx_wait is None
 
 
+def test_a_paced_destination_is_sent_quanta_and_the_sender_sleeps_between(rank0, monkeypatch):
+    """Congestion control's rate: a paced destination gets nothing until its tokens cover a
+    quantum (``cc.WAIT_FRAMES``, or what its message has left), and the sender meanwhile sleeps
+    a whole millisecond (the transports' poll(2) counts them: a shorter wait would not sleep).
+    Before, whatever the tokens covered went at once: a paced sender sent 2-3 frames every
+    ~70 µs, spinning its CPU (a 7-sender incast used 1.55x cc=off's CPU)."""
+    from pydblp.collective import cc as ccmod
+
+    sent = []
+    monkeypatch.setattr(rank0.t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
+    cc, o = rank0.col.cc, rank0.st.outs[(False, 1)]
+    frame_s = cc.frame * 8 / 100e6  # a frame's time at the rate
+    cc.rate[1], cc.tokens[1], cc.t_tok[1] = 100e6, 3 * cc.frame, 100.0  # covers 3 frames
+    assert rank0.col.send_some(rank0.st, 100.0) is False
+    assert sent == [] and o.sent == 0
+    assert rank0.col.tx_wait == 0.001 and (ccmod.WAIT_FRAMES - 3) * frame_s < 0.001
+    rank0.col.send_some(rank0.st, 100.001)  # a millisecond's tokens more: a quantum or more
+    assert len(sent) == 1 and sent[0] == o.sent >= ccmod.WAIT_FRAMES
+    assert o.sent == int(3 + 0.001 / frame_s)  # all the tokens covered, no more
+    o.sent = o.n - 2  # the message's last 2 frames: a quantum of 2
+    cc.tokens[1], cc.t_tok[1] = 2 * cc.frame, 100.002
+    rank0.col.send_some(rank0.st, 100.002)
+    assert sent[-1] == 2 and o.sent == o.n
+
+
 def test_a_round_that_repairs_keeps_the_kernel_queue_short(rank0, monkeypatch):
     """In a round that repairs (a NACK or BITMAP seen), no data goes while the kernel's send queue
     holds more than TXQ_REPAIR (a retransmission asked for next would wait behind it); in a clean
