@@ -22,6 +22,20 @@ def _dblp_pairs(names) -> list[tuple[str, str]]:
     return out
 
 
+def _cc_pairs(names) -> list[tuple[str, str]]:
+    """(a run with congestion control, the same run without) where both ran (``--cc off,ecn``):
+    ``dblp/cc-ecn`` with ``dblp/cc-off``, ``dblp/magnitude/tail/cc-ecn`` with
+    ``dblp/magnitude/tail/cc-off``."""
+    names = list(names)
+    out = []
+    for name in names:
+        head, sep, rest = name.partition("/cc-")
+        mode, slash, tail = rest.partition("/")
+        if sep and mode != "off" and f"{head}/cc-off{slash}{tail}" in names:
+            out.append((name, f"{head}/cc-off{slash}{tail}"))
+    return out
+
+
 def _pairs(names, static_too: bool = False) -> list[tuple[str, str]]:
     """Each DBLP arm with its static arm (:func:`_dblp_pairs`) and with Gloo's where that ran;
     ``static_too``: each static arm with Gloo's too."""
@@ -48,7 +62,8 @@ def speedups(summary: dict) -> dict:
 
 
 def ratios(seeds: list[dict]) -> dict:
-    """Per DBLP arm against static and Gloo, and static against Gloo (the same seeds): time to
+    """Per DBLP arm against static and Gloo, static against Gloo, and each run with congestion
+    control against the same run without (:func:`_cc_pairs`; the same seeds): time to
     target and wall time as ``arm / base`` (below 1: the arm is faster), the ratio of the means
     over seeds with its 90 % bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`;
     a run that never reached the target counts its last evaluation's time, and ``censored``
@@ -58,7 +73,7 @@ def ratios(seeds: list[dict]) -> dict:
     from pydblp.experiment import stats
 
     names = list(seeds[0]["summary"])
-    pairs = _pairs(names, static_too=True)
+    pairs = _pairs(names, static_too=True) + _cc_pairs(names)
 
     def ttt(summary: dict) -> tuple[float | None, bool]:
         """A run's time to target, or its last evaluation's time if it never got there (censored)."""

@@ -338,6 +338,26 @@ def test_ratios_pair_each_dblp_arm_with_its_static_and_gloo():
     assert "final quality -0.20 accuracy points" in text
 
 
+def test_ratios_pair_a_run_with_congestion_control_with_the_same_run_without():
+    """``--cc off,ecn`` (the incast): each ``cc-ecn`` arm against its ``cc-off`` twin, with the
+    interval over seeds; arms without a twin get no pair."""
+    from pydblp.experiment import runner
+
+    opt = runner.options("incast", cc=("off", "ecn"), drop_policy=("priority", "tail"))
+    names = [a.name for a in runner.arms(opt)]
+    assert report._cc_pairs(names) == [("dblp/magnitude/priority/cc-ecn", "dblp/magnitude/priority/cc-off"),
+                                       ("dblp/magnitude/tail/cc-ecn", "dblp/magnitude/tail/cc-off")]
+    assert report._cc_pairs(["dblp/cc-ecn/none", "dblp/cc-off/none", "dblp/cc-ecn/ef"]) == \
+        [("dblp/cc-ecn/none", "dblp/cc-off/none")]
+    per = lambda arm, ttt, wall: {"arm": arm, "time_to_target_s": ttt, "wall_s": wall}
+    seeds = [{"summary": {"gloo": per("gloo", 20.0, 25.0), "dblp/cc-off": per("dblp/cc-off", 70.0, 85.0),
+                          "dblp/cc-ecn": per("dblp/cc-ecn", 70.0 + 7 * i, 89.25)}} for i in range(3)]
+    r = report.ratios(seeds)["dblp/cc-ecn / dblp/cc-off"]
+    assert r["time_to_target_s"]["ratio"] == pytest.approx(1.1) and r["wall_s"]["ratio"] == pytest.approx(1.05)
+    text = "\n".join(report.ratio_lines({"ratios": report.ratios(seeds)}))
+    assert "dblp/cc-ecn / dblp/cc-off: time to target 1.10x (90 % CI" in text
+
+
 def test_the_static_arm_runs_its_own_relaxations_and_each_dblp_arm_finds_its_twin():
     from pydblp.experiment import runner
 
