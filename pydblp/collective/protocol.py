@@ -732,8 +732,9 @@ class Protocol:
             self.pkt_s = grown / k
         more = any((o.sent < o.avail or o.nretx) and id(o) not in held for o in active)
         if not more and held:  # the rate control holds the rest back: sleep until its tokens cover a
-            # quantum, in whole ms: the transports' poll(2) counts them, and a shorter wait would not sleep
-            self.tx_wait = math.ceil(max(wait, 50e-6) * 1000) / 1000
+            # quantum, in the transport's unit (poll(2)'s ms): a shorter timeout would not sleep at all
+            unit, wait = self.t.timeout_unit, max(wait, 50e-6)
+            self.tx_wait = math.ceil(wait / unit - 1e-9) * unit if unit else wait
         elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more

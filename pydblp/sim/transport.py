@@ -49,6 +49,7 @@ class SimTransport(Transport):
     """
 
     kind = "sim"
+    timeout_unit = 0.0  # recv waits its timeout exactly, in virtual time
 
     def __init__(self, sim, rank: int):
         self.sim, self.rank = sim, rank

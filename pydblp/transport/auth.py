@@ -122,6 +122,7 @@ class AuthTransport(Transport):
     ifname = property(lambda self: self.inner.ifname)
     queue = property(lambda self: self.inner.queue)
     port = property(lambda self: self.inner.port)
+    timeout_unit = property(lambda self: self.inner.timeout_unit)
 
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None) -> int:
         return self.inner.add_peer(addr, port, mac)
