@@ -36,9 +36,9 @@ what the tokens cover, and nothing until they cover a quantum of ``WAIT_FRAMES``
 what the message has left, if less); a sender held back sleeps until then, rounded up to
 the transport's ``timeout_unit`` (poll(2)'s millisecond; the simulator's waits are exact).
 So on a host a paced sender wakes about once a millisecond and hands the transport a
-millisecond of its rate: a finer quantum costs a loop
-turn per few frames (the CPU of a whole rank on 2 vCPUs), a coarser one is a burst that a
-switch marks for itself (past a 32 KiB mark, about 20 frames).  The bucket holds 2 ms so a
+millisecond of its rate: a finer quantum costs a loop turn per few frames (the CPU of a
+whole rank on 2 vCPUs), a coarser one is a burst that a switch marks for itself (past a
+32 KiB mark, about 20 frames).  The bucket holds 2 ms so a
 sender woken late keeps its rate; a destination idle longer than that (between messages)
 restarts with a quantum, not a full bucket, so all senders of an incast do not open a round
 with a bucket each.  Everything here is bookkeeping over times passed in.
