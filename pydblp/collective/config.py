@@ -47,6 +47,10 @@ TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 TXQ_REPAIR = 512 << 10  # bytes in the kernel's send queue past which a round that repairs hands it no more
+TXQ_DRAINED = 64 << 10  # bytes in the send queue, soon after a full turn, up to which the path keeps up ...
+TURN_GAP = 0.004  # ... if that turn began less than this many s ago (later, a link may have drained it)
+DRAINED_LOOKS = 2  # looks in a row that must find so before turns grow (one holding data shrinks them)
+TURN_DESTS = 4  # a turn on a path that keeps up sends up to burst to each of this many destinations
 LOSS_RTTS = 1.5  # round trips after which a retransmission still missing from a BITMAP counts as lost
 AG_SPLIT = 0.0025  # s an owner holds back the second half of its all-gather in a round that repairs
 RECORDS_MAX = 4096  # round records a Collective keeps by default (Config.records_max)
@@ -159,7 +163,9 @@ class Config:
     probe_max: float = 0.05
     burst: int = 1024                # packets sent per loop turn before draining receive; what every
                                      # sender has in flight must fit the receivers' rings (there is no
-                                     # pacing): AF_XDP's 16384 receive frames by default
+                                     # pacing): AF_XDP's 16384 receive frames by default.  On a path that
+                                     # keeps up (no link limit) a turn sends up to burst to each of up to
+                                     # TURN_DESTS destinations: docs/protocol.md, "The loop"
     cc: str = "ecn"                  # congestion control per destination (pydblp.collective.cc): "ecn"
                                      # (DATA goes out ECT(0); receivers echo CE marks in their STOPs and
                                      # a sender whose packets were marked paces itself, DCTCP-style) or

@@ -31,9 +31,10 @@ from pydblp import wire
 from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import Echo, Ledger, RateControl
-from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, F32, FINAL, LINGER,
-                                      MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK,
-                                      TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
+                                      FINAL, LINGER, MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP,
+                                      TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR,
+                                      CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
@@ -110,6 +111,9 @@ class Protocol:
         self.estimate = min(c.probe_max, max(c.probe_min, 0.005))  # within the configured bounds
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
+        self.keeps_up = False                     # the path took full turns at once (send_some): learnt ...
+        self._drained = 0                         # ... from this many looks in a row that found it so
+        self._turn = (0, -1.0)                    # (packets, when) of the last turn that sent data
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id or None) -> scratch reused across rounds
         self._residual: dict[int, np.ndarray] = {}  # tensor id -> (T, C) rows the last round's estimates left
@@ -682,6 +686,14 @@ class Protocol:
         total = self.cfg.burst
         if self.pkt_s:  # a pacing transport: hand it about TXQ_LIMIT of data a turn, not a whole burst
             total = min(total, max(len(active), int(TXQ_LIMIT / self.pkt_s)))
+        else:
+            k, t = self._turn
+            if 2 * k >= total and now - t < TURN_GAP:  # soon after a full turn: is it out of the host?
+                self._drained = self._drained + 1 if self.t.tx_queued() <= TXQ_DRAINED else 0
+                self.keeps_up = self._drained >= DRAINED_LOOKS
+            if self.keeps_up:  # no link limit (loopback, veths, a NIC faster than this CPU): larger turns,
+                # each destination at most a burst, as a parameter server's receiver gets from each sender
+                total *= min(len(active), TURN_DESTS)
         share = max(1, total // len(active))
         parts = []
         cc = self.cc
@@ -727,6 +739,8 @@ class Protocol:
                     o.t_sent_all = bc.t_sent_all
         self._send_batch(st, parts)
         k = sum(len(idx) for _, idx, _ in parts)
+        if k:
+            self._turn = (k, now)
         grown = self.t.tx_backlog() - backlog
         if k >= 16 and grown > 0:  # what a packet costs the pacer: learnt, the protocol has no rate
             self.pkt_s = grown / k

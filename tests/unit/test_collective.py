@@ -820,6 +820,44 @@ def test_a_round_that_repairs_keeps_the_kernel_queue_short(rank0, monkeypatch):
     assert sent == [40, 60] and o.sent == 100 and rank0.col.tx_wait is None
 
 
+def test_a_turn_grows_where_the_path_keeps_up(monkeypatch):
+    """A turn sends ``burst`` packets over its messages.  Soon after a full turn the protocol looks
+    at the kernel's send queue once.  Empty at two looks in a row (no link limit: loopback,
+    veths, a NIC faster than the CPU): later turns send up to a burst to each of up to
+    TURN_DESTS destinations (fewer turns, each with its Python and numpy cost).  Holding data at
+    one look (a link limit): one burst in all again, so STOPs and repairs never wait behind
+    more.  A look long after the turn tells nothing (a link may have drained it by then) and
+    changes nothing."""
+    t = UdpTransport(port=0)
+    try:
+        now = [100.0]
+        col = Protocol(t, 0, 4, [("127.0.0.1", 1)] * 4, Config(phase="static:0.05", burst=30),
+                       clock=lambda: now[0])
+        st = col.start(np.zeros(4000 * col.C, np.float32), 0, True)  # 3 messages of 1000 chunks
+        sent, queued = [], [0]
+        monkeypatch.setattr(t, "send", lambda batch, timeout=1.0: sent.append(len(batch)) or len(batch))
+        monkeypatch.setattr(t, "tx_queued", lambda: queued[0])
+
+        def turn(dt, q=None):
+            now[0] += dt
+            if q is not None:
+                queued[0] = q
+            col.send_some(st, now[0])
+            return sent[-1]
+
+        assert config.DRAINED_LOOKS == 2
+        assert turn(0.0) == 30  # nothing learnt yet: one burst
+        assert turn(0.001) == 30 and not col.keeps_up  # the full turn left at once: once is not enough
+        assert turn(0.001) == 90 and col.keeps_up  # twice in a row: a burst to each of 3
+        assert turn(0.001, config.TXQ_DRAINED + 1) == 30 and not col.keeps_up  # the link holds it
+        assert turn(0.01, 0) == 30  # 10 ms after the turn: an empty queue says nothing about the link
+        assert turn(0.001) == 30 and turn(0.001) == 90  # soon after full turns, empty twice again
+        col.pkt_s = 1e-5  # a pacing transport: its backlog sizes the turn, never the kernel's queue
+        assert turn(0.001) == 30
+    finally:
+        t.close()
+
+
 def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     """After a NACK, a repair that brings less than half of the missing chunks (a burst is still
     on) keeps the backoff (next NACK after 4 ms of quiet, not 2); one that brings most resets it."""
