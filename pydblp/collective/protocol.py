@@ -691,6 +691,7 @@ class Protocol:
             if 2 * k >= total and now - t < TURN_GAP:  # soon after a full turn: is it out of the host?
                 self._drained = self._drained + 1 if self.t.tx_queued() <= TXQ_DRAINED else 0
                 self.keeps_up = self._drained >= DRAINED_LOOKS
+                self._turn = (0, t)  # (each turn is looked at once)
             if self.keeps_up:  # no link limit (loopback, veths, a NIC faster than this CPU): larger turns,
                 # each destination at most a burst, as a parameter server's receiver gets from each sender
                 total *= min(len(active), TURN_DESTS)
