@@ -686,7 +686,7 @@ class Protocol:
         total = self.cfg.burst
         if self.pkt_s:  # a pacing transport: hand it about TXQ_LIMIT of data a turn, not a whole burst
             total = min(total, max(len(active), int(TXQ_LIMIT / self.pkt_s)))
-        else:
+        elif self.t.reports_tx_queue:
             k, t = self._turn
             if 2 * k >= total and now - t < TURN_GAP:  # soon after a full turn: is it out of the host?
                 self._drained = self._drained + 1 if self.t.tx_queued() <= TXQ_DRAINED else 0

@@ -138,6 +138,8 @@ class AuthTransport(Transport):
     def tx_queued(self) -> int:
         return self.inner.tx_queued()
 
+    reports_tx_queue = property(lambda self: self.inner.reports_tx_queue)
+
     def fileno(self) -> int:
         return self.inner.fileno()
 

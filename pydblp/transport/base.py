@@ -183,6 +183,7 @@ class Transport(abc.ABC):
 
     spin: float = 0.0
     reads_addresses: bool = False  # send() reads Batch.addr (a compiled path); else only payload rows
+    reports_tx_queue: bool = True  # tx_queued() measures what waits to leave (False: it cannot tell, says 0)
     timeout_unit: float = 0.001    # s: recv sleeps in poll(2), which counts whole ms and truncates; a
                                    # timeout under it returns at once, so a caller that must sleep rounds up
     _c: dict          # counters (stats()); subclasses make it in __init__

@@ -297,6 +297,8 @@ class XskTransport(XskReceive, Transport):
 
                 self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096, dscp=dscp)
                 self.reads_addresses = self._ktx.reads_addresses  # (send is the UDP socket's)
+            else:
+                self.reports_tx_queue = False  # AF_XDP transmit: what the driver still holds is not told
         except BaseException:
             self.close()
             raise

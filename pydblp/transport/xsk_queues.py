@@ -416,6 +416,10 @@ class XskQueues(Transport):
     def reads_addresses(self) -> bool:
         return bool(self._socks) and self._socks[0].reads_addresses  # (send is the first socket's)
 
+    @property
+    def reports_tx_queue(self) -> bool:
+        return bool(self._socks) and self._socks[0].reports_tx_queue
+
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
         self._check_open()
         return self._socks[0].send(batch, timeout)

@@ -207,6 +207,18 @@ def test_ect_is_sent_and_each_packets_ecn_field_reported(pair, native, copy):
         assert tb.stats()["rx_invalid"] == 0
 
 
+def test_only_a_kernel_transmit_reports_its_queue(pair):
+    """``tx="kernel"`` sends through a UDP socket, whose queue ``tx_queued`` measures (the collective
+    grows its turns while it stays empty); AF_XDP transmit cannot tell, says 0, and says so."""
+    from pydblp.transport.auth import AuthTransport
+
+    with xsk(pair, 0, tx="kernel") as ta, xsk(pair, 1) as tb:
+        assert ta.reports_tx_queue and not tb.reports_tx_queue
+        assert tb.tx_queued() == 0
+        key = bytes(range(wire.KEY_MIN))
+        assert AuthTransport(ta, key).reports_tx_queue and not AuthTransport(tb, key).reports_tx_queue
+
+
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=NEEDS_CC)], ids=["python", "c"])
 def test_ect_with_kernel_transmit_is_the_udp_sockets(pair, native):
     """``tx="kernel"``: ``set_ect`` is the UDP socket's, ``ect`` what it reports, and what arrives

@@ -852,6 +852,9 @@ def test_a_turn_grows_where_the_path_keeps_up(monkeypatch):
         assert turn(0.001, config.TXQ_DRAINED + 1) == 30 and not col.keeps_up  # the link holds it
         assert turn(0.01, 0) == 30  # 10 ms after the turn: an empty queue says nothing about the link
         assert turn(0.001) == 30 and turn(0.001) == 90  # soon after full turns, empty twice again
+        monkeypatch.setattr(t, "reports_tx_queue", False, raising=False)  # AF_XDP transmit: its 0 is
+        assert turn(0.001) == 30 and turn(0.001) == 30  # "cannot tell", and its turns never grow
+        monkeypatch.setattr(t, "reports_tx_queue", True, raising=False)
         col.pkt_s = 1e-5  # a pacing transport: its backlog sizes the turn, never the kernel's queue
         assert turn(0.001) == 30
     finally:
