@@ -111,8 +111,7 @@ class Protocol:
         self.estimate = min(c.probe_max, max(c.probe_min, 0.005))  # within the configured bounds
         self.tx_wait = None                       # s to wait for the transport's queue to drain (send_some)
         self.pkt_s = 0.0                          # s a data packet adds to a pacing transport's backlog
-        self.keeps_up = False                     # the path took full turns at once (send_some): learnt ...
-        self._drained = 0                         # ... from this many looks in a row that found it so
+        self._drained = 0                         # looks in a row that found a full turn out of the host
         self._turn = (0, -1.0)                    # (packets, when) of the last turn that sent data
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id or None) -> scratch reused across rounds
@@ -651,6 +650,12 @@ class Protocol:
             st.ag_rest = self.clock() + AG_SPLIT
 
     # ---- sending ---------------------------------------------------------
+    @property
+    def keeps_up(self) -> bool:
+        """The path took ``DRAINED_LOOKS`` full turns in a row as fast as they were handed over
+        (:meth:`send_some` then sends larger turns)."""
+        return self._drained >= DRAINED_LOOKS
+
     def send_some(self, st: Round, now: float) -> bool:
         """Send up to ``burst`` data packets in one batch, retransmissions first, with waiting control packets.
 
@@ -690,7 +695,6 @@ class Protocol:
             k, t = self._turn
             if 2 * k >= total and now - t < TURN_GAP:  # soon after a full turn: is it out of the host?
                 self._drained = self._drained + 1 if self.t.tx_queued() <= TXQ_DRAINED else 0
-                self.keeps_up = self._drained >= DRAINED_LOOKS
                 self._turn = (0, t)  # (each turn is looked at once)
             if self.keeps_up:  # no link limit (loopback, veths, a NIC faster than this CPU): larger turns,
                 # each destination at most a burst, as a parameter server's receiver gets from each sender

@@ -297,8 +297,6 @@ class XskTransport(XskReceive, Transport):
 
                 self._ktx = UdpTransport(ifname, netns=netns, port=0, gro=False, rcvbuf=4096, dscp=dscp)
                 self.reads_addresses = self._ktx.reads_addresses  # (send is the UDP socket's)
-            else:
-                self.reports_tx_queue = False  # AF_XDP transmit: what the driver still holds is not told
         except BaseException:
             self.close()
             raise
@@ -530,6 +528,11 @@ class XskTransport(XskReceive, Transport):
         if self._wprod != int(tx.prod[0]):
             self._c["tx_held"] += 1  # release calls that left frames waiting for tokens
         return k
+
+    @property
+    def reports_tx_queue(self) -> bool:
+        """Only with ``tx="kernel"``: AF_XDP transmit cannot tell what the driver still holds."""
+        return self._ktx is not None
 
     def tx_queued(self) -> int:
         """With ``tx="kernel"``, its UDP socket's send queue; AF_XDP transmit: 0 (paced here, and

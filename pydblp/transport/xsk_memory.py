@@ -54,7 +54,6 @@ class MemoryXsk(XskTransport):
                  dscp="off", rate: float = 0, lib=None):
         self.ifname, self.netns, self.queue, self.port = "mem", None, 0, check_port(port)
         self.spin, self.tx, self._ktx, self._ctrl, self._ctrl_last = 0.0, "xsk", None, None, None
-        self.reports_tx_queue = False  # (AF_XDP transmit, as the real socket's)
         self._tx_lock = threading.Lock()
         self._fd, self._sock, self._umem_mm, self._host, self._xskmap = 0, None, None, None, None
         self._xlib, self.native = None, False
