@@ -232,7 +232,7 @@ class Collective:
                 rows = np.flatnonzero(st.have)
                 rows = rows if st.perm is None else st.perm[rows]
                 scale = np.float32(np.sqrt(len(st.have) / max(len(rows), 1)))
-                part.append(st.y[rows].reshape(-1) * scale)
+                part.append(st.result_rows(rows).reshape(-1) * scale)
 
         # What the controller measures G on: the result where every rank holds the same one; but
         # when a consistent round left rows to the stale fill (Config.allgather_bound), only the
@@ -360,7 +360,7 @@ class Collective:
             return None
         a, b = st.bounds[st.my_shard]
         if st.own is None:
-            return st.y[a:b].reshape(-1)
+            return st.result_rows(slice(a, b)).reshape(-1)
         v = st.own
         if st.perm is not None and getattr(self.controller, "window", False):
             v = v[np.argsort(st.perm[a:b])]

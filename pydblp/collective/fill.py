@@ -115,18 +115,37 @@ class Fill:
         self.stale.pop(tensor, None)
         self.carried.pop(tensor, None)
 
-    def keep(self, st, give: bool = False) -> np.ndarray | None:
+    def may_miss(self) -> bool:
+        """Whether an allreduce's result may lack rows that then need a fill: its all-gather
+        tolerates loss (``consistent`` False), is cut (``allgather_bound``) or may end at a
+        ``deadline``.  Otherwise every row arrives or the round fails, and nothing is kept for
+        the stale fill (a snapshot would cost a pass over the result every round)."""
+        cfg = self.cfg
+        return not cfg.consistent or cfg.allgather_bound or cfg.deadline is not None
+
+    def keep(self, st, flat: np.ndarray | None = None, give: bool = False) -> np.ndarray | None:
         """Keep ``st``'s result (in the tensor's order) for the next round's stale fill, under fill
-        "stale" only: a snapshot, the caller owns ``st.y`` and may change it.  ``give``: ``st.y`` is
-        the protocol's own buffer, kept as it is (no copy); returns the buffer it replaces (None:
-        none, or nothing kept), for the protocol to reuse."""
+        "stale" where a round may miss rows (:meth:`may_miss`) only: a snapshot, the caller owns
+        ``st.y`` and may change it.  ``flat``: the result is there instead (the caller's array,
+        the tensor's values; its last row may be partial).  ``give``: ``st.y`` is the protocol's
+        own buffer, kept as it is (no copy); returns the buffer it replaces (None: none, or
+        nothing kept), for the protocol to reuse."""
         if st.missing != "policy" or self.cfg.fill != "stale":
+            return None
+        if not self.may_miss():
+            self.stale.pop(st.tensor, None)  # (a snapshot from before the config changed)
             return None
         last = self.stale.get(st.tensor)
         if give:
             self.stale[st.tensor] = st.y
             return last
-        if last is None or last.shape != st.y.shape:
-            last = self.stale[st.tensor] = np.empty_like(st.y)
-        np.copyto(last, st.y)
+        shape = (len(st.have), self.C)
+        if last is None or last.shape != shape:
+            last = self.stale[st.tensor] = np.empty(shape, np.float32)
+        if flat is None:
+            np.copyto(last, st.y)
+        else:
+            v = last.reshape(-1)
+            v[: flat.size] = flat
+            v[flat.size:] = 0
         return None

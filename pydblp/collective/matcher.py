@@ -35,8 +35,8 @@ from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN,
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, p, p, p, p, p, p,
-                                p]
+    lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, i64, p, p, p, p, p,
+                                p, p, p]
     lib.dblp_absorb.restype = i64
 
 
@@ -185,6 +185,8 @@ class Matcher:
                 st.rmask.shape[1] if rs else 0, int(self.stagger), int(gather),
                 _addr(st.y if st.result is None else st.result) if gather else None,
                 _addr(st.perm) if gather and st.result is not None else None,
+                len(st.result) if gather and st.tail is not None else -1,
+                _addr(st.tail) if gather and st.tail is not None else None,
                 _addr(st.have) if gather else None,
                 _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
                 *self._fixed))

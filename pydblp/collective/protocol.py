@@ -246,8 +246,10 @@ class Protocol:
              else self._scratch("y", tensor, (T, self.C)) if out is not None else None)
         fields = self._fields(rnd, tensor, x, exact, y)
         if kind.gather and perm is not None and out is not None:  # (the all-gather writes there through perm)
-            whole = out.size == T * self.C
-            more["result"] = out.reshape(T, self.C) if whole else self._scratch("yout", tensor, (T, self.C))
+            full = out.size // self.C
+            more["result"] = out[: full * self.C].reshape(full, self.C)
+            if full < T:  # (the partial last row: in scratch until the round ends)
+                more["tail"] = self._scratch("ytail", tensor, (1, self.C))
         st = kind(**fields, bounds=bounds, my_shard=my, reduced=my is None, perm=perm, out=out, **relax, **more)
         if my is not None:
             a, b = bounds[my]
@@ -1093,14 +1095,17 @@ class Protocol:
         if out is None:
             st.reorder()
             self.fill.keep(st)
+        elif getattr(st, "result", None) is not None:  # shuffled: written into out as it ran (and the
+            st.reorder()                                # partial last row now)
+            self.fill.keep(st, out)
         else:  # the caller's array: the result in the tensor's order there, in one pass
             T, C = st.y.shape
             if out.size == T * C:  # whole rows: straight into it
                 st.reorder(out.reshape(T, C))
                 self.fill.keep(st)
             else:  # y (scratch) in the tensor's order, its values copied out, itself kept as it is
-                key = ("y", st.tensor) if st.perm is None else ("yout", st.tensor)
-                st.reorder()  # (shuffled: y becomes the result, in order in the "yout" scratch)
+                key = ("y", st.tensor)
+                st.reorder()
                 np.copyto(out, st.y.reshape(-1)[: out.size])
                 spare = self.fill.keep(st, give=True)
                 if self.fill.stale.get(st.tensor) is st.y:  # the stale fill holds that scratch now
@@ -1156,9 +1161,9 @@ class Protocol:
 
 # Scratch that no round leaves behind (an input or result in the round's order, an owner's inbox,
 # a padded row): shared by every tensor id, so a job's memory for them is its largest round's, not the sum
-# over its buckets.  What outlives a round stays per tensor id: "y" and "yout" (handed to the
-# stale fill), "trail" (rows of trailing all-gather messages).
-ROUND_SCRATCH = frozenset({"x", "xin", "yr", "rbuf", "nbuf", "basein", "base", "tail"})
+# over its buckets.  What outlives a round stays per tensor id: "y" (handed to the stale fill),
+# "trail" (rows of trailing all-gather messages).
+ROUND_SCRATCH = frozenset({"x", "xin", "yr", "ytail", "rbuf", "nbuf", "basein", "base", "tail"})
 
 
 def _pad(flat: np.ndarray, into: np.ndarray) -> None:

@@ -125,6 +125,11 @@ class Round:
         first of a run in the tensor's own order) or an array (a shuffled round)."""
         return first
 
+    def result_rows(self, rows) -> np.ndarray:
+        """The finished round's result at the tensor's rows ``rows`` (indices, a slice or a mask),
+        padded: once it has ended, ``y`` is the result in the tensor's order."""
+        return self.y[rows]
+
     def input_rows(self, rows, into: np.ndarray | None = None) -> np.ndarray:
         """This rank's input, padded, at the round's rows ``rows`` (indices, a slice or a mask), in
         ``into`` when given."""
@@ -243,7 +248,8 @@ class GatherRound(ShardRound):
     ag_n: np.ndarray                 # per owner, chunks of its all-gather message to me (-1: none)
     bcast: OutMessage | None = None  # broadcast all-gather: the message sending its first pass to all
 
-    result = None    # (a plain class attribute: only an allreduce writes its result in place; see there)
+    result = None    # (plain class attributes: only an allreduce writes its result in place; see there)
+    tail = None
 
     def conclude(self, fill) -> None:
         fill.missing_rows(self)
@@ -276,18 +282,32 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
     ag_rest: float | None = None     # when the all-gather's held-back half may go (None: nothing held)
     own: np.ndarray | None = None    # owner, fill "carry" or a sharded update: its shard's estimate of this
                                      # step's mean gradient alone (what the controller measures)
-    result: np.ndarray | None = None  # a shuffled round with ``out``: the result in the tensor's order (T, C),
-                                      # the caller's array itself when of whole rows (else scratch, copied
-                                      # out at the end).  All-gather rows are written there as they arrive
-                                      # (the round's row i at row perm[i]), the own shard and the fill as
-                                      # the round ends (conclude): no pass to reorder the result.  None:
-                                      # every row goes to y, and reorder() puts y in order
+    result: np.ndarray | None = None  # a shuffled round with ``out``: the result in the tensor's order, the
+                                      # caller's array itself as rows (its whole rows: (T - 1, C) when the
+                                      # last is partial, which goes to ``tail``).  All-gather rows are
+                                      # written there as they arrive (the round's row i at row perm[i]),
+                                      # the own shard and the fill as the round ends (conclude): no pass to
+                                      # reorder the result.  None: every row goes to y, and reorder() puts
+                                      # y in order
+    tail: np.ndarray | None = None    # (1, C) scratch: the tensor's partial last row while the round runs
+                                      # (``result`` has whole rows only), copied into ``out`` as it ends
 
     def put(self, rows: np.ndarray, values) -> None:
         if self.result is None:
             super().put(rows, values)
+            return
+        at = self.perm[rows]
+        last = at == len(self.result)  # (the partial row, when there is one: past result's rows)
+        if self.tail is None or not last.any():
+            self.result[at] = values
+            return
+        keep = ~last
+        if np.ndim(values):
+            self.tail[0] = values[last][0]
+            self.result[at[keep]] = values[keep]
         else:
-            self.result[self.perm[rows]] = values
+            self.tail[0] = values
+            self.result[at[keep]] = values
 
     def conclude(self, fill) -> None:
         fill.missing_rows(self)  # (first: it may read the input in place, where the result goes)
@@ -296,11 +316,20 @@ class AllreduceRound(ReduceScatterRound, GatherRound):
             rows = slice(a, b) if self.have[a:b].all() else a + np.flatnonzero(self.have[a:b])
             self.put(rows, self.y[rows])
 
+    def result_rows(self, rows) -> np.ndarray:
+        if self.tail is None or self.y is not self.result:
+            return self.y[rows]
+        return rows_of(self.out, np.arange(len(self.have))[rows], self.result.shape[1])  # (y: whole rows only)
+
     def reorder(self, into: np.ndarray | None = None) -> None:
         if self.result is None:
             super().reorder(into)
-        else:  # (already in order there: conclude wrote the rest)
-            self.y = self.result
+            return
+        if self.tail is not None:  # (the rest is in order there already: conclude wrote it)
+            flat = self.out.reshape(-1)
+            k = flat.size - self.result.size
+            flat[flat.size - k:] = self.tail[0, :k]
+        self.y = self.result
 
 
 @dataclass(eq=False, kw_only=True)

@@ -41,7 +41,8 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
  * bytes, row src * nrs + chunk) and its mask rmflat, unless reduced; all-gather
  * result y (rows of c4 bytes: the round's row ag_first[src] + chunk of ag_n[src],
  * at y's row rowmap[row] when rowmap is not NULL, the result in the tensor's
- * order) and its mask have (by the round's row), if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
+ * order; y's row tail_row, the tensor's partial last row, at tail instead: the
+ * caller's array ends inside it) and its mask have (by the round's row), if gather.  Raises hi[kind * world + src] (kind 0 reduce-scatter,
  * 1 all-gather) to 1 + the furthest chunk in the sender's send order (with
  * stagger, a reduce-scatter sender starts at chunk src * nrs / world, as
  * messages.stagger_first, and
@@ -51,7 +52,7 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
 int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t pstride, const uint64_t *mask,
                     const uint64_t *vals, int broadcast, int64_t rank, int64_t world, int64_t c4, int reduced,
                     uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int stagger, int gather, uint8_t *y,
-                    const int64_t *rowmap, uint8_t *have,
+                    const int64_t *rowmap, int64_t tail_row, uint8_t *tail, uint8_t *have,
                     const int64_t *ag_first, const int64_t *ag_n, int64_t *hi, int64_t *got, int64_t *tol,
                     int64_t *rest) {
     int64_t nrest = 0;
@@ -80,7 +81,8 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         int64_t row, sent = chunk; /* its place in the sender's send order */
         if (kind) {
             row = ag_first[src] + chunk;
-            memcpy(y + (rowmap ? rowmap[row] : row) * c4, pay + i * pstride, c4);
+            int64_t at = rowmap ? rowmap[row] : row;
+            memcpy(at == tail_row ? tail : y + at * c4, pay + i * pstride, c4);
             have[row] = 1;
         } else if (!reduced) {
             row = (int64_t)src * nrs + chunk;

@@ -1482,9 +1482,9 @@ def test_a_smaller_round_of_a_tensor_reuses_its_buffers_and_trailing_rows_keep_t
 def test_tensors_share_the_scratch_no_round_leaves_behind(ranks):
     """Rounds of several tensor ids, of several sizes, alternating: the inbox and the input's
     copy are one buffer for all of them (a job holds its largest round's, not one per bucket),
-    what outlives a round (the result kept for the stale fill) stays per tensor id, and every
-    round is the exact mean."""
-    rk = ranks(3, order="rows")
+    what outlives a round (the result kept for the stale fill: a round may end at its deadline)
+    stays per tensor id, and every round is the exact mean."""
+    rk = ranks(3, order="rows", deadline=30.0)
     sizes = {0: 30_001, 1: 7_000, 2: 19_500}
     xs = {t: inputs(3, n, rounds=2, seed=10 + t) for t, n in sizes.items()}
 
@@ -1507,3 +1507,31 @@ def test_tensors_share_the_scratch_no_round_leaves_behind(ranks):
     assert ("rbuf", None) in bufs and ("x", None) in bufs
     assert not any(name in ("rbuf", "x") and t is not None for name, t in bufs)
     assert rk.cols[0].protocol.fill.stale.keys() == {0, 1, 2}  # (fill "stale": each tensor's last result)
+
+
+@pytest.mark.parametrize("cfg,kept", [({}, False), ({"deadline": 30.0}, True), ({"consistent": False}, True),
+                                      ({"allgather_bound": True, "phase": "static:0.2"}, True)])
+@pytest.mark.parametrize("n", [352 * 40, 10_001])  # whole rows of the default chunk, and not
+def test_the_stale_fill_keeps_a_snapshot_only_where_a_row_may_go_missing(ranks, cfg, kept, n):
+    """Fill "stale" keeps each tensor's last result for rows a later round may miss: an all-gather
+    that tolerates loss, is cut at the bound or may end at a deadline.  Where every row arrives or
+    the round fails (the default) it keeps none, and the round costs no pass to copy it.  The
+    snapshot is the result the caller got (in place, its partial last row padded with zeros)."""
+    rk = ranks(3, **cfg)
+    xs = inputs(3, n, rounds=1, seed=12)[0]
+
+    def job(r, c):
+        v = xs[r].copy()
+        return c.allreduce(v, out=v).copy()
+
+    res, errs = rk.run(job)
+    assert not errs, errs
+    for r, c in enumerate(rk.cols):
+        stale = c.protocol.fill.stale
+        assert (0 in stale) == kept, (cfg, stale.keys())
+        if kept:
+            snap = stale[0].reshape(-1)
+            np.testing.assert_array_equal(snap[:n], res[r])
+            assert not snap[n:].any()
+        if not cfg:
+            np.testing.assert_allclose(res[r], sum(xs) / 3, rtol=1e-5, atol=1e-6)

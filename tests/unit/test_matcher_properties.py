@@ -278,6 +278,15 @@ def _out(o) -> tuple:
             o.rtt, o.abandoned, _b(o.rows))
 
 
+def _result(s) -> np.ndarray | None:
+    """A running allreduce's result rows in the caller's array (None: it has none), its partial last
+    row (kept apart until the round ends) last: (T, C)."""
+    res = getattr(s, "result", None)
+    if res is None or s.tail is None:
+        return res
+    return np.concatenate([res, s.tail])
+
+
 def results(p, s) -> dict:
     """Everything a receive may change but counters, the control packets queued and the stash."""
     r = {"timeouts": list(p.timeouts), "bufs": {k: _b(v) for k, v in p._bufs.items()},
@@ -286,7 +295,7 @@ def results(p, s) -> dict:
          "trail": {k: _out(o) for k, o in p.trail.items()},
          "prev": None if p._prev is None else (p._prev[0], {k: _inn(i) for k, i in p._prev[1].items()})}
     if s is not None:
-        r.update(x=_b(s.x), flat=_b(getattr(s, "flat", None)), y=_b(s.y), result=_b(getattr(s, "result", None)), have=_b(getattr(s, "have", None)),
+        r.update(x=_b(s.x), flat=_b(getattr(s, "flat", None)), y=_b(s.y), result=_b(_result(s)), have=_b(getattr(s, "have", None)),
                  rbuf=_b(getattr(s, "rbuf", None)),
                  rmask=_b(getattr(s, "rmask", None)), hi=_b(s.hi),
                  heard=_b(s.heard), misfit=dict(s.misfit), repair=s.repair, reduced=s.reduced,
@@ -362,7 +371,8 @@ def check_writes(before: dict, after: dict, p, s) -> None:
             m1 = np.frombuffer(after["rmask"], bool).reshape(p.world, n)
             assert (m0[p.rank] == m1[p.rank]).all() and (m1 >= m0).all()
         for k, v in after["bufs"].items():
-            if all(p._bufs[k] is not b for b in (getattr(s, "rbuf", None), s.x, s.y, getattr(s, "result", None))):
+            if all(p._bufs[k] is not b for b in (getattr(s, "rbuf", None), s.x, s.y, getattr(s, "result", None),
+                                                  getattr(s, "tail", None))):
                 assert v == before["bufs"][k], f"scratch buffer {k} changed"
     else:
         assert after["bufs"] == before["bufs"], "a scratch buffer changed between rounds"
@@ -479,7 +489,7 @@ def test_a_genuine_packet_among_junk_arrives(r, junk, at, which, chunk, dst_all,
                 got = s.rbuf[s.slot[src], c]
             elif ag:  # (written through the permutation into an allreduce's result in place)
                 row = s.ag_first[src] + c
-                got = s.y[row] if s.result is None else s.result[s.perm[row]]
+                got = s.y[row] if s.result is None else _result(s)[s.perm[row]]
             else:
                 got = s.rbuf[src, c]
             assert got.tobytes() == values
