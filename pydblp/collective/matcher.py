@@ -38,6 +38,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, i64, p, p, p, p, p,
                                 p, p, p]
     lib.dblp_absorb.restype = i64
+    lib.dblp_count_data.argtypes = [p, i64, p, i64, p, p]
+    lib.dblp_count_data.restype = i64
+    u32 = ctypes.c_uint32
+    lib.dblp_data_headers.argtypes = [p, i64, p, p, u32, u32, u32, u32, u32, u32, u32, u32, u32]
+    lib.dblp_data_headers.restype = None
 
 
 def _addr(a: np.ndarray) -> int:
@@ -46,7 +51,7 @@ def _addr(a: np.ndarray) -> int:
 
 
 def native_lib() -> ctypes.CDLL | None:
-    """csrc/matcher.c's loop (:mod:`pydblp.native`), or None: the pure-Python path."""
+    """csrc/matcher.c's loops (:mod:`pydblp.native`), or None: the pure-Python path."""
     return native_mod.load("matcher", _declare, what="a received batch matched and scattered in numpy calls, not one C call")
 
 

@@ -36,7 +36,7 @@ from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRA
                                       TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR,
                                       CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
-from pydblp.collective.matcher import Matcher
+from pydblp.collective.matcher import Matcher, native_lib
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
 from pydblp.collective.rounds import (AllGatherRound, AllreduceRound, BroadcastRound, GatherRound, NeighbourRound,
                                       ReduceScatterRound, Round, ShardedRound, ShardRound, rows_of)
@@ -104,6 +104,8 @@ class Protocol:
                                        "stray", "rx_errors", "ce_received", "fed_back"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters, stagger=c.stagger)
+        self._lib = native_lib() if self.matcher.native else None  # (csrc/matcher.c: the DATA headers a turn
+                                                                    # sends, the DATA a receive counts)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
@@ -129,6 +131,7 @@ class Protocol:
         self.rx_from = np.zeros(world + 1, np.int64)  # per sender: DATA received from it (late ones too;
         self.ce_from = np.zeros(world + 1, np.int64)  # [world]: no rank's) and those that came CE-marked:
                                                   # both echoed in STOPs, cumulative
+        self._rx_at, self._ce_at = self.rx_from.ctypes.data, self.ce_from.ctypes.data
         self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
         if self.cc is not None:
             transport.set_ect(True)
@@ -580,8 +583,14 @@ class Protocol:
         STOPs).  Every DATA packet counts, those the round takes and those it drops as late or
         duplicate alike: the sender compares the count with the DATA it sent, and what is missing
         was lost."""
-        data = b.headers["kind"][: b.n] == DATA
-        src = np.where(data, np.minimum(b.headers["src"][: b.n], self.world), self.world)
+        h = b.headers[: b.n]
+        if self._lib is not None and h.flags.c_contiguous and (b.ecn is None or b.ecn.flags.c_contiguous):
+            ce = self._lib.dblp_count_data(h.ctypes.data, b.n, None if b.ecn is None else b.ecn.ctypes.data,
+                                           self.world, self._rx_at, self._ce_at)
+            self.counters["ce_received"] += ce
+            return
+        data = h["kind"] == DATA
+        src = np.where(data, np.minimum(h["src"], self.world), self.world)
         self.rx_from += np.bincount(src, minlength=self.world + 1)
         if b.ecn is None:
             return
@@ -800,25 +809,36 @@ class Protocol:
             peer[i] = self._pid[c.dst]
         if parts:
             rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
-            d = h[nc:]
-            d["kind"] = DATA
-            d["job"] = self.cfg.job
-            d["round"] = rnd
-            d["tensor"] = tensor
-            d["src"] = self.rank
-            d["dtype"] = F32
-            d["len"] = width
+            lib = self._lib  # (C: a part's chunk numbers int64, its message's priorities uint8, both contiguous)
+            if lib is not None and not all(idx.dtype == np.int64 and idx.flags.c_contiguous and o.prio.dtype == np.uint8
+                                           and o.prio.flags.c_contiguous for o, idx, _ in parts):
+                lib = None
+            if lib is None:
+                d = h[nc:]
+                d["kind"] = DATA
+                d["job"] = self.cfg.job
+                d["round"] = rnd
+                d["tensor"] = tensor
+                d["src"] = self.rank
+                d["dtype"] = F32
+                d["len"] = width
             i = nc
+            h0 = h.ctypes.data if lib is not None else 0
             for o, idx, flags in parts:
                 j = i + len(idx)
-                h["dst"][i:j] = o.dst
-                h["prio"][i:j] = o.prio[idx]
-                h["chunk"][i:j] = idx
-                h["nchunks"][i:j] = o.n
-                h["tol"][i:j] = o.tol8
-                h["flags"][i:j] = flags | o.flag
-                if o.rnd != rnd:  # a trailing message of an earlier round
-                    h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
+                if lib is not None:  # every field of the part's headers, in one call
+                    lib.dblp_data_headers(h0 + i * wire.HEADER_LEN, j - i, idx.ctypes.data, o.prio.ctypes.data,
+                                          self.cfg.job, o.rnd, o.tensor, self.rank, o.dst, o.n, width, o.tol8,
+                                          flags | o.flag)
+                else:
+                    h["dst"][i:j] = o.dst
+                    h["prio"][i:j] = o.prio[idx]
+                    h["chunk"][i:j] = idx
+                    h["nchunks"][i:j] = o.n
+                    h["tol"][i:j] = o.tol8
+                    h["flags"][i:j] = flags | o.flag
+                    if o.rnd != rnd:  # a trailing message of an earlier round
+                        h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
                 lo = int(idx[0])
                 r = o.rows  # (alive through the send below)
                 if o.addrs is not None:  # (made only for a transport that reads addresses)

@@ -1,4 +1,4 @@
-/* Per-packet loop of the collective's receive (pydblp/collective/matcher.py).
+/* Per-packet loops of the collective (pydblp/collective).
  *
  * dblp_absorb takes a received batch: packets whose headers match the round
  * running (Matcher.match's masked 64-bit words) go into it, their payloads copied
@@ -9,6 +9,8 @@
  * Matcher.absorb would count or note (a foreign sender, another chunk count, an
  * all-gather packet in a round without one): Python then takes the whole batch,
  * so both paths give the same round (tests/unit/test_udp_native.py).
+ * dblp_count_data counts a received batch's DATA per sender (Protocol._count_rx).
+ * dblp_data_headers writes the DATA headers of a send turn's part (Protocol._send_batch).
  */
 
 #include <stdint.h>
@@ -17,10 +19,25 @@
 #define HEADER_LEN 32
 #define DST_ALL 0xFFFF
 #define AG 2
+#define MAGIC 0xDB1B
+#define VERSION 1
+#define KIND_DATA 1
+#define DTYPE_F32 0
+#define ECN_CE 3
 
 static inline uint32_t be16(const uint8_t *p) { return (uint32_t)p[0] << 8 | p[1]; }
 static inline uint32_t be32(const uint8_t *p) {
     return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+static inline void put16(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)(v >> 8);
+    p[1] = (uint8_t)v;
+}
+static inline void put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
 }
 
 static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t *vals, int broadcast,
@@ -101,6 +118,60 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         if (tol[k] < 0) tol[k] = h[30];
     }
     return nrest;
+}
+
+/* Count a batch of n headers per sender: rx_from[src] += 1 for DATA (senders past
+ * the world, and every other kind, at rx_from[world]) and, where ecn is not NULL,
+ * the DATA that came CE-marked in ce_from likewise.  Returns how many came CE-marked. */
+int64_t dblp_count_data(const uint8_t *hdrs, int64_t n, const uint8_t *ecn, int64_t world, int64_t *rx_from,
+                        int64_t *ce_from) {
+    int64_t ce = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *h = hdrs + i * HEADER_LEN;
+        if (h[3] != KIND_DATA) {
+            rx_from[world]++;
+            continue;
+        }
+        int64_t src = be16(h + 14);
+        if (src > world) src = world;
+        rx_from[src]++;
+        if (ecn && ecn[i] == ECN_CE) {
+            ce_from[src]++;
+            ce++;
+        }
+    }
+    return ce;
+}
+
+/* The DATA headers of one message's chunks idx[0..n) at h (32 bytes each), as a send
+ * turn writes them: the message's round, tensor, dst, nchunks, tol and flags, this
+ * rank's job and src, float32 payloads of len bytes, and per packet its chunk number
+ * and priority prio[idx[i]] (wire.FIELDS: offsets). */
+void dblp_data_headers(uint8_t *h, int64_t n, const int64_t *idx, const uint8_t *prio, uint32_t job,
+                       uint32_t round, uint32_t tensor, uint32_t src, uint32_t dst, uint32_t nchunks, uint32_t len,
+                       uint32_t tol, uint32_t flags) {
+    uint8_t t[HEADER_LEN];
+    put16(t, MAGIC);
+    t[2] = VERSION;
+    t[3] = KIND_DATA;
+    put32(t + 4, job);
+    put32(t + 8, round);
+    put16(t + 12, tensor);
+    put16(t + 14, src);
+    put16(t + 16, dst);
+    t[18] = 0;
+    t[19] = DTYPE_F32;
+    put32(t + 20, 0);
+    put32(t + 24, nchunks);
+    put16(t + 28, len);
+    t[30] = (uint8_t)tol;
+    t[31] = (uint8_t)flags;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *o = h + i * HEADER_LEN;
+        memcpy(o, t, HEADER_LEN);
+        o[18] = prio[idx[i]];
+        put32(o + 20, (uint32_t)idx[i]);
+    }
 }
 
 /* Which source this library was built from (pydblp/native.py tells a stale copy by it). */

@@ -1535,3 +1535,54 @@ def test_the_stale_fill_keeps_a_snapshot_only_where_a_row_may_go_missing(ranks, 
             assert not snap[n:].any()
         if not cfg:
             np.testing.assert_allclose(res[r], sum(xs) / 3, rtol=1e-5, atol=1e-6)
+
+
+def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkeypatch):
+    """The compiled DATA headers of a send turn (``Protocol._send_batch``: a reduce-scatter part
+    from a chunk past the message's first, retransmissions of an all-gather, a trailing message of
+    an earlier round and tensor, behind a control packet) and the compiled per-sender counts of a
+    receive (``Protocol._count_rx``: DATA from peers, from a rank past the world, control packets,
+    CE-marked and not) are byte for byte and count for count the Python path's."""
+    from pydblp.collective import matcher
+    from pydblp.collective.messages import OutMessage
+
+    if matcher.native_lib() is None:
+        require_native("matcher")
+    rng = np.random.default_rng(8)
+    C = 352
+    rows = rng.standard_normal((40, C)).astype(np.float32)
+    prio = rng.integers(1, 8, 40).astype(np.uint8)
+    h = wire.empty_batch(64)
+    h["kind"] = rng.choice([wire.Kind.DATA] * 5 + [wire.Kind.STOP, wire.Kind.PROBE], 64)
+    h["src"] = rng.choice([0, 2, 3, 7], 64)  # (3 and 7: past the world)
+    ecn = rng.integers(0, 4, 64).astype(np.uint8)
+    sent, counts = {}, {}
+    for native in (True, False):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(matcher, "native_lib", lambda: None)
+            col = Collective(UdpTransport(port=0), 1, 3, [("127.0.0.1", 9)] * 3, Config(job=77), idle_thread=False)
+        try:
+            p = col.protocol
+            assert (p._lib is not None) is native
+            got = []
+            monkeypatch.setattr(p.t, "send", lambda b, timeout=1.0: got.append(b.headers[: b.n].tobytes()) or b.n)
+            rs = OutMessage(False, 2, rows, prio, 12, 0x1234ABCD, 5, first=7)
+            ag = OutMessage(True, 0, rows[:30], prio[:30], 0, 0x1234ABCD, 5)
+            old = OutMessage(True, 2, rows[:9], prio[:9], 3, 0x1234ABCC, 4)
+            p._ctrl_packet(0x1234ABCD, 5, wire.Kind.STOP, 0, 2, 40, 12)
+            p._send_batch(None, [(rs, rs.chunks(3, 20), 0), (ag, np.array([2, 9, 29]), wire.Flag.RETX),
+                                 (old, np.arange(9), 0)])
+            sent[native] = got
+            for e in (ecn, None):
+                p._count_rx(Batch(h, np.zeros((64, 8), np.uint8), np.zeros(64, np.int32), np.zeros(64, np.int32),
+                                  64, None, e))
+            counts[native] = (p.rx_from.tolist(), p.ce_from.tolist(), p.counters["ce_received"])
+        finally:
+            col.close()
+    assert sent[True] == sent[False] and len(sent[True]) == 1
+    h = np.frombuffer(sent[True][0], wire.HEADER_DTYPE)
+    assert (h["prio"][1:18] == prio[(7 + np.arange(3, 20)) % 40]).all()
+    assert len(h) == 1 + 17 + 3 + 9 and h["kind"][0] == wire.Kind.STOP and (h["kind"][1:] == wire.Kind.DATA).all()
+    assert h["chunk"][1:18].tolist() == [(7 + c) % 40 for c in range(3, 20)] and (h["round"][-9:] == 0x1234ABCC).all()
+    assert counts[True] == counts[False] and counts[True][0][3] > 0 and counts[True][2] > 0
