@@ -35,12 +35,12 @@ from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN,
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    u32 = ctypes.c_uint32
     lib.dblp_absorb.argtypes = [p, i64, p, i64, p, p, i, i64, i64, i64, i, p, p, i64, i, i, p, p, i64, p, p, p, p, p,
-                                p, p, p]
+                                p, p, p, p, u32, u32, u32]
     lib.dblp_absorb.restype = i64
     lib.dblp_count_data.argtypes = [p, i64, p, i64, p, p]
     lib.dblp_count_data.restype = i64
-    u32 = ctypes.c_uint32
     lib.dblp_data_headers.argtypes = [p, i64, p, p, u32, u32, u32, u32, u32, u32, u32, u32, u32]
     lib.dblp_data_headers.restype = None
 
@@ -87,7 +87,9 @@ class Matcher:
         self.native = self._lib is not None
         self._got = np.zeros((3, 2 * world), np.int64)  # the compiled absorb's counts, bounds, rows
         self._rest = np.zeros(RECV_BATCH, np.int64)
-        self._fixed = (*(_addr(a) for a in (self._got[1], self._got[0], self._got[2])), _addr(self._rest))
+        self._rest_ahead = np.zeros(RECV_BATCH, bool)  # (per row of _rest: one _sort stashes)
+        self._fixed = (*(_addr(a) for a in (self._got[1], self._got[0], self._got[2])), _addr(self._rest),
+                       _addr(self._rest_ahead), job)
         self._addrs = None  # (round, reduced yet, its arrays' addresses): see _absorb_native
         self.C = chunk_bytes // 4
         self.counters = counters
@@ -147,11 +149,12 @@ class Matcher:
             The STOPs and control packets the batch made due (see :class:`Sorted`).
         """
         out = Sorted()
-        rest = None  # rows for the one-by-one path (None: all)
+        rest = ahead = None  # rows for the one-by-one path (None: all), and which of them to stash
         fast = st is not None and len(h) > FEW
         if fast and self._lib is not None and not st.flag & NB:
-            rest = self._absorb_native(st, h, pay, now, out)
-            if rest is not None:
+            taken = self._absorb_native(st, h, pay, now, out)
+            if taken is not None:
+                rest, ahead = taken
                 fast = False
                 if not len(rest):
                     return out
@@ -165,13 +168,14 @@ class Matcher:
                 if len(rows):
                     self.absorb(st, wire.take(h, rows), pay, rows, now, out)
                 rest = (~m).nonzero()[0]
-        self._sort(st, h, pay, lens, rest, now, base, out)
+        self._sort(st, h, pay, lens, rest, now, base, out, ahead)
         return out
 
-    def _absorb_native(self, st: Round, h, pay, now: float, out: Sorted) -> np.ndarray | None:
+    def _absorb_native(self, st: Round, h, pay, now: float, out: Sorted) -> tuple | None:
         """:meth:`absorb` of the packets :meth:`match` takes, in compiled code; the rows it did not
-        take (for :meth:`_sort`), or None when the batch holds something only :meth:`absorb` handles
-        (then nothing was taken: the whole batch goes the Python way)."""
+        take (for :meth:`_sort`) and which of them :meth:`_sort` stashes (:meth:`_ahead`'s), or None
+        when the batch holds something only :meth:`absorb` handles (then nothing was taken: the
+        whole batch goes the Python way)."""
         n = len(h)
         if n > len(self._rest) or not h.flags.c_contiguous or pay.strides[1] != 1:
             return None
@@ -195,7 +199,8 @@ class Matcher:
                 _addr(st.have) if gather else None,
                 _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
                 *self._fixed))
-        k = self._lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2])
+        k = self._lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2],
+                                  st.round, STASH_AHEAD)
         if k < 0:
             return None
         st.hi[:] = hi.reshape(2, W)
@@ -224,25 +229,27 @@ class Matcher:
             if inn.done and not inn.stop_sent:
                 inn.stop_sent = True
                 out.stops.append(inn)
-        return self._rest[:k].copy()
+        return self._rest[:k].copy(), self._rest_ahead[:k].copy()
 
-    def _sort(self, st: Round | None, h, pay, lens, rows, now: float, base: int, out: Sorted) -> None:
+    def _sort(self, st: Round | None, h, pay, lens, rows, now: float, base: int, out: Sorted,
+              ahead: np.ndarray | None = None) -> None:
         """:meth:`process` packet by packet for rows ``rows`` of a batch (None: all of them).
 
         Packets of a round to come from a peer (what a rank ahead of this one sends: most of what
-        the compiled absorb leaves) are told apart in numpy calls first, and stashed in order; the
-        loop below would stash each of them alike, one by one."""
+        the compiled absorb leaves) are told apart first, in numpy calls or by the compiled absorb
+        (``ahead``, per row of ``rows``), and stashed in order; the loop below would stash each of
+        them alike, one by one."""
         sel = h if rows is None else wire.take(h, rows)
         rows = np.arange(len(h)) if rows is None else rows
         keep = []
-        if len(sel) > FEW:
+        if ahead is None and len(sel) > FEW:
             ahead = self._ahead(sel, base)
-            if ahead.any():
-                keep = rows[ahead].tolist()
-                if st is not None:
-                    st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
-                rest = (~ahead).nonzero()[0]
-                sel, rows = wire.take(sel, rest), rows[rest]
+        if ahead is not None and ahead.any():
+            keep = rows[ahead].tolist()
+            if st is not None:
+                st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
+            rest = (~ahead).nonzero()[0]
+            sel, rows = wire.take(sel, rest), rows[rest]
         fields = sel.tolist()
         rows = rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4

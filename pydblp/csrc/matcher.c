@@ -65,17 +65,23 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
  * messages.stagger_first, and
  * wraps; else chunk order), adds to got[kind * world + src], and
  * sets tol[kind * world + src] (-1 before) to the first such packet's bound.
- * Returns how many packets did not match (their rows in rest, in order), or -1. */
+ * Returns how many packets did not match (their rows in rest, in order; ahead[r] 1
+ * where rest[r] is one Matcher._sort stashes: of this job, from a peer rank, to
+ * this rank or an all-gather to all, of a round 1..stash_ahead past base), or -1. */
 int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t pstride, const uint64_t *mask,
                     const uint64_t *vals, int broadcast, int64_t rank, int64_t world, int64_t c4, int reduced,
                     uint8_t *rflat, uint8_t *rmflat, int64_t nrs, int stagger, int gather, uint8_t *y,
                     const int64_t *rowmap, int64_t tail_row, uint8_t *tail, uint8_t *have,
                     const int64_t *ag_first, const int64_t *ag_n, int64_t *hi, int64_t *got, int64_t *tol,
-                    int64_t *rest) {
+                    int64_t *rest, uint8_t *ahead, uint32_t job, uint32_t base, uint32_t stash_ahead) {
     int64_t nrest = 0;
     for (int64_t i = 0; i < n; i++) { /* check everything before writing anything */
         const uint8_t *h = hdrs + i * HEADER_LEN;
         if (!matches(h, mask, vals, broadcast, rank)) {
+            uint32_t src = be16(h + 14), dst = be16(h + 16), d = be32(h + 8) - base;
+            ahead[nrest] = be32(h + 4) == job && src < (uint32_t)world && src != (uint32_t)rank &&
+                           (dst == (uint32_t)rank || (dst == DST_ALL && h[3] == KIND_DATA && (h[31] & AG))) &&
+                           d > 0 && d <= stash_ahead;
             rest[nrest++] = i;
             continue;
         }
