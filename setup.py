@@ -40,7 +40,8 @@ class BuildPyWithBPF(build_py):
 def native(name: str) -> Extension:
     """``pydblp/csrc/<name>.c`` as the optional library ``pydblp/_<name>.<abi>.so``."""
     src = f"pydblp/csrc/{name}.c"
-    ident = hashlib.sha256((ROOT / src).read_bytes()).hexdigest()[:16]  # as pydblp.native.source_id
+    ident = hashlib.sha256((ROOT / src).read_bytes()  # as pydblp.native.source_id
+                           + (ROOT / "pydblp/csrc/wire.h").read_bytes()).hexdigest()[:16]
     return Extension(f"pydblp._{name}", [src], define_macros=[("DBLP_SOURCE_ID", f'"{ident}"')],
                      extra_compile_args=["-O2", "-Wno-psabi"], optional=True)
 

@@ -57,8 +57,9 @@ class NativeUnavailable(RuntimeError):
 
 
 def source_id(name: str) -> str:
-    """The id a build of ``csrc/<name>.c`` carries: the source's SHA-256, first 16 hex digits."""
-    return hashlib.sha256((CSRC / f"{name}.c").read_bytes()).hexdigest()[:16]
+    """The id a build of ``csrc/<name>.c`` carries: the SHA-256 of the source and the header every
+    source includes (``csrc/wire.h``), first 16 hex digits."""
+    return hashlib.sha256((CSRC / f"{name}.c").read_bytes() + (CSRC / "wire.h").read_bytes()).hexdigest()[:16]
 
 
 def mode() -> bool | None:
@@ -104,7 +105,7 @@ def build(name: str) -> Path:
     if cc is None:
         raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
     source = CSRC / f"{name}.c"
-    src = source.read_bytes()
+    src = source.read_bytes() + (CSRC / "wire.h").read_bytes()  # (the header the sources include)
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     ident = hashlib.sha256(b"\0".join([src, cc.encode(), version, platform.machine().encode(),
                                        _cpu().encode(), repr(FLAGS).encode()])).hexdigest()[:20]

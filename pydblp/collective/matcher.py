@@ -41,7 +41,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dblp_absorb.restype = i64
     lib.dblp_count_data.argtypes = [p, i64, p, i64, p, p]
     lib.dblp_count_data.restype = i64
-    lib.dblp_data_headers.argtypes = [p, i64, p, p, u32, u32, u32, u32, u32, u32, u32, u32, u32]
+    lib.dblp_data_headers.argtypes = [p, i64, p, p, u32, u32, u32, u32, u32, u32, u32, u32, u32, p, p, ctypes.c_uint64,
+                                      i64]
     lib.dblp_data_headers.restype = None
 
 

@@ -95,6 +95,8 @@ class Protocol:
         self._txbuf = np.empty((0, c.chunk_bytes), np.uint8)
         self._txaddr = np.empty(0, np.uint64)
         self._txh = wire.empty_batch(0)
+        self._txrows = np.empty(0, np.uint64)  # per row of _txbuf, its address
+        self._txat = (0, 0)                    # the addresses of _txh and _txaddr
         self._txlens = self._txpeer = np.empty(0, np.int32)
         self.round = 0    # the last round's number on the wire (wraps at 2**32)
         self.index = 0    # rounds finished
@@ -792,6 +794,8 @@ class Protocol:
             self._txlens = np.empty(k, np.int32)
             self._txpeer = np.empty(k, np.int32)
             self._txaddr = np.empty(k, np.uint64)
+            self._txrows = np.uint64(self._txbuf.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(width)
+            self._txat = (self._txh.ctypes.data, self._txaddr.ctypes.data)
         payload = self._txbuf[:k]  # the transport copies it out before send() returns
         # a transport that reads payloads where they are (Transport.reads_addresses) gets the
         # rows' addresses instead of a copy: the tensor's bytes are read once, by the send
@@ -809,9 +813,12 @@ class Protocol:
             peer[i] = self._pid[c.dst]
         if parts:
             rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
-            lib = self._lib  # (C: a part's chunk numbers int64, its message's priorities uint8, both contiguous)
-            if lib is not None and not all(idx.dtype == np.int64 and idx.flags.c_contiguous and o.prio.dtype == np.uint8
-                                           and o.prio.flags.c_contiguous for o, idx, _ in parts):
+            lib = self._lib  # (C: a part's chunk numbers int64, its message's priorities uint8 and addresses
+            if lib is not None and not all(  # uint64, all contiguous)
+                    idx.dtype == np.int64 and idx.flags.c_contiguous and o.prio.dtype == np.uint8
+                    and o.prio.flags.c_contiguous
+                    and (o.addrs is None or (o.addrs.dtype == np.uint64 and o.addrs.flags.c_contiguous))
+                    for o, idx, _ in parts):
                 lib = None
             if lib is None:
                 d = h[nc:]
@@ -823,14 +830,20 @@ class Protocol:
                 d["dtype"] = F32
                 d["len"] = width
             i = nc
-            h0 = h.ctypes.data if lib is not None else 0
+            h0, a0 = self._txat
             for o, idx, flags in parts:
                 j = i + len(idx)
-                if lib is not None:  # every field of the part's headers, in one call
+                r = o.rows  # (alive through the send below)
+                if lib is not None:  # every field of the part's headers, and its payloads' addresses, in one call
+                    rows_at = addr is not None and (o.addrs is not None or r.strides[1] == 4)
                     lib.dblp_data_headers(h0 + i * wire.HEADER_LEN, j - i, idx.ctypes.data, o.prio.ctypes.data,
                                           self.cfg.job, o.rnd, o.tensor, self.rank, o.dst, o.n, width, o.tol8,
-                                          flags | o.flag)
+                                          flags | o.flag, a0 + 8 * i if rows_at else None,
+                                          None if o.addrs is None else o.addrs.ctypes.data,
+                                          0 if o.addrs is not None or not rows_at else r.ctypes.data,
+                                          0 if o.addrs is not None or not rows_at else r.strides[0])
                 else:
+                    rows_at = False
                     h["dst"][i:j] = o.dst
                     h["prio"][i:j] = o.prio[idx]
                     h["chunk"][i:j] = idx
@@ -839,21 +852,22 @@ class Protocol:
                     h["flags"][i:j] = flags | o.flag
                     if o.rnd != rnd:  # a trailing message of an earlier round
                         h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
-                lo = int(idx[0])
-                r = o.rows  # (alive through the send below)
-                if o.addrs is not None:  # (made only for a transport that reads addresses)
+                if rows_at:
+                    pass  # (addresses written with the headers)
+                elif o.addrs is not None:  # (made only for a transport that reads addresses)
                     addr[i:j] = o.addrs[idx]
                 elif addr is not None and r.strides[1] == 4:
                     addr[i:j] = np.uint64(r.ctypes.data) + idx.astype(np.uint64) * np.uint64(r.strides[0])
                 else:
+                    lo = int(idx[0])
                     rows = r[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else r[idx]
                     payload[i:j] = rows.view(np.uint8)
                     if addr is not None:
-                        addr[i:j] = np.uint64(payload.ctypes.data) + np.arange(i, j, dtype=np.uint64) * np.uint64(width)
+                        addr[i:j] = self._txrows[i:j]
                 peer[i:j] = self._gid if o.dst == wire.DST_ALL else self._pid[o.dst]
                 i = j
         if addr is not None and nc:  # control payloads are in payload's rows
-            addr[:nc] = np.uint64(payload.ctypes.data) + np.arange(nc, dtype=np.uint64) * np.uint64(width)
+            addr[:nc] = self._txrows[:nc]
         sent = self.t.send(Batch(h, payload, lens, peer, k, addr), timeout=1.0)
         if sent < k:  # the ring or socket stayed full: the loss machinery repairs it
             self.counters["tx_short"] += k - sent

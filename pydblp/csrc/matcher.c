@@ -16,29 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define HEADER_LEN 32
-#define DST_ALL 0xFFFF
-#define AG 2
-#define MAGIC 0xDB1B
-#define VERSION 1
-#define KIND_DATA 1
-#define DTYPE_F32 0
-#define ECN_CE 3
+#include "wire.h"
 
-static inline uint32_t be16(const uint8_t *p) { return (uint32_t)p[0] << 8 | p[1]; }
-static inline uint32_t be32(const uint8_t *p) {
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
-static inline void put16(uint8_t *p, uint32_t v) {
-    p[0] = (uint8_t)(v >> 8);
-    p[1] = (uint8_t)v;
-}
-static inline void put32(uint8_t *p, uint32_t v) {
-    p[0] = (uint8_t)(v >> 24);
-    p[1] = (uint8_t)(v >> 16);
-    p[2] = (uint8_t)(v >> 8);
-    p[3] = (uint8_t)v;
-}
+#define ECN_CE 3
 
 static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t *vals, int broadcast,
                           int64_t rank) {
@@ -48,7 +28,7 @@ static inline int matches(const uint8_t *h, const uint64_t *mask, const uint64_t
         if ((w[k] & mask[k]) != vals[k]) return 0;
     if (broadcast) { /* dst left out of the mask: this rank's, or an all-gather to all */
         uint32_t dst = be16(h + 16);
-        return dst == (uint32_t)rank || (dst == DST_ALL && (h[31] & AG));
+        return dst == (uint32_t)rank || (dst == DST_ALL && (h[31] & FLAG_ALLGATHER));
     }
     return 1;
 }
@@ -80,14 +60,14 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         if (!matches(h, mask, vals, broadcast, rank)) {
             uint32_t src = be16(h + 14), dst = be16(h + 16), d = be32(h + 8) - base;
             ahead[nrest] = be32(h + 4) == job && src < (uint32_t)world && src != (uint32_t)rank &&
-                           (dst == (uint32_t)rank || (dst == DST_ALL && h[3] == KIND_DATA && (h[31] & AG))) &&
+                           (dst == (uint32_t)rank || (dst == DST_ALL && h[3] == KIND_DATA && (h[31] & FLAG_ALLGATHER))) &&
                            d > 0 && d <= stash_ahead;
             rest[nrest++] = i;
             continue;
         }
         uint32_t src = be16(h + 14), chunk = be32(h + 20), nch = be32(h + 24);
         if (src >= (uint32_t)world || src == (uint32_t)rank || chunk >= nch) return -1;
-        if (h[31] & AG) {
+        if (h[31] & FLAG_ALLGATHER) {
             if (!gather || (int64_t)nch != ag_n[src]) return -1;
         } else if (!reduced && (int64_t)nch != nrs) {
             return -1;
@@ -100,7 +80,7 @@ int64_t dblp_absorb(const uint8_t *hdrs, int64_t n, const uint8_t *pay, int64_t 
         }
         const uint8_t *h = hdrs + i * HEADER_LEN;
         uint32_t src = be16(h + 14), chunk = be32(h + 20);
-        int kind = (h[31] & AG) ? 1 : 0;
+        int kind = (h[31] & FLAG_ALLGATHER) ? 1 : 0;
         int64_t row, sent = chunk; /* its place in the sender's send order */
         if (kind) {
             row = ag_first[src] + chunk;
@@ -152,10 +132,13 @@ int64_t dblp_count_data(const uint8_t *hdrs, int64_t n, const uint8_t *ecn, int6
 /* The DATA headers of one message's chunks idx[0..n) at h (32 bytes each), as a send
  * turn writes them: the message's round, tensor, dst, nchunks, tol and flags, this
  * rank's job and src, float32 payloads of len bytes, and per packet its chunk number
- * and priority prio[idx[i]] (wire.FIELDS: offsets). */
+ * and priority prio[idx[i]] (wire.FIELDS: offsets).  Where addr is not NULL, also each
+ * payload's address: addrs[idx[i]] where addrs is not NULL (a message read where it
+ * lies), else base + idx[i] * stride (its rows). */
 void dblp_data_headers(uint8_t *h, int64_t n, const int64_t *idx, const uint8_t *prio, uint32_t job,
                        uint32_t round, uint32_t tensor, uint32_t src, uint32_t dst, uint32_t nchunks, uint32_t len,
-                       uint32_t tol, uint32_t flags) {
+                       uint32_t tol, uint32_t flags, uint64_t *addr, const uint64_t *addrs, uint64_t base,
+                       int64_t stride) {
     uint8_t t[HEADER_LEN];
     put16(t, MAGIC);
     t[2] = VERSION;
@@ -178,6 +161,9 @@ void dblp_data_headers(uint8_t *h, int64_t n, const int64_t *idx, const uint8_t 
         o[18] = prio[idx[i]];
         put32(o + 20, (uint32_t)idx[i]);
     }
+    if (!addr) return;
+    for (int64_t i = 0; i < n; i++)
+        addr[i] = addrs ? addrs[idx[i]] : base + (uint64_t)(idx[i] * stride);
 }
 
 /* Which source this library was built from (pydblp/native.py tells a stale copy by it). */

@@ -22,9 +22,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#define HEADER_LEN 32
+#include "wire.h"
+
 #define KIND_AT 3    /* the kind byte in a DBLP header */
-#define KIND_DATA 1
 #define SOL_UDP_ 17
 #define UDP_SEGMENT_ 103
 #define UDP_GRO_ 104
@@ -66,7 +66,8 @@ static int64_t recut(uint8_t *f, int64_t row, int64_t total, int64_t g, int64_t 
  * one: a message's datagrams share one IP header's, since GRO merges none of another
  * TOS).  Adds to res: [0] datagrams lost (past GRO_SEGS in a message), [1] datagrams
  * received merged, [2] bytes, [3] the widest datagram, [4] 1 once a control packet
- * came, [5] errno of a failed read (reading stops), [6] messages.
+ * came, [5] errno of a failed read (reading stops), [6] messages, [7] datagrams whose
+ * header fails wire.all_valid's checks (the caller then tells which, as in Python).
  * Returns the rows used now. */
 int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, int64_t used, int64_t cap,
                           const uint8_t *names, int64_t npeer, int64_t stride, int64_t keyoff, int64_t keylen,
@@ -126,6 +127,8 @@ int64_t dblp_udp_gro_read(int fd, uint8_t *frames, int64_t size, int64_t row, in
         }
         memset(ecn + used, e, (size_t)c);
         plen[used + c - 1] = last;
+        for (int64_t i = 0; i < c; i++)
+            res[7] += !dblp_valid(f + i * row, plen[used + i]);
         used += c;
         res[2] += (c - 1) * g + last;
         if (g > res[3]) res[3] = g;

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "wire.h"
+
 struct xdp_desc { /* linux/if_xdp.h */
     uint64_t addr;
     uint32_t len;
@@ -62,23 +64,11 @@ struct rx_ctx {
 #define IPV4_LEN 20
 #define IPV6_LEN 40
 #define UDP_LEN 8
-#define HDR_LEN 32
-#define TAG_LEN 16
-#define FLAG_TAG 4
-#define MAGIC 0xDB1B
-#define VERSION 1
-#define KIND_MIN 1
-#define KIND_MAX 5
-#define MAX_NCHUNKS (1u << 24)
 #define HDR4 (ETH_LEN + IPV4_LEN + UDP_LEN)
 #define HDR6 (ETH_LEN + IPV6_LEN + UDP_LEN)
 
 static inline uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void store_release(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-static inline uint32_t be16(const uint8_t *p) { return ((uint32_t)p[0] << 8) | p[1]; }
-static inline uint32_t be32(const uint8_t *p) {
-    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
-}
 
 /* Release-store v at p: a producer index Python computed (paced transmit). */
 void dblp_xsk_publish(uint32_t *p, uint32_t v) { store_release(p, v); }
@@ -124,22 +114,14 @@ static inline int parse(const uint8_t *f, int64_t flen, uint32_t port, int64_t *
     } else {
         return 0;
     }
-    if (flen < u + UDP_LEN + HDR_LEN) return 0; /* plen < 32 either way */
+    if (flen < u + UDP_LEN + HEADER_LEN) return 0; /* plen < 32 either way */
     int64_t ulen = be16(f + u + 4);
     int64_t p = ulen - UDP_LEN, room = flen - (u + UDP_LEN);
     if (p > room) p = room;
-    if (p < HDR_LEN || be16(f + u + 2) != port) return 0;
+    if (p < HEADER_LEN || be16(f + u + 2) != port) return 0;
     *off = u + UDP_LEN;
     *plen = p;
     return fam;
-}
-
-/* wire.validate_batch's checks (no rank checks) on a header at h: 1 if it passes. */
-static inline int valid(const uint8_t *h, int64_t plen) {
-    uint32_t nch = be32(h + 24); /* offsets: wire.FIELDS */
-    return be16(h) == MAGIC && h[2] == VERSION && h[3] >= KIND_MIN && h[3] <= KIND_MAX &&
-           (int64_t)be16(h + 28) + ((h[31] & FLAG_TAG) ? TAG_LEN : 0) + HDR_LEN == plen &&
-           nch >= 1 && nch <= MAX_NCHUNKS && be32(h + 20) < nch && be32(h + 4) != 0;
 }
 
 /* frames.Sources.match for one frame: the first registered peer with its source address, or -1. */
@@ -205,22 +187,22 @@ int64_t dblp_xsk_rx(const struct rx_ctx *x, size_t n, uint8_t *hdrs, uint8_t *pa
         if (i + 2 < n) __builtin_prefetch(x->umem + d[(cons + i + 2) & mask].addr + 64);
         int fam = parse(f, flen, x->port, &off, &plen);
         const uint8_t *h = f + off;
-        if (!fam || (!x->validated && !valid(h, plen))) {
+        if (!fam || (!x->validated && !dblp_valid(h, plen))) {
             invalid++;
             contiguous = 0;
             continue;
         }
-        int64_t len = plen - HDR_LEN;
+        int64_t len = plen - HEADER_LEN;
         if (len > (int64_t)maxlen) {
             trunc++;
             contiguous = 0;
             len = (int64_t)maxlen;
         }
-        memcpy(hdrs + HDR_LEN * k, h, HDR_LEN);
+        memcpy(hdrs + HEADER_LEN * k, h, HEADER_LEN);
         lengths[k] = (int32_t)len;
         peer[k] = match(x, f, fam);
         if (ecn) ecn[k] = ecn_of(f, fam);
-        int64_t src = (int64_t)(e.addr + off + HDR_LEN);
+        int64_t src = (int64_t)(e.addr + off + HEADER_LEN);
         if (lend) {
             x->src[k] = src;
             if (first < 0) first = src - (int64_t)base;
@@ -229,7 +211,7 @@ int64_t dblp_xsk_rx(const struct rx_ctx *x, size_t n, uint8_t *hdrs, uint8_t *pa
             memcpy(pay + pstride * k, x->umem + src, (size_t)len);
         }
         if (len > widest) widest = len;
-        bytes += len + HDR_LEN;
+        bytes += len + HEADER_LEN;
         k++;
     }
     int lent = lend && contiguous && k == n && k > 0;
@@ -330,15 +312,15 @@ size_t dblp_xsk_tx(const struct ring *tx, uint8_t *umem, uint32_t fs, const uint
         int32_t p = peer[i];
         size_t hl = (size_t)hlen[p];
         uint32_t len = (uint32_t)lengths[i];
-        if (hl + HDR_LEN + len > fs) { /* (never: the caller checked) */
+        if (hl + HEADER_LEN + len > fs) { /* (never: the caller checked) */
             m = i;
             break;
         }
-        const uint8_t *h = hdrs + HDR_LEN * i;
+        const uint8_t *h = hdrs + HEADER_LEN * i;
         memcpy(f, tmpl + tw * (size_t)p, hl);
-        memcpy(f + hl, h, HDR_LEN);
-        memcpy(f + hl + HDR_LEN, paddr ? (const uint8_t *)(uintptr_t)paddr[i] : pay + pstride * i, len);
-        uint32_t ulen = UDP_LEN + HDR_LEN + len;
+        memcpy(f + hl, h, HEADER_LEN);
+        memcpy(f + hl + HEADER_LEN, paddr ? (const uint8_t *)(uintptr_t)paddr[i] : pay + pstride * i, len);
+        uint32_t ulen = UDP_LEN + HEADER_LEN + len;
         size_t u = hl - UDP_LEN;
         f[u + 4] = (uint8_t)(ulen >> 8);
         f[u + 5] = (uint8_t)ulen;
@@ -359,7 +341,7 @@ size_t dblp_xsk_tx(const struct ring *tx, uint8_t *umem, uint32_t fs, const uint
         } else {
             f[18] = (uint8_t)(ulen >> 8);
             f[19] = (uint8_t)ulen;
-            uint64_t s = partial[p] + sum_be16(f + hl, HDR_LEN + len) + 2 * (uint64_t)ulen;
+            uint64_t s = partial[p] + sum_be16(f + hl, HEADER_LEN + len) + 2 * (uint64_t)ulen;
             uint32_t c = (uint32_t)(~fold(s) & 0xFFFF);
             if (c == 0) c = 0xFFFF;
             f[u + 6] = (uint8_t)(c >> 8);
@@ -369,7 +351,7 @@ size_t dblp_xsk_tx(const struct ring *tx, uint8_t *umem, uint32_t fs, const uint
                 f[15] = (uint8_t)((t & 0x0F) << 4);
             }
         }
-        uint32_t flen = (uint32_t)(hl + HDR_LEN + len);
+        uint32_t flen = (uint32_t)(hl + HEADER_LEN + len);
         flens[i] = flen;
         struct xdp_desc *e = &d[(prod + i) & tx->mask];
         e->addr = addr;

@@ -530,15 +530,16 @@ class UdpTransport(Transport):
         return self._gro_out(into, used, row, plen, peers, lost, widest, nbytes, copy)
 
     def _gro_out(self, into: Batch, used: int, row: int, plen: np.ndarray, peers: np.ndarray, lost: int,
-                 widest: int, nbytes: int, copy: bool, ecn: np.ndarray | None = None) -> Batch:
+                 widest: int, nbytes: int, copy: bool, ecn: np.ndarray | None = None, valid: bool = False) -> Batch:
         """The ``used`` datagrams a GRO receive left in the frames buffer, as ``recv``'s batch
-        (``ecn``: their ECN fields where ``into.ecn`` does not hold them yet)."""
+        (``ecn``: their ECN fields where ``into.ecn`` does not hold them yet; ``valid``: every
+        header is known to pass ``wire.all_valid``'s checks)."""
         frames = self._frames[: used * row].reshape(used, row)
         wire.put(into.headers[:used], self._frames_h[:used])
         if copy:
             into.payload[:used] = frames[:, wire.HEADER_LEN:]
-            return self._deliver(into, into.payload, plen, peers, lost, widest, nbytes, ecn)
-        b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost, widest, nbytes, ecn)
+            return self._deliver(into, into.payload, plen, peers, lost, widest, nbytes, ecn, valid)
+        b = self._deliver(into, frames[:, wire.HEADER_LEN:], plen, peers, lost, widest, nbytes, ecn, valid)
         return Batch(b.headers, frames[: b.n, wire.HEADER_LEN:], b.lengths, b.peer, b.n, None, b.ecn)
 
     def _recv_gro_native(self, into: Batch, cap: int, row: int, timeout, want: int, linger: float,
@@ -591,7 +592,7 @@ class UdpTransport(Transport):
             return into.view(0, 0)
         self._c["rx_gro_packets"] += int(res[1])
         return self._gro_out(into, used, row, self._gro_plen[:used], self._gro_peer[:used], int(res[0]),
-                             int(res[3]), int(res[2]), copy, None if ecn is None else ecn[:used])
+                             int(res[3]), int(res[2]), copy, None if ecn is None else ecn[:used], valid=not res[7])
 
     def _ecn_to(self, ecn: np.ndarray | None, cap: int) -> tuple:
         """Where the compiled GRO read writes each row's ECN field, for ``into.ecn`` = ``ecn``:
@@ -744,10 +745,12 @@ class UdpTransport(Transport):
         return into.view(0, m)
 
     def _deliver(self, into: Batch, pay: np.ndarray, plen: np.ndarray, peer: np.ndarray, lost: int,
-                 widest: int | None = None, total: int | None = None, ecn: np.ndarray | None = None) -> Batch:
+                 widest: int | None = None, total: int | None = None, ecn: np.ndarray | None = None,
+                 valid: bool = False) -> Batch:
         """Validate the datagrams in rows [0, len(plen)) (UDP payload lengths ``plen``; headers in
         ``into``, payloads in ``pay``'s rows), count, return them.  ``widest`` and ``total``:
-        ``plen``'s max and sum where the caller knows them already.  ``into.ecn`` (where not None)
+        ``plen``'s max and sum where the caller knows them already; ``valid``: the compiled read
+        found every header passing :func:`wire.all_valid`'s checks.  ``into.ecn`` (where not None)
         holds each row's ECN field already, unless ``ecn`` gives them (then copied there).  The
         rows that remain are compacted in it like the rest."""
         k = len(plen)
@@ -760,7 +763,7 @@ class UdpTransport(Transport):
             ok = wire.validate_batch(hdrs, plen) == 0
             self._c["rx_truncated"] += int(((lens > into.maxlen) & ok).sum())
             lens = np.minimum(lens, into.maxlen)
-        elif not wire.all_valid(hdrs, plen):
+        elif not valid and not wire.all_valid(hdrs, plen):
             ok = wire.validate_batch(hdrs, plen) == 0
         if ok is not None and not ok.all():  # rare: compact the valid rows to the front
             total = None

@@ -1540,9 +1540,12 @@ def test_the_stale_fill_keeps_a_snapshot_only_where_a_row_may_go_missing(ranks, 
 def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkeypatch):
     """The compiled DATA headers of a send turn (``Protocol._send_batch``: a reduce-scatter part
     from a chunk past the message's first, retransmissions of an all-gather, a trailing message of
-    an earlier round and tensor, behind a control packet) and the compiled per-sender counts of a
+    an earlier round and tensor, a message read where it lies (by address), behind a control
+    packet) with the payloads their addresses point to, and the compiled per-sender counts of a
     receive (``Protocol._count_rx``: DATA from peers, from a rank past the world, control packets,
     CE-marked and not) are byte for byte and count for count the Python path's."""
+    import ctypes
+
     from pydblp.collective import matcher
     from pydblp.collective.messages import OutMessage
 
@@ -1565,14 +1568,24 @@ def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkey
         try:
             p = col.protocol
             assert (p._lib is not None) is native
+            if not p.t.reads_addresses:
+                require_native("udp")
             got = []
-            monkeypatch.setattr(p.t, "send", lambda b, timeout=1.0: got.append(b.headers[: b.n].tobytes()) or b.n)
+
+            def send(b, timeout=1.0):
+                got.append(b.headers[: b.n].tobytes())
+                got.append(b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(b.addr[: b.n], b.lengths[: b.n])))
+                return b.n
+
+            monkeypatch.setattr(p.t, "send", send)
             rs = OutMessage(False, 2, rows, prio, 12, 0x1234ABCD, 5, first=7)
             ag = OutMessage(True, 0, rows[:30], prio[:30], 0, 0x1234ABCD, 5)
             old = OutMessage(True, 2, rows[:9], prio[:9], 3, 0x1234ABCC, 4)
+            at = np.uint64(rows.ctypes.data) + np.arange(39, -1, -1, dtype=np.uint64) * np.uint64(C * 4)
+            lies = OutMessage(False, 0, None, prio, 12, 0x1234ABCD, 5, addrs=at)
             p._ctrl_packet(0x1234ABCD, 5, wire.Kind.STOP, 0, 2, 40, 12)
             p._send_batch(None, [(rs, rs.chunks(3, 20), 0), (ag, np.array([2, 9, 29]), wire.Flag.RETX),
-                                 (old, np.arange(9), 0)])
+                                 (old, np.arange(9), 0), (lies, np.array([5, 1, 7, 2, 30]), 0)])
             sent[native] = got
             for e in (ecn, None):
                 p._count_rx(Batch(h, np.zeros((64, 8), np.uint8), np.zeros(64, np.int32), np.zeros(64, np.int32),
@@ -1580,9 +1593,12 @@ def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkey
             counts[native] = (p.rx_from.tolist(), p.ce_from.tolist(), p.counters["ce_received"])
         finally:
             col.close()
-    assert sent[True] == sent[False] and len(sent[True]) == 1
+    assert sent[True] == sent[False] and len(sent[True]) == 2
     h = np.frombuffer(sent[True][0], wire.HEADER_DTYPE)
     assert (h["prio"][1:18] == prio[(7 + np.arange(3, 20)) % 40]).all()
-    assert len(h) == 1 + 17 + 3 + 9 and h["kind"][0] == wire.Kind.STOP and (h["kind"][1:] == wire.Kind.DATA).all()
-    assert h["chunk"][1:18].tolist() == [(7 + c) % 40 for c in range(3, 20)] and (h["round"][-9:] == 0x1234ABCC).all()
+    pays = np.frombuffer(sent[True][1][int(h["len"][0]):], np.float32)  # (past the STOP's payload)
+    assert np.array_equal(pays.reshape(-1, C)[:17], rows[(7 + np.arange(3, 20)) % 40])
+    assert np.array_equal(pays.reshape(-1, C)[-5:], rows[39 - np.array([5, 1, 7, 2, 30])])
+    assert len(h) == 1 + 17 + 3 + 9 + 5 and h["kind"][0] == wire.Kind.STOP and (h["kind"][1:] == wire.Kind.DATA).all()
+    assert h["chunk"][1:18].tolist() == [(7 + c) % 40 for c in range(3, 20)] and (h["round"][-14:-5] == 0x1234ABCC).all()
     assert counts[True] == counts[False] and counts[True][0][3] > 0 and counts[True][2] > 0

@@ -290,3 +290,28 @@ def test_host_struct_change_alone_fails(tmp_path):
     assert any("dblp_host_cfg" in p for p in struct_disagreements(hdr, tmp_path, host.STRUCTS))
     changed = dict(host.STRUCTS, dblp_job=(("world_size", "I"), ("rank", "H"), ("transport", "B"), ("pad", "3x")))
     assert any("dblp_job" in p for p in struct_disagreements(HEADER, tmp_path, changed))
+
+
+CSRC_HEADER = Path(__file__).resolve().parents[2] / "pydblp" / "csrc" / "wire.h"
+# csrc/wire.h macro -> its value in wire.py (the compiled loops' copy of the header's constants)
+CSRC_CONSTANTS = {"HEADER_LEN": wire.HEADER_LEN, "TAG_LEN": wire.TAG_LEN, "MAGIC": wire.MAGIC,
+                  "VERSION": wire.VERSION, "KIND_MIN": min(wire.Kind), "KIND_MAX": max(wire.Kind),
+                  "KIND_DATA": wire.Kind.DATA, "DTYPE_F32": wire.Dtype.F32, "MAX_NCHUNKS": wire.MAX_NCHUNKS,
+                  "FLAG_ALLGATHER": wire.Flag.ALLGATHER, "FLAG_TAG": wire.Flag.TAG, "DST_ALL": wire.DST_ALL}
+
+
+def test_the_compiled_loops_header_agrees_with_wire_py(tmp_path):
+    """pydblp/csrc/wire.h (the header the compiled per-packet loops include) defines exactly
+    the constants above, each with wire.py's value: compiled and printed, not restated."""
+    text = re.sub(r"/\*.*?\*/", "", CSRC_HEADER.read_text(), flags=re.S)
+    defined = set(re.findall(r"^\s*#\s*define\s+(\w+)[ \t]+\S", text, flags=re.M))
+    assert defined == set(CSRC_CONSTANTS), defined ^ set(CSRC_CONSTANTS)
+    src, exe = tmp_path / "csrc_agree.c", tmp_path / "csrc_agree"
+    src.write_text("#include <stdio.h>\n#include \"wire.h\"\nint main(void) {\n"
+                   + "".join(f'  printf("{n} %lld\\n", (long long)({n}));\n' for n in CSRC_CONSTANTS)
+                   + "  return 0;\n}\n")
+    subprocess.run([GCC, "-std=gnu11", "-Wall", "-Werror", "-I", str(CSRC_HEADER.parent), "-o", str(exe), str(src)],
+                   check=True, capture_output=True)
+    out = dict(line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines())
+    assert {k: int(v) for k, v in out.items()} == {k: int(v) for k, v in CSRC_CONSTANTS.items()}
