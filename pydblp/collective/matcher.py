@@ -240,6 +240,11 @@ class Matcher:
         the compiled absorb leaves) are told apart first, in numpy calls or by the compiled absorb
         (``ahead``, per row of ``rows``), and stashed in order; the loop below would stash each of
         them alike, one by one."""
+        if ahead is not None and rows is not None and ahead.all():  # (all of them: stashed, nothing to sort)
+            if st is not None:
+                st.heard[h["src"][rows]] = now  # peers already in the next round are alive
+            self._keep(h, pay, lens, rows)
+            return
         sel = h if rows is None else wire.take(h, rows)
         rows = np.arange(len(h)) if rows is None else rows
         keep = []
