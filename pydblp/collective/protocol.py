@@ -834,16 +834,17 @@ class Protocol:
             for o, idx, flags in parts:
                 j = i + len(idx)
                 r = o.rows  # (alive through the send below)
-                if lib is not None:  # every field of the part's headers, and its payloads' addresses, in one call
-                    rows_at = addr is not None and (o.addrs is not None or r.strides[1] == 4)
+                # the payloads are read where they lie: at the addresses made for a transport that reads
+                # them (o.addrs), or at their rows' (float32 rows, any row stride)
+                lies = o.addrs is not None or (addr is not None and r.strides[1] == 4)
+                if lib is not None:  # every field of the part's headers, and those addresses, in one call
+                    at = o.addrs is None and lies
                     lib.dblp_data_headers(h0 + i * wire.HEADER_LEN, j - i, idx.ctypes.data, o.prio.ctypes.data,
                                           self.cfg.job, o.rnd, o.tensor, self.rank, o.dst, o.n, width, o.tol8,
-                                          flags | o.flag, a0 + 8 * i if rows_at else None,
+                                          flags | o.flag, a0 + 8 * i if lies else None,
                                           None if o.addrs is None else o.addrs.ctypes.data,
-                                          0 if o.addrs is not None or not rows_at else r.ctypes.data,
-                                          0 if o.addrs is not None or not rows_at else r.strides[0])
+                                          r.ctypes.data if at else 0, r.strides[0] if at else 0)
                 else:
-                    rows_at = False
                     h["dst"][i:j] = o.dst
                     h["prio"][i:j] = o.prio[idx]
                     h["chunk"][i:j] = idx
@@ -852,13 +853,11 @@ class Protocol:
                     h["flags"][i:j] = flags | o.flag
                     if o.rnd != rnd:  # a trailing message of an earlier round
                         h["round"][i:j], h["tensor"][i:j] = o.rnd, o.tensor
-                if rows_at:
-                    pass  # (addresses written with the headers)
-                elif o.addrs is not None:  # (made only for a transport that reads addresses)
-                    addr[i:j] = o.addrs[idx]
-                elif addr is not None and r.strides[1] == 4:
-                    addr[i:j] = np.uint64(r.ctypes.data) + idx.astype(np.uint64) * np.uint64(r.strides[0])
-                else:
+                    if o.addrs is not None:
+                        addr[i:j] = o.addrs[idx]
+                    elif lies:
+                        addr[i:j] = np.uint64(r.ctypes.data) + idx.astype(np.uint64) * np.uint64(r.strides[0])
+                if not lies:  # a copy of its rows in the payload buffer
                     lo = int(idx[0])
                     rows = r[lo: lo + len(idx)] if int(idx[-1]) - lo + 1 == len(idx) else r[idx]
                     payload[i:j] = rows.view(np.uint8)
