@@ -586,7 +586,8 @@ class Protocol:
         duplicate alike: the sender compares the count with the DATA it sent, and what is missing
         was lost."""
         h = b.headers[: b.n]
-        if self._lib is not None and h.flags.c_contiguous and (b.ecn is None or b.ecn.flags.c_contiguous):
+        if (self._lib is not None and h.dtype == wire.HEADER_DTYPE and h.flags.c_contiguous
+                and (b.ecn is None or (b.ecn.dtype == np.uint8 and b.ecn.flags.c_contiguous))):
             ce = self._lib.dblp_count_data(h.ctypes.data, b.n, None if b.ecn is None else b.ecn.ctypes.data,
                                            self.world, self._rx_at, self._ce_at)
             self.counters["ce_received"] += ce
