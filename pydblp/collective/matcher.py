@@ -84,8 +84,8 @@ class Matcher:
                  native: bool | None = None, stagger: bool = False):
         self.rank, self.world, self.job, self.broadcast = rank, world, job, broadcast
         self.stagger = stagger
-        self._lib = native_mod.choose(native, None if native is False else native_lib(), "matcher")
-        self.native = self._lib is not None
+        self.lib = native_mod.choose(native, None if native is False else native_lib(), "matcher")  # (None: Python)
+        self.native = self.lib is not None
         self._got = np.zeros((3, 2 * world), np.int64)  # the compiled absorb's counts, bounds, rows
         self._rest = np.zeros(RECV_BATCH, np.int64)
         self._rest_ahead = np.zeros(RECV_BATCH, bool)  # (per row of _rest: one _sort stashes)
@@ -152,7 +152,7 @@ class Matcher:
         out = Sorted()
         rest = ahead = None  # rows for the one-by-one path (None: all), and which of them to stash
         fast = st is not None and len(h) > FEW
-        if fast and self._lib is not None and not st.flag & NB:
+        if fast and self.lib is not None and not st.flag & NB:
             taken = self._absorb_native(st, h, pay, now, out)
             if taken is not None:
                 rest, ahead = taken
@@ -200,7 +200,7 @@ class Matcher:
                 _addr(st.have) if gather else None,
                 _addr(st.ag_first) if gather else None, _addr(st.ag_n) if gather else None,
                 *self._fixed))
-        k = self._lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2],
+        k = self.lib.dblp_absorb(_addr(h), n, _addr(pay), pay.strides[0], *self._mask_vals, *self._addrs[2],
                                   st.round, STASH_AHEAD)
         if k < 0:
             return None
@@ -240,22 +240,19 @@ class Matcher:
         the compiled absorb leaves) are told apart first, in numpy calls or by the compiled absorb
         (``ahead``, per row of ``rows``), and stashed in order; the loop below would stash each of
         them alike, one by one."""
-        if ahead is not None and rows is not None and ahead.all():  # (all of them: stashed, nothing to sort)
-            if st is not None:
-                st.heard[h["src"][rows]] = now  # peers already in the next round are alive
-            self._keep(h, pay, lens, rows)
-            return
-        sel = h if rows is None else wire.take(h, rows)
-        rows = np.arange(len(h)) if rows is None else rows
-        keep = []
-        if ahead is None and len(sel) > FEW:
+        sel = None  # (rows' headers, taken once they are needed)
+        if rows is None:
+            rows, sel = np.arange(len(h)), h
+        if ahead is None and len(rows) > FEW:
+            sel = wire.take(h, rows) if sel is None else sel
             ahead = self._ahead(sel, base)
+        ahead_rows = rows[:0]
         if ahead is not None and ahead.any():
-            keep = rows[ahead].tolist()
+            ahead_rows, rows, sel = rows[ahead], rows[~ahead], None
             if st is not None:
-                st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
-            rest = (~ahead).nonzero()[0]
-            sel, rows = wire.take(sel, rest), rows[rest]
+                st.heard[h["src"][ahead_rows]] = now  # peers already in the next round are alive
+        sel = wire.take(h, rows) if sel is None else sel
+        keep = []
         fields = sel.tolist()
         rows = rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
@@ -309,7 +306,9 @@ class Matcher:
         c["stray"] += stray
         c["bad_payload"] += bad
         if keep:
-            self._keep(h, pay, lens, np.array(keep))
+            ahead_rows = np.concatenate([ahead_rows, keep])
+        if len(ahead_rows):
+            self._keep(h, pay, lens, ahead_rows)
         if data:
             rows = np.array(data)
             self.absorb(st, wire.take(h, rows), pay, rows, now, out)

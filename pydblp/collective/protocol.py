@@ -36,7 +36,7 @@ from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRA
                                       TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR,
                                       CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
-from pydblp.collective.matcher import Matcher, native_lib
+from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
 from pydblp.collective.rounds import (AllGatherRound, AllreduceRound, BroadcastRound, GatherRound, NeighbourRound,
                                       ReduceScatterRound, Round, ShardedRound, ShardRound, rows_of)
@@ -106,8 +106,6 @@ class Protocol:
                                        "stray", "rx_errors", "ce_received", "fed_back"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters, stagger=c.stagger)
-        self._lib = native_lib() if self.matcher.native else None  # (csrc/matcher.c: the DATA headers a turn
-                                                                    # sends, the DATA a receive counts)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
         self.trail: dict[tuple, OutMessage] = {}  # (round, ag, dst) -> all-gather message not yet acknowledged
         self.timeouts: list = [None] * world      # each rank's latest probe timeout estimate (s), from its STOPs;
@@ -586,9 +584,10 @@ class Protocol:
         duplicate alike: the sender compares the count with the DATA it sent, and what is missing
         was lost."""
         h = b.headers[: b.n]
-        if (self._lib is not None and h.dtype == wire.HEADER_DTYPE and h.flags.c_contiguous
+        lib = self.matcher.lib  # (csrc/matcher.c's loops; None: the Python path)
+        if (lib is not None and h.dtype == wire.HEADER_DTYPE and h.flags.c_contiguous
                 and (b.ecn is None or (b.ecn.dtype == np.uint8 and b.ecn.flags.c_contiguous))):
-            ce = self._lib.dblp_count_data(h.ctypes.data, b.n, None if b.ecn is None else b.ecn.ctypes.data,
+            ce = lib.dblp_count_data(h.ctypes.data, b.n, None if b.ecn is None else b.ecn.ctypes.data,
                                            self.world, self._rx_at, self._ce_at)
             self.counters["ce_received"] += ce
             return
@@ -814,7 +813,7 @@ class Protocol:
             peer[i] = self._pid[c.dst]
         if parts:
             rnd, tensor = (st.round, st.tensor) if st is not None else (parts[0][0].rnd, parts[0][0].tensor)
-            lib = self._lib  # (C: a part's chunk numbers int64, its message's priorities uint8 and addresses
+            lib = self.matcher.lib  # (C: a part's chunk numbers int64, its message's priorities uint8 and addresses
             if lib is not None and not all(  # uint64, all contiguous)
                     idx.dtype == np.int64 and idx.flags.c_contiguous and o.prio.dtype == np.uint8
                     and o.prio.flags.c_contiguous
