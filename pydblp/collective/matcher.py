@@ -240,19 +240,22 @@ class Matcher:
         the compiled absorb leaves) are told apart first, in numpy calls or by the compiled absorb
         (``ahead``, per row of ``rows``), and stashed in order; the loop below would stash each of
         them alike, one by one."""
-        sel = None  # (rows' headers, taken once they are needed)
-        if rows is None:
-            rows, sel = np.arange(len(h)), h
-        if ahead is None and len(rows) > FEW:
-            sel = wire.take(h, rows) if sel is None else sel
-            ahead = self._ahead(sel, base)
-        ahead_rows = rows[:0]
-        if ahead is not None and ahead.any():
-            ahead_rows, rows, sel = rows[ahead], rows[~ahead], None
-            if st is not None:
-                st.heard[h["src"][ahead_rows]] = now  # peers already in the next round are alive
-        sel = wire.take(h, rows) if sel is None else sel
+        if ahead is not None and rows is not None and ahead.all():  # (all of them, the usual case when peers
+            if st is not None:                                       # run ahead: stashed, nothing to sort)
+                st.heard[h["src"][rows]] = now  # peers already in the next round are alive
+            self._keep(h, pay, lens, rows)
+            return
+        sel = h if rows is None else wire.take(h, rows)
+        rows = np.arange(len(h)) if rows is None else rows
         keep = []
+        if ahead is None and len(sel) > FEW:
+            ahead = self._ahead(sel, base)
+        if ahead is not None and ahead.any():
+            keep = rows[ahead].tolist()
+            if st is not None:
+                st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
+            rest = (~ahead).nonzero()[0]
+            sel, rows = wire.take(sel, rest), rows[rest]
         fields = sel.tolist()
         rows = rows.tolist()
         me, W, job, width = self.rank, self.world, self.job, self.C * 4
@@ -306,9 +309,7 @@ class Matcher:
         c["stray"] += stray
         c["bad_payload"] += bad
         if keep:
-            ahead_rows = np.concatenate([ahead_rows, keep])
-        if len(ahead_rows):
-            self._keep(h, pay, lens, ahead_rows)
+            self._keep(h, pay, lens, np.array(keep))
         if data:
             rows = np.array(data)
             self.absorb(st, wire.take(h, rows), pay, rows, now, out)
