@@ -33,12 +33,14 @@ FILLS = ("stale", "local", "carry")
 PRIORITIES = ("magnitude", "position", "layer", "none")
 
 
-def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool = False) -> np.ndarray:
+def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool = False,
+                out: np.ndarray | None = None) -> np.ndarray:
     """Estimate the mean over W contributions: buf (W, n, C), mask (W, n) -> (n, C).
 
     Entries of ``buf`` where ``mask`` is False are ignored whatever they
     hold.  ``scratch=True`` lets this zero them in place instead of
-    working on a copy.
+    working on a copy.  ``out``: an (n, C) float32 array to write the
+    estimate into (not overlapping ``buf``), else a new one.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
@@ -46,7 +48,7 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
         if not scratch:
             buf = buf.copy()
         buf[~mask] = 0
-    total = buf.sum(axis=0, dtype=np.float32)
+    total = buf.sum(axis=0, dtype=np.float32, out=out)
     if estimator == "zero":
         total /= np.float32(buf.shape[0])
     else:

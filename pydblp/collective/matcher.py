@@ -331,7 +331,7 @@ class Matcher:
             self.counters["stash_full"] += len(rows) - max(room, 0)
             rows = rows[: max(room, 0)]
         if len(rows):
-            self.stash.append((wire.take(h, rows), pay[rows].copy(), lens[rows].copy()))
+            self.stash.append((wire.take(h, rows), pay[rows], lens[rows]))  # (gathers: copies already)
             self.counters["stashed"] += len(rows)
 
     def absorb(self, st: Round, h, pay, prow, now: float, out: Sorted) -> None:

@@ -626,7 +626,7 @@ class Protocol:
         if st.feedback:  # (before the estimate: it zeroes what did not arrive) what the estimate uses
             for src in self._others:
                 self._final(st, src)
-        st.y[a:b] = estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True)
+        estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True, out=st.y[a:b])
         if st.signs is not None:
             rotation.rotate(st.y, a, b, self.cfg.rotate, st.signs, inverse=True)
         st.reduced = True

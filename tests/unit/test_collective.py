@@ -205,6 +205,11 @@ def test_reduce_mean_ignores_whatever_masked_entries_hold():
         np.testing.assert_allclose(estimators.reduce_mean(garbage, mask, est), want, rtol=1e-6)
         np.testing.assert_array_equal(garbage, kept)  # not scratch: the input is left alone
         np.testing.assert_allclose(estimators.reduce_mean(kept, mask, est, scratch=True), want, rtol=1e-6)
+        into = np.full((32, 8), np.nan, np.float32)  # (stale contents, as the owner's y holds)
+        got = estimators.reduce_mean(garbage.copy(), mask, est, scratch=True, out=into[1:31])
+        assert got.base is into
+        np.testing.assert_array_equal(into[1:31], estimators.reduce_mean(garbage, mask, est))  # bit for bit
+        assert np.isnan(into[[0, 31]]).all()  # nothing written past it
     with pytest.raises(ValueError):
         estimators.reduce_mean(buf, mask, "median")
 
