@@ -44,12 +44,13 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}: {', '.join(ESTIMATORS)}")
-    if not mask.all():
+    whole = bool(mask.all())
+    if not whole:
         if not scratch:
             buf = buf.copy()
         buf[~mask] = 0
     total = buf.sum(axis=0, dtype=np.float32, out=out)
-    if estimator == "zero":
+    if estimator == "zero" or whole:  # (every chunk arrived: unbiased divides by W too, the same bits)
         total /= np.float32(buf.shape[0])
     else:
         arrived = mask.sum(axis=0, dtype=np.float32)

@@ -210,6 +210,9 @@ def test_reduce_mean_ignores_whatever_masked_entries_hold():
         assert got.base is into
         np.testing.assert_array_equal(into[1:31], estimators.reduce_mean(garbage, mask, est))  # bit for bit
         assert np.isnan(into[[0, 31]]).all()  # nothing written past it
+    whole = np.ones_like(mask)  # every chunk in: unbiased is sum / W per chunk, bit for bit
+    per_chunk = buf.sum(axis=0, dtype=np.float32) / np.full((30, 1), 4, np.float32)
+    np.testing.assert_array_equal(estimators.reduce_mean(buf, whole, "unbiased"), per_chunk)
     with pytest.raises(ValueError):
         estimators.reduce_mean(buf, mask, "median")
 
