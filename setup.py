@@ -9,18 +9,30 @@ readers expect them.  At build time this copies ``bpf/*.bpf.c`` and
 libraries that :mod:`pydblp.native` loads with ctypes (no module init, never
 imported).  Where no compiler exists the install goes on without them and
 pydblp runs its pure-Python paths (or builds them at first use once a
-compiler is there).  Each is built with ``DBLP_SOURCE_ID``, the hash of its
-source, so a copy built from an older source is told apart.  Everything else
+compiler is there).  Each is built with ``DBLP_SOURCE_ID``, its
+``pydblp.native.source_id`` (native.py read on its own, without importing the
+package), so a copy built from an older source is told apart.  Everything else
 is in pyproject.toml.
 """
 
-import hashlib
+import importlib.util
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _native_module():
+    """pydblp/native.py alone (standard library only), without importing the package."""
+    spec = importlib.util.spec_from_file_location("_pydblp_native", ROOT / "pydblp" / "native.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+NATIVE = _native_module()
 
 
 class BuildPyWithBPF(build_py):
@@ -39,10 +51,8 @@ class BuildPyWithBPF(build_py):
 
 def native(name: str) -> Extension:
     """``pydblp/csrc/<name>.c`` as the optional library ``pydblp/_<name>.<abi>.so``."""
-    src = f"pydblp/csrc/{name}.c"
-    ident = hashlib.sha256((ROOT / src).read_bytes()  # as pydblp.native.source_id
-                           + (ROOT / "pydblp/csrc/wire.h").read_bytes()).hexdigest()[:16]
-    return Extension(f"pydblp._{name}", [src], define_macros=[("DBLP_SOURCE_ID", f'"{ident}"')],
+    return Extension(f"pydblp._{name}", [f"pydblp/csrc/{name}.c"],
+                     define_macros=[("DBLP_SOURCE_ID", f'"{NATIVE.source_id(name)}"')],
                      extra_compile_args=["-O2", "-Wno-psabi"], optional=True)
 
 

@@ -56,10 +56,16 @@ class NativeUnavailable(RuntimeError):
     """A compiled library was required (``native=True`` or ``DBLP_NATIVE=1``) and is unavailable."""
 
 
+def _source(name: str) -> bytes:
+    """What a build of ``csrc/<name>.c`` is made of: the source and the header the sources
+    include (``csrc/wire.h``)."""
+    return (CSRC / f"{name}.c").read_bytes() + (CSRC / "wire.h").read_bytes()
+
+
 def source_id(name: str) -> str:
-    """The id a build of ``csrc/<name>.c`` carries: the SHA-256 of the source and the header every
-    source includes (``csrc/wire.h``), first 16 hex digits."""
-    return hashlib.sha256((CSRC / f"{name}.c").read_bytes() + (CSRC / "wire.h").read_bytes()).hexdigest()[:16]
+    """The id a build of ``csrc/<name>.c`` carries: the SHA-256 of :func:`_source`, first 16 hex
+    digits."""
+    return hashlib.sha256(_source(name)).hexdigest()[:16]
 
 
 def mode() -> bool | None:
@@ -105,7 +111,7 @@ def build(name: str) -> Path:
     if cc is None:
         raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
     source = CSRC / f"{name}.c"
-    src = source.read_bytes() + (CSRC / "wire.h").read_bytes()  # (the header the sources include)
+    src = _source(name)
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     ident = hashlib.sha256(b"\0".join([src, cc.encode(), version, platform.machine().encode(),
                                        _cpu().encode(), repr(FLAGS).encode()])).hexdigest()[:20]
