@@ -64,7 +64,8 @@ def speedups(summary: dict) -> dict:
 def ratios(seeds: list[dict]) -> dict:
     """Per DBLP arm against static and Gloo, static against Gloo, and each run with congestion
     control against the same run without (:func:`_cc_pairs`; the same seeds): time to
-    target and wall time as ``arm / base`` (below 1: the arm is faster), the ratio of the means
+    target, wall time and the ranks' CPU as ``arm / base`` (below 1: the arm is faster or
+    cheaper), the ratio of the means
     over seeds with its 90 % bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`;
     a run that never reached the target counts its last evaluation's time, and ``censored``
     says how many); the curve ratio (:func:`~pydblp.experiment.stats.curve_ratio` over each
@@ -92,10 +93,11 @@ def ratios(seeds: list[dict]) -> dict:
         if got is not None:
             got["censored"] = sum(c for _, c in a) + sum(c for _, c in b)
             r["time_to_target_s"] = got
-        got = stats.bootstrap_ratio([s["summary"][arm].get("wall_s") for s in seeds],
-                                    [s["summary"][base].get("wall_s") for s in seeds])
-        if got is not None:
-            r["wall_s"] = got
+        for key in ("wall_s", "cpu_s"):
+            got = stats.bootstrap_ratio([s["summary"][arm].get(key) for s in seeds],
+                                        [s["summary"][base].get(key) for s in seeds])
+            if got is not None:
+                r[key] = got
         per, missed = [], 0
         for s in seeds:
             ca, cb = s["summary"][arm].get("loss_curve"), s["summary"][base].get("loss_curve")
@@ -133,7 +135,8 @@ def ratio_lines(rep: dict) -> list[str]:
     lines = []
     for pair, r in (rep.get("ratios") or {}).items():
         parts = []
-        for key, what in (("time_to_target_s", "time to target"), ("curve", "curve"), ("wall_s", "wall")):
+        for key, what in (("time_to_target_s", "time to target"), ("curve", "curve"), ("wall_s", "wall"),
+                          ("cpu_s", "CPU")):
             b = r.get(key)
             if not b:
                 continue
@@ -197,6 +200,8 @@ def table(rep: dict) -> str:
     metric = next((v["metric"] for v in s.values() if v.get("metric")), "metric")
     lines = [
         ("wall time (s)", "wall_s", ".1f"),
+        ("CPU, all ranks (s)", "cpu_s", ".1f"),
+        ("share of the machine's CPUs busy", "cpu_busy", ".2f"),
         (f"time to held-out loss {_target_text(rep)} (s)", "time_to_target_s", ".1f"),
         (f"final {metric}", "final_metric", ".4f"),
         ("final held-out loss", "final_loss", ".4f"),
@@ -222,7 +227,7 @@ def table(rep: dict) -> str:
         ("rounds rank 0 paced a destination", "paced_share", ".2f"),
         ("host-program sheds (packets)", "host_shed", "d"),
     ]
-    optional = {"queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "queue_marks", "host_shed",
+    optional = {"cpu_s", "cpu_busy", "queue_tail_drops", "queue_early_drops", "queue_bound_refusals", "queue_marks", "host_shed",
                 "ce_received", "paced_share"}
     lines = [ln for ln in lines if ln[1] not in optional or any(v.get(ln[1]) is not None for v in s.values())]
     for arm in s:

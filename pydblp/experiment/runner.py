@@ -393,9 +393,15 @@ def summarize(run: Run, opt: Options, target: float | None) -> dict:
     retx = int(sum(r["retx"] for r in rounds)) + run.final.get("trail_retransmits", 0) if rounds else None
     ph = run.final.get("phase") or {}
     hist = ph.get("history") or []
+    cpu = run.final.get("cpu")
+    cpu = float(sum(cpu)) if cpu and all(isinstance(c, (int, float)) for c in cpu) else None
+    wall = run.final.get("wall")
     return {
         "arm": run.arm,
-        "wall_s": run.final.get("wall"),
+        "wall_s": wall,
+        "cpu_s": cpu,  # every rank's process CPU over the training steps, summed
+        # of the machine's CPUs over the wall (the ranks share this host): near 1, CPU-bound
+        "cpu_busy": cpu / (wall * (os.cpu_count() or 1)) if cpu is not None and wall else None,
         "time_to_target_s": reached,
         "final_metric": run.evals[-1]["eval"] if run.evals else None,
         "final_loss": run.evals[-1].get("loss") if run.evals else None,

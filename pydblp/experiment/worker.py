@@ -24,6 +24,7 @@ import datetime
 import hashlib
 import json
 import os
+import resource
 import sys
 import time
 
@@ -103,6 +104,13 @@ def relax_knobs(relax: str, estimator: str) -> dict:
     ef, rot = relax in ("ef", "both"), relax in ("rotate", "both")
     return {"error_feedback": ef, "rotate": ROTATE_ROWS if rot else 0, "estimator": "zero" if ef else estimator}
 ALGOS = ("ddp", "fsdp")  # (the experiment's third, diloco, has a worker of its own)
+
+
+def cpu_s() -> float:
+    """Seconds of CPU this process used so far, user and system, every thread (the transport's
+    and the collective's included; softirq work the kernel charges elsewhere is not)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def tcp_retransmits() -> int:
@@ -333,16 +341,17 @@ def main(argv=None) -> int:
         dist.barrier()
         eval_at = set(a.eval_at)
         retrans0 = tcp_retransmits()
-        t_start = time.monotonic()
-        paused = 0.0  # evaluation and divergence checks: not training time
+        t_start, cpu_start = time.monotonic(), cpu_s()
+        paused = cpu_paused = 0.0  # evaluation and divergence checks: not training time (nor its CPU)
         for step in range(a.steps):
             batch, exact = draw(), None
             # (a sharded optimizer's averaged gradient exists only in pieces, at the shards' owners)
             if state is not None and a.grad_error_every and not sharded and not fsdp and step % a.grad_error_every == 0:
-                te0 = time.monotonic()
+                te0, ce0 = time.monotonic(), cpu_s()
                 exact = exact_mean(batch)
                 dist.barrier()  # (a ring allreduce lets ranks go tens of ms apart: the next step starts aligned)
                 paused += time.monotonic() - te0
+                cpu_paused += cpu_s() - ce0
             ts = time.monotonic()
             loss = loss_of(batch)
             opt.zero_grad()
@@ -363,7 +372,7 @@ def main(argv=None) -> int:
             emit({"step": step, "t": t3 - t_start - paused, "t0": t0, "loss": loss.item(), "sync": t1 - t0,
                   "dt": t3 - ts, "opt": t2 - t1})
             if step % a.eval_every == a.eval_every - 1 or step == a.steps - 1 or step + 1 in eval_at:
-                te0 = time.monotonic()
+                te0, ce0 = time.monotonic(), cpu_s()
                 if a.rank == 0 or fsdp:  # (FSDP: every rank's forward gathers the parameters)
                     model.eval()
                     q = models.evaluate(model, xte, yte)
@@ -377,7 +386,10 @@ def main(argv=None) -> int:
                     emit({"div": div, "div_rel": div_rel, "step": step})
                 dist.barrier()  # (rank 0 evaluated alone: the next step starts aligned)
                 paused += time.monotonic() - te0
-        final = {"final": True, "wall": time.monotonic() - t_start - paused,
+                cpu_paused += cpu_s() - ce0
+        cpu = [None] * a.world  # every rank's process CPU over the training steps
+        dist.all_gather_object(cpu, cpu_s() - cpu_start - cpu_paused)
+        final = {"final": True, "wall": time.monotonic() - t_start - paused, "cpu": cpu,
                  "tcp_retransmits": tcp_retransmits() - retrans0,
                  # this rank's parameters, bit for bit: two runs that must be identical compare it
                  "params_sha256": hashlib.sha256(b"".join(local(p).numpy().tobytes()

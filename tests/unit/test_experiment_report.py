@@ -276,6 +276,28 @@ def test_summary_carries_the_gradient_error_mean():
     assert "gradient error" in text and "dblp: gradient error by phase: critical 0.1000, relaxed 0.3000" in text
 
 
+def test_the_ranks_cpu_is_summed_shown_and_paired(monkeypatch):
+    from pydblp.experiment import runner
+
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
+    steps = [{"step": i, "sync": 0.01, "t0": float(i), "dt": 0.02, "opt": 0.001} for i in range(10)]
+
+    def summary(arm, cpu):
+        return runner.summarize(runner.Run(arm, steps=steps, final={"wall": 4.0, "cpu": cpu}), runner.Options(), None)
+
+    s = summary("dblp", [1.0, 2.0, 3.0, 0.5])
+    assert s["cpu_s"] == pytest.approx(6.5) and s["cpu_busy"] == pytest.approx(6.5 / (4.0 * 2))
+    assert summary("gloo", None)["cpu_s"] is None and summary("gloo", [1.0, None])["cpu_busy"] is None
+    text = report.table({"summary": {"dblp": s}, "speedup": {}})
+    assert "CPU, all ranks (s)" in text and "share of the machine's CPUs busy" in text
+    assert "CPU, all ranks" not in report.table({"summary": {"gloo": summary("gloo", None)}, "speedup": {}})
+    seeds = [{"summary": {"static": summary("static", [2.0] * 4), "dblp": summary("dblp", [1.0 + i] * 4)}}
+             for i in range(3)]
+    r = report.ratios(seeds)["dblp / static"]["cpu_s"]
+    assert r["ratio"] == pytest.approx(1.0) and r["per_seed"] == pytest.approx([0.5, 1.0, 1.5])
+    assert "CPU 1.00x (90 % CI" in "\n".join(report.ratio_lines({"ratios": report.ratios(seeds)}))
+
+
 def test_consistency_specs_map_to_the_collective_s_knobs():
     from pydblp.experiment.worker import consistency
 
