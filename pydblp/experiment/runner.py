@@ -18,8 +18,10 @@ import logging
 import os
 import random
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -250,6 +252,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
     clean rounds before the first burst (and kept for the next arms).
     """
     port = 29500 + random.Random(f"{seed}/{arm.name}").randrange(1000)
+    align = tempfile.mkdtemp(prefix="dblp-align-")  # the ranks' HostBarrier (all on this host)
     master = f"{tb.addr(0)}:{port}"
     argv = lambda r: [sys.executable, "-m", "pydblp.experiment.worker", "--rank", str(r), "--world",
                       str(opt.workers), "--master", master, "--arm", arm.method, "--algo", opt.algo, "--via", opt.via,
@@ -264,7 +267,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
                       "--priority", arm.priority, "--cc", arm.cc, "--grad-error-every", str(opt.grad_error_every),
                       "--warm-up", str(opt.warm_up),
-                      "--eval-at", str(target_step(opt)),
+                      "--eval-at", str(target_step(opt)), "--align", align,
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
@@ -346,6 +349,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
             starved.close()
         for f in errs:
             f.close()
+        shutil.rmtree(align, ignore_errors=True)
     if not run.final:
         bad = [r for r, code in enumerate(ended) if code] or [0]  # (the ones that ended by themselves)
         path = Path(opt.out_dir) / f"{name}.rank{bad[0]}.log"

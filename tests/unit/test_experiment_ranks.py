@@ -5,6 +5,7 @@ fails the run with its log's tail."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -33,7 +34,7 @@ class Ranks:
 
     def popen(self, r, argv, **kw):
         self.argv[r] = argv
-        return subprocess.Popen([sys.executable, "-c", self.scripts[r]], **kw)
+        return subprocess.Popen([sys.executable, "-c", self.scripts[r], *argv[3:]], **kw)  # (its flags: sys.argv)
 
 
 def run(tmp_path, scripts, ranks=None):
@@ -70,3 +71,16 @@ def test_a_crash_before_the_result_fails_the_run_with_its_log(tmp_path):
 def test_another_rank_failing_first_fails_the_run(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] failed: bad input"):
         run(tmp_path, ["import time; time.sleep(30)", "import sys; sys.stderr.write(\"bad input\\n\"); sys.exit(3)"])
+
+
+def test_the_ranks_share_an_alignment_directory_removed_after_the_run(tmp_path):
+    # rank 1 leaves a file in the directory its --align names; rank 0 reports a step once it sees it
+    where = "import os, sys, time; d = sys.argv[sys.argv.index('--align') + 1]\n"
+    rank0 = where + f"while not os.listdir(d): time.sleep(0.01)\nprint({STEP!r}); print({FINAL!r})"
+    rank1 = where + "open(os.path.join(d, '1'), 'x').close()"
+    ranks = Ranks([rank0, rank1])
+    got = run(tmp_path, ranks.scripts, ranks)
+    assert got.final and len(got.steps) == 1
+    dirs = {argv[argv.index("--align") + 1] for argv in ranks.argv.values()}
+    assert len(dirs) == 1
+    assert not os.path.exists(dirs.pop())
