@@ -20,6 +20,7 @@ Failures go to stderr and the exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -152,6 +153,41 @@ class HostBarrier:
                     raise TimeoutError(f"rank {self.rank}: {len(missing)} of {self.world} ranks did not reach "
                                        f"barrier {self.n} in {self.path} within {timeout:.0f} s")
                 time.sleep(ALIGN_POLL)
+
+
+class TrainingClock:
+    """The run's training time and CPU: from :meth:`start`, less every :meth:`pause`
+    (evaluations, divergence and gradient checks), each ended by the ranks lining up.
+
+    Args:
+        align: the barrier that lines the ranks up (:meth:`HostBarrier.wait`, or
+            ``dist.barrier``): the steps after a pause start together.
+    """
+
+    def __init__(self, align):
+        self.align = align
+        self.t0 = self.cpu0 = self.paused = self.cpu_paused = 0.0
+
+    def start(self) -> None:
+        self.align()
+        self.t0, self.cpu0 = time.monotonic(), cpu_s()
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Training seconds at ``now`` (monotonic; default: now)."""
+        return (time.monotonic() if now is None else now) - self.t0 - self.paused
+
+    def cpu(self) -> float:
+        """This process's CPU seconds over the training so far."""
+        return cpu_s() - self.cpu0 - self.cpu_paused
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Leave what runs inside out of the training time and CPU; the ranks line up at its end."""
+        t, c = time.monotonic(), cpu_s()
+        yield
+        self.align()
+        self.paused += time.monotonic() - t
+        self.cpu_paused += cpu_s() - c
 
 
 def cpu_s() -> float:
@@ -386,22 +422,17 @@ def main(argv=None) -> int:
             calib.append(time.monotonic() - t0)
             opt.zero_grad()
         emit({"calibrate": sorted(calib[1:])[len(calib[1:]) // 2]})
-        host = HostBarrier(a.align, a.rank, a.world) if a.align else None
-        align = host.wait if host is not None else dist.barrier  # (the steps start together)
-        align()
         eval_at = set(a.eval_at)
         retrans0 = tcp_retransmits()
-        t_start, cpu_start = time.monotonic(), cpu_s()
-        paused = cpu_paused = 0.0  # evaluation and divergence checks: not training time (nor its CPU)
+        clock = TrainingClock(HostBarrier(a.align, a.rank, a.world).wait if a.align else dist.barrier)
+        clock.start()
         for step in range(a.steps):
             batch, exact = draw(), None
-            # (a sharded optimizer's averaged gradient exists only in pieces, at the shards' owners)
+            # (a sharded optimizer's averaged gradient exists only in pieces, at the shards' owners;
+            # a ring allreduce lets ranks go tens of ms apart: the pause lines them up again)
             if state is not None and a.grad_error_every and not sharded and not fsdp and step % a.grad_error_every == 0:
-                te0, ce0 = time.monotonic(), cpu_s()
-                exact = exact_mean(batch)
-                align()  # (a ring allreduce lets ranks go tens of ms apart: the next step starts aligned)
-                paused += time.monotonic() - te0
-                cpu_paused += cpu_s() - ce0
+                with clock.pause():
+                    exact = exact_mean(batch)
             ts = time.monotonic()
             loss = loss_of(batch)
             opt.zero_grad()
@@ -419,27 +450,24 @@ def main(argv=None) -> int:
             if broadcaster is not None:
                 broadcaster.step()
             t3 = time.monotonic()
-            emit({"step": step, "t": t3 - t_start - paused, "t0": t0, "loss": loss.item(), "sync": t1 - t0,
+            emit({"step": step, "t": clock.elapsed(t3), "t0": t0, "loss": loss.item(), "sync": t1 - t0,
                   "dt": t3 - ts, "opt": t2 - t1})
             if step % a.eval_every == a.eval_every - 1 or step == a.steps - 1 or step + 1 in eval_at:
-                te0, ce0 = time.monotonic(), cpu_s()
-                if a.rank == 0 or fsdp:  # (FSDP: every rank's forward gathers the parameters)
-                    model.eval()
-                    q = models.evaluate(model, xte, yte)
-                    model.train()
+                with clock.pause():  # (rank 0 evaluates alone: the next step starts with the ranks lined up)
+                    t_eval = clock.elapsed()
+                    if a.rank == 0 or fsdp:  # (FSDP: every rank's forward gathers the parameters)
+                        model.eval()
+                        q = models.evaluate(model, xte, yte)
+                        model.train()
+                        if a.rank == 0:
+                            name = "accuracy" if digits else "perplexity"
+                            emit({"eval": q[name], "metric": name, "loss": q["loss"], "step": step, "t": t_eval})
+                    div, div_rel = divergence(model) if not fsdp else (0.0, 0.0)  # (FSDP: one copy, sharded)
                     if a.rank == 0:
-                        name = "accuracy" if digits else "perplexity"
-                        emit({"eval": q[name], "metric": name, "loss": q["loss"],
-                              "step": step, "t": te0 - t_start - paused})
-                div, div_rel = divergence(model) if not fsdp else (0.0, 0.0)  # (FSDP: one copy, sharded)
-                if a.rank == 0:
-                    emit({"div": div, "div_rel": div_rel, "step": step})
-                align()  # (rank 0 evaluated alone: the next step starts aligned)
-                paused += time.monotonic() - te0
-                cpu_paused += cpu_s() - ce0
-        cpu = [None] * a.world  # every rank's process CPU over the training steps
-        dist.all_gather_object(cpu, cpu_s() - cpu_start - cpu_paused)
-        final = {"final": True, "wall": time.monotonic() - t_start - paused, "cpu": cpu,
+                        emit({"div": div, "div_rel": div_rel, "step": step})
+        wall, cpu = clock.elapsed(), [None] * a.world  # (read before the gather: a collective over the links)
+        dist.all_gather_object(cpu, clock.cpu())  # every rank's process CPU over the training steps
+        final = {"final": True, "wall": wall, "cpu": cpu,
                  "tcp_retransmits": tcp_retransmits() - retrans0,
                  # this rank's parameters, bit for bit: two runs that must be identical compare it
                  "params_sha256": hashlib.sha256(b"".join(local(p).numpy().tobytes()

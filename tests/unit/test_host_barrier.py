@@ -1,5 +1,6 @@
-"""The experiment's HostBarrier: ranks of one host line up through files, not the network
-(threads stand in for the rank processes; the barrier only sees files)."""
+"""The experiment's HostBarrier (ranks of one host line up through files, not the network;
+threads stand in for the rank processes, the barrier only sees files) and the TrainingClock
+whose pauses end with it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from pydblp.experiment.worker import HostBarrier
+from pydblp.experiment.worker import HostBarrier, TrainingClock
 
 WORLD = 4
 
@@ -62,3 +63,20 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_the_barrier(tmp_path):
     b = HostBarrier(str(tmp_path), 0, 2)
     with pytest.raises(TimeoutError, match=r"rank 0: 1 of 2 ranks did not reach barrier 1 in .* within 0 s"):
         b.wait(timeout=0.05)
+
+
+def test_a_pause_and_its_lining_up_are_left_out_of_the_training_time():
+    lined_up = []
+    clock = TrainingClock(lambda: (lined_up.append(time.monotonic()), time.sleep(0.05)))
+    t0 = time.monotonic()  # (before start: the clock's own zero is no earlier)
+    clock.start()
+    with clock.pause():
+        time.sleep(0.1)  # an evaluation
+    assert len(lined_up) == 2  # at the start and at the pause's end
+    # the pause took at least 0.15 s (its work and the barrier's): none of it is training
+    assert clock.elapsed() <= time.monotonic() - t0 - 0.15
+    assert clock.paused >= 0.15
+    with pytest.raises(RuntimeError):  # a failing check propagates; nothing is lined up after it
+        with clock.pause():
+            raise RuntimeError("divergence check failed")
+    assert len(lined_up) == 2
