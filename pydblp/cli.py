@@ -537,6 +537,9 @@ def _add_experiment(sub):
                    help="its ECN threshold in KiB: ECN-capable frames admitted past it are marked CE (default: none)")
     p.add_argument("--cc", metavar="MODES",
                    help="pydblp congestion control, one run each: ecn (default: back off on CE marks) and/or off")
+    p.add_argument("--plan", metavar="MODES",
+                   help="dblp's plans, one run each: auto (default: send what the bound needs where the link is the "
+                        "bottleneck), on and/or off (every chunk), e.g. auto,off")
     p.add_argument("--queue-port", metavar="PORTS",
                    help="workers whose incoming link has the queue: all, or e.g. 0 (default: 0 with --mode ps, else all)")
     p.add_argument("--drop-policy", metavar="POLICIES",
@@ -623,6 +626,7 @@ def _experiment_options(args):
     queue = args.queue if args.queue is not None else base.queue_mbit
     queue_kb = args.queue_kb if args.queue_kb is not None else base.queue_kb
     cc = _choices(args.cc, "--cc", runner.CCS) if args.cc is not None else None
+    plan = _choices(args.plan, "--plan", runner.PLANS) if args.plan is not None else None
     relax = _choices(args.relax, "--relax", runner.RELAX) if args.relax is not None else None
     static_relax = (_choices(args.static_relax, "--static-relax", runner.RELAX) if args.static_relax is not None
                     else None)
@@ -647,7 +651,7 @@ def _experiment_options(args):
                          f"(add --consistency allgather)")
     return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
                           burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc, relax=relax,
-                          static_relax=static_relax,
+                          static_relax=static_relax, plan=plan,
                           queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 

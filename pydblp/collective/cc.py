@@ -46,6 +46,7 @@ with a bucket each.  Everything here is bookkeeping over times passed in.
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +60,9 @@ BUCKET_S = 0.002      # a paced destination's token bucket holds this many s of 
 BUCKET_FRAMES = 16    # ... and at least this many frames
 WAIT_FRAMES = 8       # a sender held back waits until this many frames are covered (its quantum)
 BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by this share of the gap
+LOSS_SPAN = 4096      # the path's loss estimate: the worse of the latest echoes spanning this many packets
+LOSS_SPANS = 4        # sent to it and of those spanning this many times as many (a steadier figure); known
+LOSS_SEEN = 512       # once they span this many
 
 
 class Echo(NamedTuple):
@@ -76,9 +80,10 @@ class Ledger:
     echo loses nothing and one overtaken by a newer STOP is recognised and ignored.
 
     :class:`RateControl` reads marks from it; a loss-following bound (``Dblp(high="loss")``) reads
-    ``sent - got``, the packets the network lost.  Per destination, what :meth:`echo` returns sums
-    to the echoed total, so a packet in flight at one echo counts as lost there and as arrived at
-    the next: over many echoes the difference is the loss.
+    ``sent - got``, the packets the network lost, and a message's plan (``Config.plan``) the path's
+    :meth:`loss`.  Per destination, what :meth:`echo` returns sums to the echoed total, so a packet
+    in flight at one echo counts as lost there and as arrived at the next: over many echoes the
+    difference is the loss.
     """
 
     def __init__(self, world: int):
@@ -86,6 +91,29 @@ class Ledger:
         self.heard = [False] * world          # an echo came from it
         self.sent = [0] * world               # DATA frames sent to it (sent) ...
         self.sent_echoed = [0] * world        # ... and as of its latest echo with news
+        self.got = [0] * world                # DATA frames its echoes say arrived, in all
+        self.marks: list[collections.deque] = [collections.deque() for _ in range(world)]  # per echo with
+        # news: (sent, got) then, over the latest LOSS_SPANS * LOSS_SPAN sent and the echo before them
+
+    def loss(self, dst: int) -> float | None:
+        """The share of the DATA sent to ``dst`` lately that did not arrive, in [0, 1]; None while
+        the echoes kept span fewer than ``LOSS_SEEN`` packets sent.  The worse of two figures:
+        between the latest echo and the last one at least ``LOSS_SPAN`` packets before it (it
+        follows a change), and between the latest and the oldest kept, ``LOSS_SPANS`` times as
+        many (steadier).  Packets in flight at either end of a span (a message still going out
+        to the same rank, a pacer's queue: a few hundred) count as lost or as arrived there, an
+        error of several % on a short span: hence the longer one, and the worse of the two."""
+        m = self.marks[dst]
+        if len(m) < 2 or m[-1][0] - m[0][0] < LOSS_SEEN:
+            return None
+        last = m[-1]
+        worst = 0.0
+        for i in range(len(m) - 2, -1, -1):
+            if last[0] - m[i][0] >= LOSS_SPAN or i == 0:
+                worst = 1.0 - (last[1] - m[i][1]) / (last[0] - m[i][0])
+                break
+        worst = max(worst, 1.0 - (last[1] - m[0][1]) / (last[0] - m[0][0]))
+        return min(1.0, max(0.0, worst))
 
     def spend(self, dst: int, frames: int) -> None:
         """``frames`` DATA packets went to ``dst``."""
@@ -106,6 +134,13 @@ class Ledger:
         if got == 0:
             return Echo(0, 0, 0)
         sent, self.sent_echoed[dst] = self.sent[dst] - self.sent_echoed[dst], self.sent[dst]
+        self.got[dst] += got
+        m = self.marks[dst]
+        if not m:
+            m.append((self.sent[dst] - sent, self.got[dst] - got))  # (the first span starts at 0 on both ends)
+        m.append((self.sent[dst], self.got[dst]))
+        while len(m) > 2 and self.sent[dst] - m[1][0] >= LOSS_SPANS * LOSS_SPAN:
+            m.popleft()
         return Echo(got, min((marked - prev[1]) & MASK32, got), sent)
 
 

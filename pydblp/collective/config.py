@@ -60,6 +60,11 @@ CHUNK_MAX = 8000  # Config.check's bound
 ALLGATHERS = ("unicast", "broadcast")
 ORDERS = ("shuffle", "rows")
 CCS = ("ecn", "off")
+PLANS = ("auto", "on", "off")
+PLAN_Z = 2.0          # standard deviations of the arrivals a plan adds to what the bound needs
+PLAN_LOSS_MAX = 0.25  # a path that loses more than this is sent every chunk (no plan)
+PLAN_SHORT_KEEP = 0.75  # a plan that fell short: the loss it saw counts for the next plans to that rank,
+                        # this share less each
 
 
 def link_chunk_bytes(mtu: int) -> int:
@@ -177,6 +182,15 @@ class Config:
     cc_min_rate: float = 10e6        # bits/s below which a destination is never paced
     cc_delay: float = 0.0            # s of STOP delay above the least seen counted as a mark (a fabric
                                      # without ECN that queues); 0: delay is not a signal
+    plan: str = "off"                # how much of a message with a loss bound goes out before its sender
+                                     # waits to hear from the receiver: "off": every chunk (the receiver's
+                                     # STOP cuts the rest, a round trip late); "on": the chunks the bound
+                                     # needs on the path's measured loss, with PLAN_Z deviations to spare,
+                                     # then a PROBE (a shortfall is made up a round trip later); "auto": so
+                                     # where the link is the bottleneck (a pacing transport, or a send queue
+                                     # that does not drain), else every chunk.  Off by default: a plan spends
+                                     # the bound's slack on purpose, so a clean path's rounds are estimates
+                                     # too.  docs/protocol.md, "Plans"
     records_max: int = RECORDS_MAX   # round records Collective.records keeps (the latest; older ones
                                      # are dropped, so a long run's memory stays flat)
     on_record: Callable[[RoundRecord], None] | None = None  # called with each round's record as the
@@ -238,6 +252,8 @@ class Config:
                 raise ValueError(f"{name} {value}: use a positive rate in bits/s (e.g. 50e6)")
         if not self.cc_delay >= 0:
             raise ValueError(f"cc_delay {self.cc_delay}: use seconds >= 0 (0: delay is no signal)")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan {self.plan!r}: use {', '.join(PLANS)}")
         if self.records_max < 0:
             raise ValueError(f"records_max {self.records_max}: use 0 or more records")
         if self.on_record is not None and not callable(self.on_record):

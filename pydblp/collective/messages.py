@@ -66,6 +66,8 @@ class OutMessage:
         self.need = self.n - self.n * tol8 // 255
         self.first = first % self.n if self.n else 0
         self.sent = 0                        # first sends made, in send order (from ``first``)
+        self.plan = self.n                   # first sends it makes before it waits for an answer (set_plan)
+        self.plans = False                   # it was given a plan short of n (it may have grown since)
         self.avail = self.n                  # chunks that may go out now (the rest are held back)
         self.retx = None                     # chunks queued for retransmission (made by the first BITMAP)
         self.nretx = 0
@@ -84,10 +86,42 @@ class OutMessage:
         self.t_sent_all = None
         self.t_last = 0.0
         self.probes = 0        # all probes sent
+        self.t_probed = None   # when the latest went
         self.timeouts = 0      # probes sent because the timeout passed
         self.retransmits = 0
         self.used = None       # reduce-scatter, error feedback: the chunks the owner's estimate used
                                # (its FINAL BITMAP); None: not heard
+
+    def set_plan(self, m: int) -> None:
+        """Make at most ``m`` first sends (``Config.plan``).  The rest go only if a BITMAP shows
+        the plan short (:meth:`extend_plan`): past them the message is out (its sender probes at
+        once, and a BITMAP's answer has what is lost resent), and a chunk not sent is, to the
+        receiver, one the network lost."""
+        self.plan = max(0, min(self.n, m))
+        self.avail = min(self.avail, self.plan)
+        self.plans = self.plans or self.plan < self.n
+
+    def extend_plan(self, k: int) -> None:
+        """Plan ``k`` more first sends (at most ``n`` in all): a BITMAP showed the plan short."""
+        held = self.avail < self.plan  # (an all-gather's second half held back: it stays so)
+        self.plan = min(self.n, self.plan + max(0, k))
+        if not held:
+            self.avail = self.plan
+
+    def top_up(self, k: int) -> None:
+        """Make the next ``k`` sends what a BITMAP showed short: the first ``k`` chunks queued to
+        resend (the rest stay missing: the bound does not need them), and first sends past the
+        plan for what is left of ``k``."""
+        if self.nretx > k:
+            drop = np.flatnonzero(self.retx)[k:]
+            self.retx[drop] = False
+            self.nretx = k
+        self.extend_plan(k - self.nretx)
+
+    @property
+    def out(self) -> bool:
+        """Every first send it plans went out."""
+        return self.sent >= self.plan
 
     def chunks(self, start: int, stop: int) -> np.ndarray:
         """The chunks of first sends ``start`` .. ``stop - 1`` (in send order)."""
@@ -151,7 +185,10 @@ class OutMessage:
         # a first send went out by t_sent_all (all sent) or by the message's latest send or answer
         went = np.where(resent, self.t_rtx[seg], self.t_sent_all if self.t_sent_all is not None else self.t_last)
         recent = wait if self.rtt is None else LOSS_RTTS * self.rtt
-        return miss & ((seq < top) | (went <= now - recent))
+        # a message with a plan probes right behind each batch of its sends, on the same path: what
+        # the answer lacks of what went before the probe is lost, not on its way
+        behind = went <= self.t_probed if self.plans and self.t_probed is not None else False
+        return miss & ((seq < top) | (went <= now - recent) | behind)
 
     def resend(self, budget: int, now: float) -> np.ndarray:
         """Take up to ``budget`` chunks queued for retransmission off the queue, numbering them
@@ -172,14 +209,18 @@ class OutMessage:
         return min(probe_max, pt * (2 ** min(self.timeouts, 4)))
 
     def probe_due(self, now: float, pt: float, probe_max: float) -> bool:
-        """Whether to PROBE now: everything sent, no retransmission queued, and silence for
-        :meth:`probe_wait`.  Counts the probe when it is due."""
-        if self.done or self.sent < self.n or self.nretx or now - self.t_last < self.probe_wait(pt, probe_max):
+        """Whether to PROBE now: every planned chunk sent, no retransmission queued, and silence
+        for :meth:`probe_wait`.  Counts the probe when it is due."""
+        if self.done or not self.out or self.nretx or now - self.t_last < self.probe_wait(pt, probe_max):
             return False
-        self.probes += 1
         self.timeouts += 1
-        self.t_last = now
+        self.probed(now)
         return True
+
+    def probed(self, now: float) -> None:
+        """A PROBE for it goes at ``now``."""
+        self.probes += 1
+        self.t_probed = self.t_last = now
 
 
 class InMessage:

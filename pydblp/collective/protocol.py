@@ -32,9 +32,9 @@ from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import Echo, Ledger, RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
-                                      FINAL, LINGER, MASK32, NB, PROBE, RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP,
-                                      TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR,
-                                      CollectiveError, Config, RoundRecord)
+                                      FINAL, LINGER, MASK32, NB, PLAN_LOSS_MAX, PLAN_SHORT_KEEP, PLAN_Z, PROBE, RAW, REAL_CLOCK,
+                                      RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED,
+                                      TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
@@ -103,7 +103,7 @@ class Protocol:
         self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
-                                       "stray", "rx_errors", "ce_received", "fed_back"), 0)
+                                       "stray", "rx_errors", "ce_received", "fed_back", "planned", "plans_short"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters, stagger=c.stagger)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
@@ -124,15 +124,16 @@ class Protocol:
                                                   # neighbour round's, Round.began; empty after other kinds)
         self.frame = c.chunk_bytes + wire.DATAGRAM_OVERHEAD  # bytes a DATA packet takes on the wire (at most)
         self.cc = RateControl(world, c, self.frame) if c.cc == "ecn" else None  # per destination's rate
-        # what STOPs' echoes say arrived of this rank's DATA, per destination: for the rate control
-        # and a bound that follows the network's loss (the job's ranks share both settings, so each
-        # counts what its peers will read)
-        self.ledger = Ledger(world) if self.cc is not None or self.controller.hears_loss else None
+        # what STOPs' echoes say arrived of this rank's DATA, per destination: for the rate control,
+        # a bound that follows the network's loss and the plans (the job's ranks share these
+        # settings, so each counts what its peers will read)
+        self.ledger = Ledger(world) if self.cc is not None or self.controller.hears_loss or c.plan != "off" else None
         self.rx_from = np.zeros(world + 1, np.int64)  # per sender: DATA received from it (late ones too;
         self.ce_from = np.zeros(world + 1, np.int64)  # [world]: no rank's) and those that came CE-marked:
                                                   # both echoed in STOPs, cumulative
         self._rx_at, self._ce_at = self.rx_from.ctypes.data, self.ce_from.ctypes.data
         self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
+        self._short = [0.0] * world  # per destination: the loss the last plan that fell short saw, halving a plan
         if self.cc is not None:
             transport.set_ect(True)
             if not transport.ect:
@@ -272,6 +273,7 @@ class Protocol:
             else:
                 rows = x[a:b]
                 o = OutMessage(False, k, rows, self._prio(st, rows, a), st.tol8, rnd, tensor, first=self._first(b - a))
+            self._plan(o)
             st.outs[(False, k)] = o
         if kind.gather:
             self._expect_gather(st)
@@ -657,9 +659,12 @@ class Protocol:
             for o in members:
                 o.avail = 0
             first = [bc]
+        else:  # (a broadcast's first pass goes whole: its receivers' paths differ)
+            for o in members:
+                self._plan(o)
         if split:
             for o in first:
-                o.avail = o.n // 2
+                o.avail = min(o.plan, o.n // 2)
             st.ag_rest = self.clock() + AG_SPLIT
 
     # ---- sending ---------------------------------------------------------
@@ -668,6 +673,47 @@ class Protocol:
         """The path took ``DRAINED_LOOKS`` full turns in a row as fast as they were handed over
         (:meth:`send_some` then sends larger turns)."""
         return self._drained >= DRAINED_LOOKS
+
+    @property
+    def link_bound(self) -> bool:
+        """The link, not this host, sets the pace: the transport paces (``pkt_s``: what a packet
+        costs its pacer), or it reports a send queue that full turns do not drain (not
+        :attr:`keeps_up`).  ``Config.plan`` "auto" plans messages only then."""
+        return self.pkt_s > 0 or (self.t.reports_tx_queue and not self.keeps_up)
+
+    def _plan(self, o: OutMessage) -> None:
+        """Give ``o`` a plan (``Config.plan``): the first sends whose arrivals meet its bound on
+        the path's measured loss ``p`` (:meth:`Ledger.loss`), with ``PLAN_Z`` standard deviations
+        to spare: ``(need + z sqrt(need p / (1 - p)) + 1) / (1 - p)``.  None while the loss is
+        not measured, at most ``PLAN_LOSS_MAX``, where the bound needs every chunk or (``auto``)
+        where the link is not the bottleneck: it sends them all."""
+        how = self.cfg.plan
+        if how == "off" or o.need >= o.n or (how == "auto" and not self.link_bound):
+            return
+        p = self.ledger.loss(o.dst)
+        if p is None:
+            return
+        p, self._short[o.dst] = max(p, self._short[o.dst]), self._short[o.dst] * PLAN_SHORT_KEEP
+        if p > PLAN_LOSS_MAX:
+            return
+        m = (o.need + PLAN_Z * math.sqrt(o.need * p / (1 - p)) + 1) / (1 - p)
+        if m < o.n:
+            o.set_plan(math.ceil(m))
+            self.counters["planned"] += 1
+
+    def _top_up(self, o: OutMessage) -> None:
+        """A BITMAP showed ``o``'s plan short by ``d`` chunks: its next sends (what it lost, then
+        first sends past the plan) are as many as make the arrivals cover ``d`` the way a plan
+        covers ``need``, at the worse of the path's loss and what this message lost so far."""
+        got = int(np.count_nonzero(o.acked))
+        d = o.need - got
+        if d <= 0:
+            return
+        self.counters["plans_short"] += 1
+        p = max(self.ledger.loss(o.dst) or 0.0, 1.0 - got / max(1, o.sent + o.retransmits))
+        self._short[o.dst] = max(self._short[o.dst], p)  # (the estimate lags a loss that grew: the next plans
+        p = min(p, PLAN_LOSS_MAX)                        # to this rank start from this, PLAN_SHORT_KEEP less each)
+        o.top_up(math.ceil((d + PLAN_Z * math.sqrt(d * p / (1 - p)) + 1) / (1 - p)))
 
     def send_some(self, st: Round, now: float) -> bool:
         """Send up to ``burst`` data packets in one batch, retransmissions first, with waiting control packets.
@@ -684,12 +730,12 @@ class Protocol:
         if st.ag_rest is not None and now >= st.ag_rest:  # the all-gather's second half may go
             st.ag_rest = None
             for o in (st.outs.values() if bc is None else (bc,)):  # (a broadcast's members follow it)
-                o.avail = o.n
+                o.avail = o.plan
         active = [o for o in st.outs.values() if not o.done and (o.sent < o.avail or o.nretx)]
         if bc is not None and bc.sent < bc.avail and not all(o.done for o in bc.members):
             active.append(bc)
-        if self.trail:  # retransmissions an earlier round's trailing all-gather was asked for
-            active += [o for o in self.trail.values() if not o.done and o.nretx]
+        if self.trail:  # what an earlier round's trailing all-gather was asked for (or its plan grew by)
+            active += [o for o in self.trail.values() if not o.done and (o.nretx or o.sent < o.avail)]
         if not active:
             if st.ag_rest is not None:
                 self.tx_wait = max(0.0005, st.ag_rest - now)
@@ -717,6 +763,7 @@ class Protocol:
         cc = self.cc
         paced = cc is not None and cc.rate.any()
         held, wait = set(), None  # messages the rate control holds back now, and how long for
+        ended = []  # messages with a plan whose last send (first or again) goes in this batch: a PROBE follows
         for o in active:
             budget = share
             if paced:
@@ -740,8 +787,10 @@ class Protocol:
                     o.t_first = now
                 o.sent += len(idx)
                 parts.append((o, idx, 0))
-                if o.sent == o.n:
+                if o.out:
                     o.t_sent_all = now
+            if o.plans and len(parts) > n0 and o.out and not o.nretx:
+                ended.append(o)
             if self.ledger is not None:
                 sent = sum(len(p[1]) for p in parts[n0:])
                 for d in (self._others if o.dst == wire.DST_ALL else (o.dst,)):
@@ -756,6 +805,7 @@ class Protocol:
                     o.t_last = now
                     o.t_sent_all = bc.t_sent_all
         self._send_batch(st, parts)
+        self._probe_behind(ended, now)
         k = sum(len(idx) for _, idx, _ in parts)
         if k:
             self._turn = (k, now)
@@ -947,6 +997,8 @@ class Protocol:
             if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
                         self.probe_timeout):
                 self._out_done(o, now)
+            elif o.plans:
+                self._top_up(o)
 
     def _echo(self, src: int, received: int, marked: int) -> Echo | None:
         """Read a STOP's echo from ``src`` into the ledger; the phase controller hears the loss."""
@@ -1006,13 +1058,18 @@ class Protocol:
 
     def _probes(self, outs, now: float) -> None:
         """PROBE each of ``outs`` that has sent everything, has no retransmission queued and has
-        heard nothing for its probe wait."""
+        heard nothing for its probe wait.  A message with a plan that heard nothing for the probe
+        timeout since its probe (the probe or its answer lost) sends the rest of its chunks instead."""
         pt = None
         for o in outs:
-            if o.done or o.sent < o.n or o.nretx:
+            if o.done or not o.out or o.nretx:
                 continue
             if pt is None:
                 pt = self.probe_timeout
+            if o.plans and o.plan < o.n and o.t_probed is not None and o.t_heard < o.t_probed <= now - pt:
+                o.extend_plan(o.n)
+                self.counters["plans_short"] += 1
+                continue
             if o.probe_due(now, pt, self.cfg.probe_max):
                 self._ctrl_packet(o.rnd, o.tensor, PROBE, o.flag, o.dst, o.n, o.tol8)
                 if o.trailing:
@@ -1091,7 +1148,7 @@ class Protocol:
         for o in list(self.trail.values()):
             if o.done:
                 continue
-            if o.nretx:
+            if o.nretx or o.sent < o.avail:
                 return 0.0
             if pt is None:
                 pt = self.probe_timeout
@@ -1100,18 +1157,40 @@ class Protocol:
         return None if due is None else max(0.0, due)
 
     def serve_trail(self, now: float) -> None:
-        """Between rounds: send what trailing messages were asked to resend (``burst`` packets at
-        most; the rest on the next call), then their timers."""
-        parts, budget = [], self.cfg.burst
+        """Between rounds: send what trailing messages were asked to resend, and the first sends a
+        BITMAP grew their plans by (``burst`` packets at most; the rest on the next call), then
+        their timers."""
+        parts, budget, ended = [], self.cfg.burst, []
         for o in self.trail.values():
-            if not o.done and o.nretx and budget > 0:
+            if o.done or budget <= 0:
+                continue
+            n0 = len(parts)
+            if o.nretx:
                 idx = self._resend(o, budget, now)
                 parts.append((o, idx, RETX))
                 budget -= len(idx)
+            if o.sent < o.avail and budget > 0:
+                idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
+                o.sent += len(idx)
+                parts.append((o, idx, 0))
+                budget -= len(idx)
+            if len(parts) > n0:
                 o.t_last = now
+                if self.ledger is not None:
+                    self.ledger.spend(o.dst, sum(len(p[1]) for p in parts[n0:]))
+                if o.plans and o.out and not o.nretx:
+                    ended.append(o)
         if parts:
             self._send_batch(None, parts)
+        self._probe_behind(ended, now)
         self._trail_timers(now)
+
+    def _probe_behind(self, ended: list, now: float) -> None:
+        """PROBE each message of ``ended`` (with a plan: its last send queued went in the batch just
+        sent); the next batch carries them, behind the data on its path."""
+        for o in ended:
+            o.probed(now)
+            self._ctrl_packet(o.rnd, o.tensor, PROBE, o.flag, o.dst, o.n, o.tol8)
 
     # ---- round end -------------------------------------------------------
     def finish(self, st: Round) -> RoundRecord:
@@ -1173,7 +1252,7 @@ class Protocol:
         they trail, on a copy of their rows (the caller owns the result now), until their STOP."""
         for key in [k for k, o in self.trail.items() if o.done]:
             del self.trail[key]
-        pending = [o for o in st.outs.values() if (o.ag or o.nb) and not o.done and o.sent == o.n]
+        pending = [o for o in st.outs.values() if (o.ag or o.nb) and not o.done and o.out]
         if not pending:
             return
         rows = pending[0].rows  # (every all-gather message of a round carries the same rows, my shard;

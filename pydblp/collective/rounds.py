@@ -115,10 +115,10 @@ class Round:
     def settled(self) -> bool:
         """Its messages let the round return: this rank's part is in, every message it waits for
         (all-gather or neighbour) is done or skipped, and each of its own is done or, if others
-        wait for it (all-gather, neighbour), went out whole with no retransmission waiting (it
-        then trails)."""
+        wait for it (all-gather, neighbour), went out (every chunk it plans: ``OutMessage.out``)
+        with no retransmission waiting (it then trails)."""
         return (self.reduced and all(i.done or i.skipped for i in self.ins.values() if i.ag or i.nb)
-                and all(o.done or ((o.ag or o.nb) and o.sent == o.n and not o.nretx) for o in self.outs.values()))
+                and all(o.done or ((o.ag or o.nb) and o.out and not o.nretx) for o in self.outs.values()))
 
     def tensor_rows(self, first: int, n: int) -> int | np.ndarray:
         """The tensor's row numbers of the round's rows ``first .. first + n``: ``first`` (the
@@ -159,7 +159,7 @@ class Round:
         for (ag, src), inn in self.ins.items():
             rec.delivered[f"{'ag' if ag else 'rs'}:{src}"] = inn.count / inn.n
             rec.below_bound |= not inn.done
-        rec.below_bound |= not all(o.done or (o.ag and o.sent == o.n) for o in self.outs.values())
+        rec.below_bound |= not all(o.done or (o.ag and o.out) for o in self.outs.values())
 
 
 @dataclass(eq=False, kw_only=True)
@@ -373,7 +373,7 @@ class NeighbourRound(Round, Inbox):
             inn, o = self.ins[(False, r)], self.outs[(False, r)]
             if not inn.done:
                 inn.skipped = True
-            if not o.done and (inn.skipped or o.sent < o.n or o.nretx):
+            if not o.done and (inn.skipped or not o.out or o.nretx):
                 o.done = o.abandoned = True
             self.until[k] = np.inf
 

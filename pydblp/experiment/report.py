@@ -22,17 +22,17 @@ def _dblp_pairs(names) -> list[tuple[str, str]]:
     return out
 
 
-def _cc_pairs(names) -> list[tuple[str, str]]:
-    """(a run with congestion control, the same run without) where both ran (``--cc off,ecn``):
-    ``dblp/cc-ecn`` with ``dblp/cc-off``, ``dblp/magnitude/tail/cc-ecn`` with
-    ``dblp/magnitude/tail/cc-off``."""
+def _off_pairs(names, knob: str = "cc") -> list[tuple[str, str]]:
+    """(a run with ``knob`` on, the same run with it off) where both ran (``--cc off,ecn``,
+    ``--plan auto,off``): ``dblp/cc-ecn`` with ``dblp/cc-off``, ``dblp/magnitude/tail/cc-ecn``
+    with ``dblp/magnitude/tail/cc-off``, ``dblp/plan-auto`` with ``dblp/plan-off``."""
     names = list(names)
     out = []
     for name in names:
-        head, sep, rest = name.partition("/cc-")
+        head, sep, rest = name.partition(f"/{knob}-")
         mode, slash, tail = rest.partition("/")
-        if sep and mode != "off" and f"{head}/cc-off{slash}{tail}" in names:
-            out.append((name, f"{head}/cc-off{slash}{tail}"))
+        if sep and mode != "off" and f"{head}/{knob}-off{slash}{tail}" in names:
+            out.append((name, f"{head}/{knob}-off{slash}{tail}"))
     return out
 
 
@@ -63,7 +63,7 @@ def speedups(summary: dict) -> dict:
 
 def ratios(seeds: list[dict]) -> dict:
     """Per DBLP arm against static and Gloo, static against Gloo, and each run with congestion
-    control against the same run without (:func:`_cc_pairs`; the same seeds): time to
+    control or plans against the same run without (:func:`_off_pairs`; the same seeds): time to
     target, wall time and the ranks' CPU as ``arm / base`` (below 1: the arm is faster or
     cheaper), the ratio of the means
     over seeds with its 90 % bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`;
@@ -74,7 +74,7 @@ def ratios(seeds: list[dict]) -> dict:
     from pydblp.experiment import stats
 
     names = list(seeds[0]["summary"])
-    pairs = _pairs(names, static_too=True) + _cc_pairs(names)
+    pairs = _pairs(names, static_too=True) + _off_pairs(names, "cc") + _off_pairs(names, "plan")
 
     def ttt(summary: dict) -> tuple[float | None, bool]:
         """A run's time to target, or its last evaluation's time if it never got there (censored)."""

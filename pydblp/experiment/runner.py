@@ -36,6 +36,7 @@ LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
 CCS = ("ecn", "off")  # pydblp Config.cc of the pydblp runs
+PLANS = ("auto", "on", "off")  # pydblp Config.plan of the dblp runs
 RELAX = ("none", "ef", "rotate", "both")  # the pydblp runs' relaxed rounds (the worker's --relax)
 log = logging.getLogger(__name__)
 CLOSE_S = 30.0  # s the ranks have to exit once the result is in
@@ -80,6 +81,7 @@ class Options:
     priority: tuple = ("magnitude",)  # pydblp runs: one per Config.priority given ...
     drop_policy: tuple = ("priority",)  # ... times one per queue drop policy given ...
     cc: tuple = ("ecn",)            # ... times one per Config.cc given (congestion control) ...
+    plan: tuple = ("auto",)         # ... and, for the dblp runs, one per Config.plan given ...
     relax: tuple = ("none",)        # ... times one per relaxation given: none, ef (error feedback),
                                     # rotate (random rotation) or both (the worker's --relax)
     static_relax: tuple | None = None  # the static arm's relaxations (None: relax's)
@@ -164,6 +166,7 @@ class Arm:
     drop_policy: str = "priority"
     cc: str = "ecn"
     relax: str = "none"
+    plan: str = "auto"
 
 
 def arms(opt: Options) -> list[Arm]:
@@ -175,6 +178,7 @@ def arms(opt: Options) -> list[Arm]:
     out = []
     for m in opt.arms:
         ways = static if m == "static" else opt.relax
+        plans = opt.plan if m == "dblp" else opt.plan[:1]  # (one static run: its bound, below the loss, never plans)
         if m == "gloo":  # TCP is not DBLP: never early-dropped, the policy does not apply
             out.append(Arm("gloo", "gloo", "none", opt.drop_policy[0]))
             continue
@@ -182,9 +186,11 @@ def arms(opt: Options) -> list[Arm]:
             for pol in opt.drop_policy:
                 for cc in opt.cc:
                     for rx in ways:
-                        name = f"{m}/{pr}/{pol}" if many else m
-                        name = f"{name}/cc-{cc}" if len(opt.cc) > 1 else name
-                        out.append(Arm(f"{name}/{rx}" if named else name, m, pr, pol, cc, rx))
+                        for pl in plans:
+                            name = f"{m}/{pr}/{pol}" if many else m
+                            name = f"{name}/cc-{cc}" if len(opt.cc) > 1 else name
+                            name = f"{name}/plan-{pl}" if len(plans) > 1 else name
+                            out.append(Arm(f"{name}/{rx}" if named else name, m, pr, pol, cc, rx, pl))
     return out
 
 
@@ -265,7 +271,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       *(("--batch", str(opt.batch)) if opt.batch else ()), "--relax", arm.relax,
                       "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
-                      "--priority", arm.priority, "--cc", arm.cc, "--grad-error-every", str(opt.grad_error_every),
+                      "--priority", arm.priority, "--cc", arm.cc, "--plan", arm.plan, "--grad-error-every", str(opt.grad_error_every),
                       "--warm-up", str(opt.warm_up),
                       "--eval-at", str(target_step(opt)), "--align", align,
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)

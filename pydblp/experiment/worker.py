@@ -70,6 +70,7 @@ def parse(argv=None):
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--stagger", choices=["on", "off"], default="on", help="pydblp Config.stagger")
     p.add_argument("--cc", choices=["ecn", "off"], default="ecn", help="pydblp Config.cc (congestion control)")
+    p.add_argument("--plan", choices=["auto", "on", "off"], default="auto", help="pydblp Config.plan")
     p.add_argument("--relax", choices=RELAX, default="none",
                    help="pydblp runs' relaxed rounds: none, ef (Config.error_feedback, estimator zero), rotate "
                         "(Config.rotate 16) or both")
@@ -346,7 +347,7 @@ def main(argv=None) -> int:
                                                                            g_over=a.g_over, high=a.high)
             cfg = Config(job=11, phase=phase, **knobs, **relax_knobs(a.relax, a.estimator), order=a.order,
                          stagger=a.stagger == "on",
-                         peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc,
+                         peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc, plan=a.plan,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(
                              {"tol": r.tol, "phase": r.phase, "latency": r.latency, "delivered": r.min_delivered,

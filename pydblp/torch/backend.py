@@ -102,8 +102,8 @@ class BackendOptions:
         queue: one receive queue for the AF_XDP socket; None (default): one socket on every
             receive queue of ``iface``.
         config: the collective's knobs (:class:`~pydblp.collective.Config`); ``DBLP_PHASE``
-            (``static:TOL`` or ``dblp[:P_LOW]``), ``DBLP_JOB`` and ``DBLP_PEER_TIMEOUT`` set its
-            phase controller, job and peer timeout.  ``job`` must differ between groups that
+            (``static:TOL`` or ``dblp[:P_LOW]``), ``DBLP_JOB``, ``DBLP_PEER_TIMEOUT`` and
+            ``DBLP_PLAN`` set its phase controller, job, peer timeout and plans.  ``job`` must differ between groups that
             share an interface and port; each ``new_group`` gets ``job + its group number``.
         rate: bits/s the ``xsk`` transport paces at (0: unpaced).  ``DBLP_RATE`` (e.g. ``10g``).
         key_file: the job key (docs/authentication.md); None: ``DBLP_KEY_FILE`` / ``DBLP_KEY``.
@@ -157,6 +157,8 @@ class BackendOptions:
                 cfg["job"] = int(env["DBLP_JOB"])
             if env.get("DBLP_PEER_TIMEOUT"):
                 cfg["peer_timeout"] = float(env["DBLP_PEER_TIMEOUT"])
+            if env.get("DBLP_PLAN"):
+                cfg["plan"] = env["DBLP_PLAN"]
         except KeyError:
             raise ValueError(f"DBLP_SURVIVE={env['DBLP_SURVIVE']!r}: use 1 or 0") from None
         except ValueError as e:

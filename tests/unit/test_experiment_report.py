@@ -367,9 +367,9 @@ def test_ratios_pair_a_run_with_congestion_control_with_the_same_run_without():
 
     opt = runner.options("incast", cc=("off", "ecn"), drop_policy=("priority", "tail"))
     names = [a.name for a in runner.arms(opt)]
-    assert report._cc_pairs(names) == [("dblp/magnitude/priority/cc-ecn", "dblp/magnitude/priority/cc-off"),
+    assert report._off_pairs(names) == [("dblp/magnitude/priority/cc-ecn", "dblp/magnitude/priority/cc-off"),
                                        ("dblp/magnitude/tail/cc-ecn", "dblp/magnitude/tail/cc-off")]
-    assert report._cc_pairs(["dblp/cc-ecn/none", "dblp/cc-off/none", "dblp/cc-ecn/ef"]) == \
+    assert report._off_pairs(["dblp/cc-ecn/none", "dblp/cc-off/none", "dblp/cc-ecn/ef"]) == \
         [("dblp/cc-ecn/none", "dblp/cc-off/none")]
     per = lambda arm, ttt, wall: {"arm": arm, "time_to_target_s": ttt, "wall_s": wall}
     seeds = [{"summary": {"gloo": per("gloo", 20.0, 25.0), "dblp/cc-off": per("dblp/cc-off", 70.0, 85.0),
