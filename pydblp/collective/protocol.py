@@ -32,9 +32,9 @@ from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import Echo, Ledger, RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
-                                      FINAL, LINGER, MASK32, NB, PLAN_LOSS_MAX, PLAN_SHORT_KEEP, PLAN_Z, PROBE, RAW, REAL_CLOCK,
-                                      RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP, TXQ_DRAINED,
-                                      TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+                                      FINAL, LINGER, MASK32, NB, PLAN_LOSS_MAX, PLAN_SHORT_KEEP, PLAN_Z, PROBE,
+                                      RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP,
+                                      TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
@@ -133,7 +133,8 @@ class Protocol:
                                                   # both echoed in STOPs, cumulative
         self._rx_at, self._ce_at = self.rx_from.ctypes.data, self.ce_from.ctypes.data
         self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
-        self._short = [0.0] * world  # per destination: the loss the last plan that fell short saw, halving a plan
+        self._short = [0.0] * world  # per destination: the loss a plan that fell short saw (_top_up), less by
+                                     # PLAN_SHORT_KEEP at each plan since
         if self.cc is not None:
             transport.set_ect(True)
             if not transport.ect:
@@ -684,9 +685,9 @@ class Protocol:
     def _plan(self, o: OutMessage) -> None:
         """Give ``o`` a plan (``Config.plan``): the first sends whose arrivals meet its bound on
         the path's measured loss ``p`` (:meth:`Ledger.loss`), with ``PLAN_Z`` standard deviations
-        to spare: ``(need + z sqrt(need p / (1 - p)) + 1) / (1 - p)``.  None while the loss is
-        not measured, at most ``PLAN_LOSS_MAX``, where the bound needs every chunk or (``auto``)
-        where the link is not the bottleneck: it sends them all."""
+        to spare: ``(need + z sqrt(need p / (1 - p)) + 1) / (1 - p)``.  No plan (every chunk
+        goes) while the loss is not measured, above ``PLAN_LOSS_MAX``, where that is ``n`` or more,
+        or (``auto``) where the link is not the bottleneck."""
         how = self.cfg.plan
         if how == "off" or o.need >= o.n or (how == "auto" and not self.link_bound):
             return
