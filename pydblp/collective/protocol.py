@@ -777,27 +777,7 @@ class Protocol:
                     wait = w if wait is None else min(wait, w)
                     continue
                 budget = min(budget, allowed)
-            n0 = len(parts)
-            if o.nretx:
-                idx = self._resend(o, budget, now)
-                parts.append((o, idx, RETX))
-                budget -= len(idx)
-            if o.sent < o.avail and budget > 0:
-                idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
-                if o.t_first is None:
-                    o.t_first = now
-                o.sent += len(idx)
-                parts.append((o, idx, 0))
-                if o.out:
-                    o.t_sent_all = now
-            if o.plans and len(parts) > n0 and o.out and not o.nretx:
-                ended.append(o)
-            if self.ledger is not None:
-                sent = sum(len(p[1]) for p in parts[n0:])
-                for d in (self._others if o.dst == wire.DST_ALL else (o.dst,)):
-                    self.ledger.spend(d, sent)
-                    if cc is not None:
-                        cc.spend(d, sent)
+            self._sends(o, budget, now, parts, ended)
             o.t_last = now
         if bc is not None:
             for o in bc.members:  # they went out with the group's copy
@@ -821,6 +801,35 @@ class Protocol:
         elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more
+
+    def _sends(self, o: OutMessage, budget: int, now: float, parts: list, ended: list) -> int:
+        """Queue ``o``'s next sends in ``parts``, at most ``budget``: what it was asked to resend,
+        then first sends up to ``avail``.  Counts them to the ledger and the rate control, and
+        notes ``o`` in ``ended`` when they are the last it has to send and it has a plan (a PROBE
+        follows them).  Returns how many."""
+        n0 = len(parts)
+        if o.nretx:
+            idx = self._resend(o, budget, now)
+            parts.append((o, idx, RETX))
+            budget -= len(idx)
+        if o.sent < o.avail and budget > 0:
+            idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
+            if o.t_first is None:
+                o.t_first = now
+            o.sent += len(idx)
+            parts.append((o, idx, 0))
+            if o.out:
+                o.t_sent_all = now
+        sent = sum(len(p[1]) for p in parts[n0:])
+        if sent:
+            if o.plans and o.out and not o.nretx:
+                ended.append(o)
+            if self.ledger is not None:
+                for d in (self._others if o.dst == wire.DST_ALL else (o.dst,)):
+                    self.ledger.spend(d, sent)
+                    if self.cc is not None:
+                        self.cc.spend(d, sent)
+        return sent
 
     def _resend(self, o: OutMessage, budget: int, now: float) -> np.ndarray:
         idx = o.resend(budget, now)
@@ -1163,24 +1172,11 @@ class Protocol:
         their timers."""
         parts, budget, ended = [], self.cfg.burst, []
         for o in self.trail.values():
-            if o.done or budget <= 0:
-                continue
-            n0 = len(parts)
-            if o.nretx:
-                idx = self._resend(o, budget, now)
-                parts.append((o, idx, RETX))
-                budget -= len(idx)
-            if o.sent < o.avail and budget > 0:
-                idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
-                o.sent += len(idx)
-                parts.append((o, idx, 0))
-                budget -= len(idx)
-            if len(parts) > n0:
-                o.t_last = now
-                if self.ledger is not None:
-                    self.ledger.spend(o.dst, sum(len(p[1]) for p in parts[n0:]))
-                if o.plans and o.out and not o.nretx:
-                    ended.append(o)
+            if not o.done and budget > 0:
+                k = self._sends(o, budget, now, parts, ended)
+                if k:
+                    budget -= k
+                    o.t_last = now
         if parts:
             self._send_batch(None, parts)
         self._probe_behind(ended, now)
