@@ -188,7 +188,8 @@ class Config:
                                      # needs on the path's measured loss, with PLAN_Z deviations to spare,
                                      # then a PROBE (a shortfall is made up a round trip later); "auto": so
                                      # where the link is the bottleneck (a pacing transport, or a send queue
-                                     # that does not drain), else every chunk.  Off by default: a plan spends
+                                     # that does not drain) and the rate control does not pace the
+                                     # destination, else every chunk.  Off by default: a plan spends
                                      # the bound's slack on purpose, so a clean path's rounds are estimates
                                      # too.  docs/protocol.md, "Plans"
     records_max: int = RECORDS_MAX   # round records Collective.records keeps (the latest; older ones

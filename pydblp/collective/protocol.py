@@ -687,9 +687,13 @@ class Protocol:
         the path's measured loss ``p`` (:meth:`Ledger.loss`), with ``PLAN_Z`` standard deviations
         to spare: ``(need + z sqrt(need p / (1 - p)) + 1) / (1 - p)``.  No plan (every chunk
         goes) while the loss is not measured, above ``PLAN_LOSS_MAX``, where that is ``n`` or more,
-        or (``auto``) where the link is not the bottleneck."""
+        or (``auto``) where the link is not the bottleneck or the rate control paces ``o.dst``
+        (its sends follow the controller's rate, and a shared queue's loss comes in bursts that
+        the margin does not cover)."""
         how = self.cfg.plan
-        if how == "off" or o.need >= o.n or (how == "auto" and not self.link_bound):
+        if how == "off" or o.need >= o.n:
+            return
+        if how == "auto" and (not self.link_bound or (self.cc is not None and self.cc.paced(o.dst))):
             return
         p = self.ledger.loss(o.dst)
         if p is None:
