@@ -811,20 +811,20 @@ class Protocol:
         then first sends up to ``avail``.  Counts them to the ledger and the rate control, and
         notes ``o`` in ``ended`` when they are the last it has to send and it has a plan (a PROBE
         follows them).  Returns how many."""
-        n0 = len(parts)
+        sent = 0
         if o.nretx:
             idx = self._resend(o, budget, now)
             parts.append((o, idx, RETX))
-            budget -= len(idx)
-        if o.sent < o.avail and budget > 0:
-            idx = o.chunks(o.sent, min(o.avail, o.sent + budget))
+            sent = len(idx)
+        if o.sent < o.avail and budget > sent:
+            idx = o.chunks(o.sent, min(o.avail, o.sent + budget - sent))
             if o.t_first is None:
                 o.t_first = now
             o.sent += len(idx)
             parts.append((o, idx, 0))
+            sent += len(idx)
             if o.out:
                 o.t_sent_all = now
-        sent = sum(len(p[1]) for p in parts[n0:])
         if sent:
             if o.plans and o.out and not o.nretx:
                 ended.append(o)

@@ -29,14 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from pydblp import wire
-from pydblp.collective.config import PLANS  # pydblp Config.plan of the dblp runs
+from pydblp.collective.config import CCS, PLANS  # pydblp Config.cc of the pydblp runs, Config.plan of the dblp runs
 from pydblp.experiment import stats
 
 ARMS = ("gloo", "static", "dblp")  # Arm.method: Gloo, static tolerance, DBLP (the worker's --arm)
 LOSS_MODELS = ("random", "ge")
 PRIORITIES = ("magnitude", "layer", "none")  # pydblp Config.priority of the pydblp runs
 DROP_POLICIES = ("priority", "tail")  # the virtual queue: priority-aware early drop or drop-tail
-CCS = ("ecn", "off")  # pydblp Config.cc of the pydblp runs
 RELAX = ("none", "ef", "rotate", "both")  # the pydblp runs' relaxed rounds (the worker's --relax)
 log = logging.getLogger(__name__)
 CLOSE_S = 30.0  # s the ranks have to exit once the result is in

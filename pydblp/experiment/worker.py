@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pydblp.collective.config import PLANS
+from pydblp.collective.config import CCS, PLANS
 from pydblp.collective.phase import G_OVER, HIGH
 from pydblp.experiment import data, models
 
@@ -70,7 +70,7 @@ def parse(argv=None):
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--stagger", choices=["on", "off"], default="on", help="pydblp Config.stagger")
-    p.add_argument("--cc", choices=["ecn", "off"], default="ecn", help="pydblp Config.cc (congestion control)")
+    p.add_argument("--cc", choices=CCS, default="ecn", help="pydblp Config.cc (congestion control)")
     p.add_argument("--plan", choices=PLANS, default="auto", help="pydblp Config.plan")
     p.add_argument("--relax", choices=RELAX, default="none",
                    help="pydblp runs' relaxed rounds: none, ef (Config.error_feedback, estimator zero), rotate "
