@@ -397,7 +397,9 @@ examples:
   dblp experiment --scenario paper --consistency allgather --g-over step   the same, identical replicas
   dblp experiment --algo fsdp --scenario paper --consistency allgather   FSDP2 over a 'dblp' process group
   dblp experiment --scenario paper --model lm --seeds 3   the same for a 1.16M-parameter language model
-  dblp experiment --scenario paper --arms dblp --relax none,ef,rotate,both   relaxed rounds, the ablation
+  dblp experiment --scenario paper --relax none,ef,rotate,both --static-relax none   relaxed rounds, the ablation
+  dblp experiment --scenario paper --relax none,ef,rotate,both --static-relax none --gloo-from old/report.json
+                                                  the same, Gloo's runs taken from an earlier run of these seeds
   dblp experiment --model text --steps 200        char transformer on stdlib sources
   dblp experiment --bursts 0 --loss 0.1           10 % random loss, no bursts
   dblp experiment --loss 0 --burst-ms 60 --burst-port all   whole-round bursts only (tolerance cannot act)
@@ -550,6 +552,10 @@ def _add_experiment(sub):
     p.add_argument("--target", type=float,
                    help="held-out loss (nats) to reach (default: Gloo's smoothed held-out loss at 80 %% of its "
                         "steps)")
+    p.add_argument("--gloo-from", metavar="REPORT",
+                   help="take each seed's Gloo run (figures, target, burst length) from an earlier report.json of "
+                        "the same scenario and seeds instead of running it again (the paper scenario's slowest "
+                        "arm); the options that shape Gloo's run must match; --arms then leaves gloo out")
     p.add_argument("--relax", metavar="WAYS",
                    help="pydblp's relaxed rounds, one run each: none (default), ef (error feedback: what a round "
                         "leaves out is sent again), rotate (random rotation: a lost chunk becomes noise), both; "
@@ -570,7 +576,7 @@ def _experiment_options(args):
     from pydblp.experiment import runner
 
     base = runner.options(args.scenario)
-    arms = base.arms
+    arms = base.arms if args.gloo_from is None else tuple(m for m in base.arms if m != "gloo")
     if args.arms is not None:
         arms = tuple(m for m in args.arms.split(",") if m)
         bad = [m for m in arms if m not in runner.ARMS]
@@ -651,7 +657,7 @@ def _experiment_options(args):
                          f"(add --consistency allgather)")
     return runner.options(args.scenario, arms=arms, rate_mbit=args.rate, burst_ratio=ratio, algo=args.algo, via=args.via,
                           burst_ports=ports, out_dir=args.out, priority=prio, drop_policy=policy, cc=cc, relax=relax,
-                          static_relax=static_relax, plan=plan,
+                          static_relax=static_relax, plan=plan, gloo_from=args.gloo_from,
                           queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 
@@ -662,6 +668,11 @@ def _cmd_experiment(args) -> int:
     from pydblp.experiment import report, runner
 
     opt = _experiment_options(args)
+    if opt.gloo_from is not None:
+        try:
+            runner.earlier_gloo(opt)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.key_file is not None:  # the workers read it themselves (never through the store)
         import os
 

@@ -252,6 +252,8 @@ def table(rep: dict) -> str:
         if ge:
             text.append(f"{arm}: gradient error by phase: " + ", ".join(f"{ph} {e:.4f}" for ph, e in ge.items()))
     for arm, v in s.items():
+        if v.get("reused_from"):
+            text.append(f"{arm}: from {v['reused_from']} (not run again; its time to target on its own clock)")
         for key, what in (("queue_early_by_prio", "queue early drops"), ("host_shed_by_prio", "host sheds")):
             by = v.get(key)
             if by and any(by):

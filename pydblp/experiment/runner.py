@@ -92,6 +92,7 @@ class Options:
     queue_ports: tuple | str | None = None  # None: where the traffic converges (rank 0 in ps mode, else all)
     starve: tuple | None = None     # (rank, share): cap that rank's CPU at share of one core
     target: float | None = None     # held-out loss (nats) to reach; None: Gloo's smoothed loss at TARGET_AT
+    gloo_from: str | None = None    # an earlier report.json: each seed's Gloo run taken from it, not run again
     out_dir: str = "dblp-experiment"
     batch: int | None = None        # samples per rank and step; None: the model's (32; lm 4)
     eval_every: int = 25
@@ -144,6 +145,65 @@ def options(scenario: str = "demo", **given) -> Options:
         raise ValueError(f"scenario {scenario!r}: use {', '.join(SCENARIOS)}")
     fields = {**SCENARIOS[scenario], **{k: v for k, v in given.items() if v is not None}}
     return Options(scenario=scenario, **fields)
+
+
+# Options that only the pydblp arms read: an earlier report's Gloo runs carry over whatever they were
+# (gloo_from); every other option shapes what Gloo trains or the network it runs over, and must match.
+PYDBLP_ONLY = frozenset({"arms", "net", "p_low", "k", "high", "freq", "eta", "g_over", "estimator", "order",
+                         "stagger", "allgather", "priority", "drop_policy", "cc", "plan", "relax", "static_relax",
+                         "mark_kb", "target", "out_dir", "seed", "seeds", "grad_error_every", "warm_up", "timeout",
+                         "gloo_from"})
+
+
+def earlier_gloo(opt: Options) -> dict[int, dict]:
+    """Each seed's Gloo run from ``opt.gloo_from`` (a report.json of an earlier run), by seed: its
+    summary, target, curve targets and burst length.
+
+    Gloo's training depends on the seed, the model and the network, not on what the pydblp arms
+    beside it do, and its target is a loss at a step, not a time: so a reused Gloo run is the run
+    this one would make, up to the machine's speed, which moves its times as it moves any two runs'.
+
+    Raises:
+        ValueError: the arms include Gloo, the file is not a report, an option that shapes
+            Gloo's run differs from the report's (an option the report predates counts as its
+            default), or a seed has no Gloo run there; the message names it.
+    """
+    path = Path(opt.gloo_from)
+    if "gloo" in opt.arms:
+        raise ValueError(f"--gloo-from {path}: Gloo's runs come from the report; leave gloo out of --arms")
+    try:
+        rep = json.loads(path.read_text())
+        theirs, seeds = rep["options"], rep["seeds"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--gloo-from {path}: not a dblp experiment report.json ({type(e).__name__}: {e})") from None
+    mine, default = json.loads(json.dumps(asdict(opt))), json.loads(json.dumps(asdict(Options())))
+    for key, v in mine.items():
+        if key in PYDBLP_ONLY:
+            continue
+        was = theirs.get(key, default[key])
+        if was != v:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"--gloo-from {path}: its runs had {flag} {was} and this one {v}: Gloo's runs carry "
+                             f"over only between runs that train and load the network alike")
+    have = {s.get("seed"): s for s in seeds if "gloo" in (s.get("summary") or {})}
+    out = {}
+    for seed in range(opt.seed, opt.seed + opt.seeds):
+        s = have.get(seed)
+        if s is None:
+            got = ", ".join(str(k) for k in sorted(have)) or "none"
+            raise ValueError(f"--gloo-from {path}: no Gloo run of seed {seed} there (its seeds with one: {got})")
+        out[seed] = {"summary": {**s["summary"]["gloo"], "reused_from": str(path)}, "target": s.get("target"),
+                     "curve_targets": s.get("curve_targets") or [], "burst_ms": s.get("burst_ms")}
+    return out
+
+
+def reused_gloo(was: dict, target: float | None) -> dict:
+    """An earlier Gloo run's summary (:func:`earlier_gloo`), its time to ``target`` read off its own
+    smoothed held-out loss curve (the same crossing :func:`summarize` takes)."""
+    g = dict(was["summary"])
+    ts, loss = (g.get("loss_curve") or [[], []])[:2]
+    g["time_to_target_s"] = stats.first_crossing(ts, loss, target) if target is not None and ts else None
+    return g
 
 
 def ge_params(loss: float, length: float, bad: float) -> tuple[float, float]:
@@ -549,6 +609,7 @@ def run(opt: Options) -> dict:
     from pydblp.experiment import report
     from pydblp.testbed import Testbed
 
+    earlier = earlier_gloo(opt) if opt.gloo_from else {}
     out = Path(opt.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seeds = []
@@ -561,7 +622,9 @@ def run(opt: Options) -> dict:
             tb.loss(opt.loss)
         for seed in range(opt.seed, opt.seed + opt.seeds):
             plan = burst_plan(opt, seed)
-            burst_s = [opt.burst_ms / 1e3 if opt.burst_ms else None]
+            was = earlier.get(seed)
+            burst_ms = opt.burst_ms or (was or {}).get("burst_ms")  # (None: sized by this seed's Gloo run)
+            burst_s = [burst_ms / 1e3 if burst_ms else None]
             runs: dict[str, Run] = {}
             for arm in arms(opt):  # the first (Gloo by default) sizes the bursts
                 set_queue(tb, opt, arm)
@@ -570,12 +633,14 @@ def run(opt: Options) -> dict:
                 runs[arm.name].fabric = queue_drops(tb, opt)
             target = opt.target
             if target is None:
-                target = gloo_target(runs["gloo"], opt) if "gloo" in runs else None
-            curve_targets = []  # the curve ratio's: Gloo's smoothed loss at stats.CURVE_AT of its steps
-            if "gloo" in runs:
+                target = gloo_target(runs["gloo"], opt) if "gloo" in runs else was["target"] if was else None
+            curve_targets = was["curve_targets"] if was else []  # the curve ratio's: Gloo's smoothed loss at
+            if "gloo" in runs:                                      # stats.CURVE_AT of its steps
                 _, steps, loss = loss_curve(runs["gloo"])
                 curve_targets = [stats.value_at(steps, loss, opt.steps * f) for f in stats.CURVE_AT]
             summary = {name: summarize(r, opt, target) for name, r in runs.items()}
+            if was:
+                summary = {"gloo": reused_gloo(was, target), **summary}
             seeds.append({"seed": seed, "target": target, "curve_targets": curve_targets, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
                           "burst_plan": plan, "summary": summary,
                           "speedup": {**report.speedups(summary), **report.policy_ratios(summary)},

@@ -60,7 +60,11 @@ def test_plots_writes_four_pngs(tmp_path):
     (["--cc", "dctcp"], "--cc dctcp"), (["--mark-kb", "32"], "--mark-kb needs a queue"),
     (["--scenario", "incast", "--mark-kb", "200"], "--mark-kb 200"),
     (["--scenario", "incast", "--mark-kb", "0"], "--mark-kb 0"),
-    (["--starve", "4"], "--starve 4"), (["--starve", "1:0"], "--starve 1:0"), (["--starve", "x"], "--starve x")])
+    (["--starve", "4"], "--starve 4"), (["--starve", "1:0"], "--starve 1:0"), (["--starve", "x"], "--starve x"),
+    # Gloo's runs from an earlier report
+    (["--gloo-from", "/nonexistent/report.json"], "--gloo-from /nonexistent/report.json: not a dblp experiment"),
+    (["--gloo-from", "/nonexistent/report.json", "--arms", "gloo,dblp"], "--gloo-from /nonexistent/report.json: "
+                                                                          "Gloo's runs come from the report")])
 def test_experiment_arguments_refused_in_one_line_before_anything_runs(argv, flag, capsys, monkeypatch):
     """Each bad argument gets its own one-line error naming it (``--bursts -3`` used to start a
     300-step run); nothing is built or trained."""
@@ -419,6 +423,79 @@ def test_a_run_that_never_reaches_the_target_counts_its_end_and_is_said_so():
     assert "1 never reached" in "\n".join(report.ratio_lines({"ratios": {"dblp / static": r}}))
     assert r["curve"]["ratio"] == pytest.approx(0.8)  # (both curves cross 0.6 at 0.9 of their span)
 
+
+
+def _earlier_report(path, opt, seeds=(900, 901)):
+    """A report.json as an earlier run with Gloo writes it: its options, and per seed a Gloo summary
+    whose loss curve falls from 1.0 to 0.2 over 10 s."""
+    import json
+    from dataclasses import asdict
+
+    curve = [[2.0, 4.0, 6.0, 8.0, 10.0], [1.0, 0.8, 0.6, 0.4, 0.2]]
+    gloo = lambda seed: {"arm": "gloo", "wall_s": 12.0 + seed % 10, "time_to_target_s": 7.0, "final_metric": 0.96,
+                         "metric": "accuracy", "loss_curve": curve}
+    rep = {"options": asdict(opt), "seeds": [{"seed": s, "target": 0.5, "curve_targets": [0.9, 0.7], "burst_ms": 8.0,
+                                              "summary": {"gloo": gloo(s), "static": {"arm": "static"}}}
+                                             for s in seeds]}
+    path.write_text(json.dumps(rep))
+    return path
+
+
+def test_gloo_from_carries_each_seed_s_gloo_run_over_and_refuses_what_would_change_it(tmp_path):
+    """An ablation need not run Gloo again: each seed's Gloo summary, target and curve targets come
+    from the earlier report; its time to target is read off its curve for this run's target.  An
+    option that shapes Gloo's training or network must match; a pydblp-only one may differ, and one
+    the earlier report predates counts as its default."""
+    import json
+
+    from pydblp.experiment import runner
+
+    earlier = runner.options("paper", seed=900, seeds=2)
+    path = _earlier_report(tmp_path / "report.json", earlier)
+    opt = runner.options("paper", seed=900, seeds=2, arms=("static", "dblp"), relax=("none", "ef"), k=0.2,
+                         plan=("off",), gloo_from=str(path))
+    got = runner.earlier_gloo(opt)
+    assert sorted(got) == [900, 901]
+    assert got[901]["target"] == 0.5 and got[901]["curve_targets"] == [0.9, 0.7] and got[901]["burst_ms"] == 8.0
+    assert got[901]["summary"]["wall_s"] == 13.0 and got[901]["summary"]["reused_from"] == str(path)
+    assert runner.reused_gloo(got[900], 0.5)["time_to_target_s"] == pytest.approx(7.0)  # (0.6 at 6 s, 0.4 at 8 s)
+    assert runner.reused_gloo(got[900], 0.3)["time_to_target_s"] == pytest.approx(9.0)
+    assert runner.reused_gloo(got[900], 0.1)["time_to_target_s"] is None
+    # a report older than an option (here: gloo_from and plan) still carries over
+    rep = json.loads(path.read_text())
+    del rep["options"]["gloo_from"], rep["options"]["plan"]
+    path.write_text(json.dumps(rep))
+    assert sorted(runner.earlier_gloo(opt)) == [900, 901]
+    for change, flag in (({"model": "lm"}, "--model"), ({"loss": 0.05}, "--loss"), ({"steps": 200}, "--steps"),
+                         ({"bursts": 0}, "--bursts"), ({"consistency": "allgather"}, "--consistency")):
+        bad = runner.options("paper", seed=900, seeds=2, arms=("dblp",), gloo_from=str(path), **change)
+        with pytest.raises(ValueError, match=f"its runs had {flag} "):
+            runner.earlier_gloo(bad)
+    with pytest.raises(ValueError, match="no Gloo run of seed 902 there"):
+        runner.earlier_gloo(runner.options("paper", seed=901, seeds=2, arms=("dblp",), gloo_from=str(path)))
+    with pytest.raises(ValueError, match="leave gloo out of --arms"):
+        runner.earlier_gloo(runner.options("paper", seed=900, seeds=2, gloo_from=str(path)))
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a dblp experiment report.json"):
+        runner.earlier_gloo(runner.options("paper", seed=900, seeds=2, arms=("dblp",), gloo_from=str(tmp_path / "junk.json")))
+
+
+def test_a_reused_gloo_run_gives_the_ratios_against_gloo_and_is_named_in_the_table(tmp_path):
+    from pydblp.experiment import runner
+
+    path = _earlier_report(tmp_path / "report.json", runner.options("paper", seed=900, seeds=2))
+    was = runner.earlier_gloo(runner.options("paper", seed=900, seeds=2, arms=("dblp",), gloo_from=str(path)))
+    dblp = {"arm": "dblp", "time_to_target_s": 3.5, "wall_s": 6.0, "final_metric": 0.965, "metric": "accuracy",
+            "loss_curve": [[1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 0.8, 0.6, 0.4, 0.2]]}
+    static = {**dblp, "arm": "static", "time_to_target_s": 7.0}
+    seeds = [{"seed": s, "summary": {"gloo": runner.reused_gloo(was[s], 0.5), "static": static, "dblp": dblp},
+              "curve_targets": was[s]["curve_targets"]} for s in (900, 901)]
+    r = report.ratios(seeds)
+    assert r["dblp / gloo"]["time_to_target_s"]["ratio"] == pytest.approx(0.5)
+    assert r["dblp / gloo"]["curve"]["ratio"] == pytest.approx(0.5)
+    assert r["dblp / gloo"]["final_quality"]["mean"] == pytest.approx(0.5)
+    rep = {"summary": seeds[0]["summary"], "spread": {}, "speedup": {}, "ratios": r, "target": 0.5}
+    assert f"gloo: from {path} (not run again" in report.table(rep)
 
 
 def test_the_cli_and_the_worker_offer_the_controller_s_choices():
