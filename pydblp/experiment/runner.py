@@ -192,7 +192,8 @@ def earlier_gloo(opt: Options) -> dict[int, dict]:
         if s is None:
             got = ", ".join(str(k) for k in sorted(have)) or "none"
             raise ValueError(f"--gloo-from {path}: no Gloo run of seed {seed} there (its seeds with one: {got})")
-        out[seed] = {"summary": {**s["summary"]["gloo"], "reused_from": str(path)}, "target": s.get("target"),
+        # (a report that reused Gloo's runs itself names the one they were measured in)
+        out[seed] = {"summary": {"reused_from": str(path), **s["summary"]["gloo"]}, "target": s.get("target"),
                      "curve_targets": s.get("curve_targets") or [], "burst_ms": s.get("burst_ms")}
     return out
 
