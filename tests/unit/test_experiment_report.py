@@ -446,6 +446,7 @@ def test_gloo_from_carries_each_seed_s_gloo_run_over_and_refuses_what_would_chan
     from the earlier report; its time to target is read off its curve for this run's target.  An
     option that shapes Gloo's training or network must match; a pydblp-only one may differ, and one
     the earlier report predates counts as its default."""
+    import dataclasses
     import json
 
     from pydblp.experiment import runner
@@ -461,11 +462,18 @@ def test_gloo_from_carries_each_seed_s_gloo_run_over_and_refuses_what_would_chan
     assert runner.reused_gloo(got[900], 0.5)["time_to_target_s"] == pytest.approx(7.0)  # (0.6 at 6 s, 0.4 at 8 s)
     assert runner.reused_gloo(got[900], 0.3)["time_to_target_s"] == pytest.approx(9.0)
     assert runner.reused_gloo(got[900], 0.1)["time_to_target_s"] is None
-    # a report older than an option (here: gloo_from and plan) still carries over
+    # a report older than an option counts it at its default: pydblp's (plan, gloo_from) never
+    # matter, Gloo's do (batch: the paper's is the default; eval_every: the paper's 10 is not 25)
+    assert runner.PYDBLP_ONLY <= {f.name for f in dataclasses.fields(runner.Options)}
     rep = json.loads(path.read_text())
-    del rep["options"]["gloo_from"], rep["options"]["plan"]
+    del rep["options"]["gloo_from"], rep["options"]["plan"], rep["options"]["batch"]
     path.write_text(json.dumps(rep))
     assert sorted(runner.earlier_gloo(opt)) == [900, 901]
+    del rep["options"]["eval_every"]
+    path.write_text(json.dumps(rep))
+    with pytest.raises(ValueError, match="its runs had --eval-every 25 and this one 10"):
+        runner.earlier_gloo(opt)
+    path = _earlier_report(tmp_path / "report.json", earlier)
     for change, flag in (({"model": "lm"}, "--model"), ({"loss": 0.05}, "--loss"), ({"steps": 200}, "--steps"),
                          ({"bursts": 0}, "--bursts"), ({"consistency": "allgather"}, "--consistency")):
         bad = runner.options("paper", seed=900, seeds=2, arms=("dblp",), gloo_from=str(path), **change)
