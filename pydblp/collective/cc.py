@@ -63,6 +63,7 @@ BASE_DRIFT = 1 / 64   # a STOP delay above the least seen raises that least by t
 LOSS_SPAN = 4096      # the path's loss estimate: the worse of the latest echoes spanning this many packets
 LOSS_SPANS = 4        # sent to it and of those spanning this many times as many (a steadier figure); known
 LOSS_SEEN = 512       # once they span this many
+LOSS_ECHOES = 1024    # and at most this many echoes kept per destination (tiny messages: one packet each)
 
 
 class Echo(NamedTuple):
@@ -92,8 +93,9 @@ class Ledger:
         self.sent = [0] * world               # DATA frames sent to it (sent) ...
         self.sent_echoed = [0] * world        # ... and as of its latest echo with news
         self.got = [0] * world                # DATA frames its echoes say arrived, in all
-        self.marks: list[collections.deque] = [collections.deque() for _ in range(world)]  # per echo with
-        # news: (sent, got) then, over the latest LOSS_SPANS * LOSS_SPAN sent and the echo before them
+        self.marks: list[collections.deque] = [collections.deque(maxlen=LOSS_ECHOES) for _ in range(world)]
+        # per echo with news: (sent, got) then, over the latest LOSS_SPANS * LOSS_SPAN sent and the echo
+        # before them, LOSS_ECHOES at most (echoes of a packet or two would otherwise keep 16,384)
 
     def loss(self, dst: int) -> float | None:
         """The share of the DATA sent to ``dst`` lately that did not arrive, in [0, 1]; None while

@@ -115,6 +115,19 @@ def test_the_ledger_sums_to_the_echoed_totals():
     assert led.sent[1] == led.last[1][0] == 300  # all 300 arrived in the end
 
 
+def test_the_ledger_keeps_a_bounded_history_of_tiny_echoes():
+    """Echoes of one packet each (a small tensor's rounds) span LOSS_SPANS * LOSS_SPAN packets only
+    after 16,384 of them: the history stops at LOSS_ECHOES, and the loss still reads off it."""
+    from pydblp.collective.cc import LOSS_ECHOES
+
+    led = Ledger(2)
+    for i in range(1, 3 * LOSS_ECHOES):
+        led.spend(1, 10)
+        led.echo(1, 9 * i, 0)  # one packet in ten lost
+    assert len(led.marks[1]) == LOSS_ECHOES
+    assert led.loss(1) == pytest.approx(0.1)
+
+
 def test_delay_counts_as_a_mark_only_when_asked():
     for delay, paced in ((0.0, False), (0.001, True)):
         rc = ctl(cc_delay=delay)
