@@ -45,6 +45,7 @@ for whatever the stack does between rounds).
 
     .venv/bin/python bench/cpu.py [--sizes 1,8] [--rounds 100] [--repeats 3] [--world 4] [--gap 0]
                                   [--transport udp|xsk|xsk-ktx] [--net lo|testbed] [--queues 1]
+                                  [--relax none|ef]
                                   [--json out.json]
 """
 
@@ -96,7 +97,8 @@ def rank_main(a) -> int:
         from pydblp.collective import Collective, Config
         from pydblp.transport.udp import UdpTransport
 
-        cfg = Config(job=9, phase="static:0.05", peer_timeout=30.0, cc=a.cc)
+        relax = dict(estimator="zero", error_feedback=True) if a.relax == "ef" else {}
+        cfg = Config(job=9, phase="static:0.05", peer_timeout=30.0, cc=a.cc, **relax)
         if a.net == "lo":
             t = UdpTransport("lo", port=PORT0 + a.rank, spin=0.0)
             peers = [(ADDR, PORT0 + r) for r in range(a.world)]
@@ -155,7 +157,8 @@ class Ranks:
     def __init__(self, impl: str, where, world: int, store: Path, a):
         """``where(rank)``: the argv prefix that runs a rank in its namespace."""
         argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of", impl, "--world", str(world),
-                "--store", str(store), "--transport", a.transport, "--net", a.net, "--cc", a.cc]
+                "--store", str(store), "--transport", a.transport, "--net", a.net, "--cc", a.cc,
+                "--relax", a.relax]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if a.net == "lo" else "eth0", "OMP_NUM_THREADS": "1"}
         self.impl = impl
         self.procs = [subprocess.Popen([*where(r), *argv, "--rank", str(r)], stdin=subprocess.PIPE,
@@ -214,6 +217,9 @@ def main() -> int:
                          "back to back); CPU then includes what each stack spends meanwhile")
     ap.add_argument("--cc", choices=["ecn", "off"], default="ecn",
                     help="pydblp's Config.cc (default ecn: ECN-capable packets, marks counted and echoed)")
+    ap.add_argument("--relax", choices=["none", "ef"], default="none",
+                    help="pydblp's relaxed rounds: none (default) or ef (Config.error_feedback, the 'zero' "
+                         "estimator): what error feedback costs a round that loses nothing")
     ap.add_argument("--transport", choices=["udp", "xsk", "xsk-ktx"], default="udp",
                     help="pydblp's data plane (default udp; the AF_XDP kinds run on a testbed)")
     ap.add_argument("--net", choices=["lo", "testbed"],

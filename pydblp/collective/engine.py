@@ -174,7 +174,7 @@ class Collective:
         p = self.protocol
         return {"rank": self.rank, "world": self.world, "round": p.round, "index": p.index,
                 "controller": self.controller.state_dict(), "fill": p.fill.state_dict(),
-                "residual": {t: a.copy() for t, a in p._residual.items()}}
+                "residual": p.residuals.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state`` (:meth:`state_dict` of this rank's collective in an earlier run of
@@ -198,7 +198,7 @@ class Collective:
                 raise RuntimeError("load_state_dict after a round began: load before the first round")
             self.controller.load_state_dict(state["controller"])
             p.fill.load_state_dict(state["fill"])
-            p._residual = {int(t): np.array(a, np.float32) for t, a in state.get("residual", {}).items()}
+            p.residuals.load_state_dict(state.get("residual", {}))
             p.round, p.index = int(state["round"]), int(state["index"])
 
     def allreduce(self, x: np.ndarray, tensor: int = 0, op: str = "mean", exact: bool = False,

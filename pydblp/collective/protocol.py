@@ -35,6 +35,7 @@ from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRA
                                       FINAL, LINGER, MASK32, NB, PLAN_LOSS_MAX, PLAN_SHORT_KEEP, PLAN_Z, PROBE,
                                       RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP,
                                       TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
+from pydblp.collective.feedback import Residuals, inverse
 from pydblp.collective.fill import Fill
 from pydblp.collective.matcher import Matcher
 from pydblp.collective.messages import Control, InMessage, OutMessage, stagger_first
@@ -117,8 +118,7 @@ class Protocol:
         self._turn = (0, -1.0)                    # (packets, when) of the last turn that sent data
         self.fill = Fill(c, self.C)               # what missing result rows become, and what it keeps for that
         self._bufs: dict[tuple, np.ndarray] = {}  # (name, tensor id or None) -> scratch reused across rounds
-        self._residual: dict[int, np.ndarray] = {}  # tensor id -> (T, C) rows the last round's estimates left
-                                                  # out, in the tensor's order (Config.error_feedback)
+        self.residuals = Residuals()              # what the last rounds' estimates left out (Config.error_feedback)
         self._prev = None                         # (round, {(ag, src): InMessage}) answers late probes
         self._began: tuple[int, dict] = (0, {})   # (last round, {rank: when its message began arriving}: a
                                                   # neighbour round's, Round.began; empty after other kinds)
@@ -230,9 +230,9 @@ class Protocol:
         # an allreduce's shuffled input read where it lies: each message sends its rows from the
         # caller's array (the transport reads addresses), with no pass to put them in order
         inplace = (kind.gather and base is None and perm is not None and flat is not None and self.t.reads_addresses
-                   and (exact or not (cfg.error_feedback or cfg.rotate)))
+                   and (exact or not cfg.rotate))
         x = None if inplace else self._take_input(tensor, T, perm, put, flat)
-        relax = self._relax(rnd, tensor, x, perm, bounds, flat) if not (exact or inplace) else {}
+        relax = self._relax(rnd, tensor, x, perm, bounds, flat) if not exact else {}
         x = relax.pop("x", x)
         more = {"flat": flat} if inplace else {}
         if base is not None:  # (in the round's row order, as x)
@@ -292,6 +292,12 @@ class Protocol:
         if full < T:  # (the tensor's last row is partial: sent from a padded copy)
             tail = rows_of(flat, np.array([T - 1]), C, into=self._scratch("tail", st.tensor, (1, C)))
             addrs[perm == T - 1] = np.uint64(tail.ctypes.data)
+        fed = patch = None
+        if st.feedback:  # (the rows with a residual go from a copy that adds it)
+            fed, patch = self.residuals.patched(st.tensor, flat, (T, C), self._scratch("patch", st.tensor, (T, C)))
+            if len(fed):
+                addrs[inverse(perm)[fed]] = (np.uint64(patch.ctypes.data)
+                                             + np.arange(len(fed), dtype=np.uint64) * np.uint64(C * 4))
         if self.cfg.priority != "magnitude":
             return addrs, None
         rows = flat[: full * C].reshape(full, C)
@@ -299,6 +305,8 @@ class Protocol:
         by_row[:full] = np.einsum("ij,ij->i", rows, rows)
         if tail is not None:
             by_row[T - 1] = float(np.dot(tail[0], tail[0]))
+        if fed is not None and len(fed):
+            by_row[fed] = np.einsum("ij,ij->i", patch, patch)
         return addrs, by_row[perm]
 
     def _take_input(self, tensor: int, T: int, perm: np.ndarray | None, put: Callable, flat: np.ndarray | None):
@@ -320,24 +328,26 @@ class Protocol:
             np.take(into, perm, axis=0, out=x, mode="clip")
         return x
 
-    def _relax(self, rnd: int, tensor: int, x: np.ndarray, perm: np.ndarray | None, bounds: list,
+    def _relax(self, rnd: int, tensor: int, x: np.ndarray | None, perm: np.ndarray | None, bounds: list,
                flat: np.ndarray | None) -> dict:
-        """A reduce round's relaxations of its input ``x`` (the round's row order): add the rows the
-        tensor's last rounds left out (``Config.error_feedback``), then rotate each shard
-        (``Config.rotate``).  Returns the round's fields for them (with ``x``, now scratch, when it
-        changed): ``signs``, the rotation's, and ``feedback``."""
+        """A reduce round's relaxations of its input ``x`` (the round's row order; None: read in
+        place, where :meth:`_in_place` adds the residual): add the rows the tensor's last round
+        left out (``Config.error_feedback``), then rotate each shard (``Config.rotate``).  Returns
+        the round's fields for them (with ``x``, now scratch, when it changed): ``signs``, the
+        rotation's, and ``feedback``."""
         cfg = self.cfg
         if not (cfg.error_feedback or cfg.rotate):
             return {}
-        if flat is not None and np.shares_memory(x, flat):  # (the caller's own array: never written)
+        out = {"feedback": True} if cfg.error_feedback else {}
+        if x is None:
+            return out
+        writes = cfg.rotate or (cfg.error_feedback and len(self.residuals.rows(tensor, x.shape)))
+        if writes and flat is not None and np.shares_memory(x, flat):  # (the caller's own array: never written)
             given, x = x, self._scratch("x", tensor, x.shape)
             np.copyto(x, given)
-        out = {"x": x}
+        out["x"] = x
         if cfg.error_feedback:
-            e = self._residual.get(tensor)
-            if e is not None and e.shape == x.shape:
-                x += e if perm is None else e[perm]
-            out["feedback"] = True
+            self.residuals.add_into(tensor, x, perm)
         if cfg.rotate:
             s = out["signs"] = rotation.signs(rnd, tensor, len(x))
             for a, b in bounds:
@@ -346,28 +356,35 @@ class Protocol:
 
     def _feed_back(self, st: ReduceScatterRound) -> None:
         """Error feedback as round ``st`` ends: keep, in the tensor's order, the rows of this rank's
-        contributions the owners' FINAL BITMAPs say their estimates left out (rotated back); a
-        message whose FINAL BITMAP never came counts as used whole (nothing is counted twice)."""
-        T, C = st.x.shape
-        e = self._residual.get(st.tensor)
-        if e is None or e.shape != (T, C):
-            e = self._residual[st.tensor] = np.zeros((T, C), np.float32)
-        else:
-            e.fill(0)
+        contributions the owners' FINAL BITMAPs say their estimates left out (rotated back), as
+        they went (input plus the residual they carried); a message whose FINAL BITMAP never came
+        counts as used whole (nothing is counted twice)."""
+        C = self.C
+        T = len(st.perm) if st.x is None else len(st.x)
+        rows, vals = [], []
         for (ag, k), o in st.outs.items():
             if ag or o.used is None or o.used.all():
                 continue
             a, b = st.bounds[k]
             lost = ~o.used
-            rows = np.arange(a, b) if st.perm is None else st.perm[a:b]
+            at = np.arange(a, b) if st.perm is None else st.perm[a:b]
             if st.signs is None:  # the rows left out, as they went
-                e[rows[lost]] = st.x[a:b][lost]
+                rows.append(at[lost])
+                if st.x is not None:
+                    vals.append(st.x[a:b][lost])
             else:  # a lost rotated row is part of every row of its block: rotate the shard's back
                 left = np.zeros((b - a, C), np.float32)
                 left[lost] = st.x[a:b][lost]
                 rotation.rotate(left, 0, b - a, self.cfg.rotate, st.signs[a:b], inverse=True)
-                e[rows] = left
+                rows.append(at)
+                vals.append(left)
             self.counters["fed_back"] += int(np.count_nonzero(lost))
+        rows = np.concatenate(rows) if rows else np.empty(0, np.intp)
+        if st.x is None:  # (read in place)
+            vals = self.residuals.sent(st.tensor, st.flat, (T, C), rows)
+        else:
+            vals = np.concatenate(vals) if vals else np.empty((0, C), np.float32)
+        self.residuals.renew(st.tensor, (T, C), rows, vals)
 
     def _start_gather(self, kind: type[GatherRound], tensor: int, T: int, nsh: int,
                       put: Callable[[np.ndarray], None], exact: bool = False) -> GatherRound:
@@ -1276,7 +1293,7 @@ class Protocol:
 # a padded row): shared by every tensor id, so a job's memory for them is its largest round's, not the sum
 # over its buckets.  What outlives a round stays per tensor id: "y" (handed to the stale fill),
 # "trail" (rows of trailing all-gather messages).
-ROUND_SCRATCH = frozenset({"x", "xin", "yr", "ytail", "rbuf", "nbuf", "basein", "base", "tail"})
+ROUND_SCRATCH = frozenset({"x", "xin", "yr", "ytail", "rbuf", "nbuf", "basein", "base", "tail", "patch"})
 
 
 def _pad(flat: np.ndarray, into: np.ndarray) -> None:

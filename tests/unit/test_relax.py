@@ -92,7 +92,7 @@ def test_error_feedback_turns_loss_into_delay(rotate):
     rounds, world = 10, 4
     exact, res, nodes = _run(rounds, estimator="zero", error_feedback=True, rotate=rotate)
     total = np.sum(exact, axis=0)
-    held = sum(nd.collective.protocol._residual[0].reshape(-1)[: total.size] for nd in nodes) / world
+    held = sum(nd.collective.protocol.residuals.state_dict()[0].reshape(-1)[: total.size] for nd in nodes) / world
     for r in range(world):
         np.testing.assert_allclose(np.sum(res[r], axis=0) + held, total, atol=2e-4)
         np.testing.assert_array_equal(res[r][-1], res[0][-1])  # (the all-gather is whole: one result)
@@ -127,12 +127,13 @@ def test_rotation_without_loss_is_exact_and_spreads_a_loss_over_its_block():
 
 def test_what_error_feedback_holds_back_is_part_of_a_collective_s_state():
     _, _, nodes = _run(2, estimator="zero", error_feedback=True)
+    nodes[1].collective.state_dict()["residual"][0][:] = 0  # (a copy: the collective's own is not touched)
     state = nodes[1].collective.state_dict()
     held = state["residual"][0]
-    assert held.any() and held is not nodes[1].collective.protocol._residual[0]  # (a copy)
+    assert held.any()
     fresh = Sim(4, Config(estimator="zero", error_feedback=True), link=LINK).nodes[1].collective
     fresh.load_state_dict(state)
-    np.testing.assert_array_equal(fresh.protocol._residual[0], held)
+    np.testing.assert_array_equal(fresh.protocol.residuals.state_dict()[0], held)
 
 
 def _relaxed(high: str, loss: float, rounds: int = 30, n: int = 100_000):
@@ -176,3 +177,56 @@ def test_a_loss_following_bound_settles_at_the_loss_the_network_makes():
     ctl0, recs0 = _relaxed("loss", 0.0)
     assert all(c.loss() < 0.01 for c in ctl0)
     assert all(r.tol < 0.04 and r.min_delivered > 0.96 for rr in recs0 for r in rr)
+
+
+@pytest.mark.parametrize("n", [352 * 40, 352 * 40 - 17])  # whole rows, and a partial last row
+def test_error_feedback_read_in_place_sends_and_keeps_what_a_copy_would(n):
+    """A round that reads its input where it lies sends the rows with a residual from a patched
+    copy: each reduce-scatter message's bytes at its addresses and its magnitude priorities are
+    what a round built on a copy (input plus residual, a transport that does not read addresses)
+    sends, and the residual each keeps of the rows the owners left out is the same."""
+    import ctypes
+
+    from pydblp.collective import Collective
+    from pydblp.transport.udp import UdpTransport
+    from tests.helpers import require_native
+
+    with UdpTransport(port=0) as t:
+        if not t.reads_addresses:
+            require_native("udp")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(n).astype(np.float32)
+    cfg = Config(job=3, phase="static:0.3", estimator="zero", error_feedback=True)
+    cols = [Collective(UdpTransport(port=0, native=native), 1, 3, [("127.0.0.1", 9)] * 3, cfg, idle_thread=False)
+            for native in (True, False)]
+    try:
+        C = cols[0].C
+        T = -(-n // C)
+        own = range(T // 3, 2 * T // 3)  # (rank 1's shard: never in its own residual)
+        held = np.array([r for r in rng.choice(T, T // 3, replace=False) if r not in own] + [T - 1])
+        vals = rng.standard_normal((len(held), C)).astype(np.float32)
+        for c in cols:
+            c.protocol.residuals.renew(0, (T, C), held, vals)
+        direct, copy = (c.protocol.start(x, 0, True) for c in cols)
+        assert direct.x is None and direct.feedback and copy.x is not None and copy.feedback
+        assert np.array_equal(direct.perm, copy.perm) and np.array_equal(direct.rbuf[1], copy.rbuf[1])
+        for key, o in direct.outs.items():
+            ref = copy.outs[key]
+            assert o.rows is None and np.array_equal(o.prio, ref.prio)
+            assert b"".join(ctypes.string_at(int(a), C * 4) for a in o.addrs) == ref.rows.tobytes(), key
+        for key, o in direct.outs.items():  # the owners' estimates leave out a seeded share of each
+            o.used = copy.outs[key].used = rng.random(o.n) > 0.3
+        for c, st in zip(cols, (direct, copy)):
+            c.protocol._feed_back(st)
+        got, ref = (c.protocol.residuals.state_dict()[0] for c in cols)
+        np.testing.assert_array_equal(got, ref)
+        sent = np.zeros((T, C), np.float32)
+        sent.reshape(-1)[:n] = x
+        sent[held] += vals
+        out = np.concatenate([copy.perm[a:b][~copy.outs[(False, k)].used]
+                              for k, (a, b) in enumerate(copy.bounds) if k != 1])
+        np.testing.assert_array_equal(ref[out], sent[out])  # (what went, residual included)
+        assert not np.delete(ref, out, axis=0).any()        # (the rest: nothing held)
+    finally:
+        for c in cols:
+            c.close()
