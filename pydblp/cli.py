@@ -479,8 +479,8 @@ def _add_experiment(sub):
     p.add_argument("--steps", type=int)
     p.add_argument("--seeds", type=int, help="run N seeds (--seed, --seed+1, ...): mean and spread (default 1)")
     p.add_argument("--arms",
-                   help="comma-separated subset of gloo,static,dblp (in this order of runs; default all three, "
-                        "incast: gloo,dblp)")
+                   help="comma-separated subset of gloo,static,dblp (default all three, incast: gloo,dblp); the "
+                        "first seed runs them in this order, the next in reverse, and so on")
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
     p.add_argument("--rate", type=float, metavar="MBIT",

@@ -230,8 +230,9 @@ class Arm:
 
 
 def arms(opt: Options) -> list[Arm]:
-    """The runs of one seed, in order.  A pydblp arm runs once per (priority, drop policy)
-    pair; its name is the method's alone when there is one pair, else ``dblp/layer/tail``."""
+    """The runs of one seed, in the report's order (:func:`run_order`: the order they run in).  A
+    pydblp arm runs once per (priority, drop policy) pair; its name is the method's alone when
+    there is one pair, else ``dblp/layer/tail``."""
     many = len(opt.priority) * len(opt.drop_policy) > 1
     static = opt.relax if opt.static_relax is None else opt.static_relax
     named = len(opt.relax) > 1 or len(static) > 1 or static != opt.relax  # (names say the relaxation)
@@ -252,6 +253,17 @@ def arms(opt: Options) -> list[Arm]:
                             name = f"{name}/plan-{pl}" if len(plans) > 1 else name
                             out.append(Arm(f"{name}/{rx}" if named else name, m, pr, pol, cc, rx, pl))
     return out
+
+
+def run_order(runs: list[Arm], nth: int, sized: bool) -> list[Arm]:
+    """The order the runs of the ``nth`` seed (0, 1, ...) go in: as given on even seeds,
+    reversed on odd ones, so that a run's place in the sequence weighs on every arm alike over
+    an even number of seeds (on this machine kind a run costs a few per cent more right after
+    another than after Gloo's, which leaves the CPUs idle: 2026-12-07-error-feedback-cost.md).
+    While the bursts are not ``sized`` yet, the first run sizes them and stays first."""
+    if nth % 2 == 0 or len(runs) < 2:
+        return list(runs)
+    return runs[::-1] if sized else [runs[0], *runs[:0:-1]]
 
 
 def queue_ports(opt: Options):
@@ -626,12 +638,14 @@ def run(opt: Options) -> dict:
             was = earlier.get(seed)
             burst_ms = opt.burst_ms or (was or {}).get("burst_ms")  # (None: sized by this seed's Gloo run)
             burst_s = [burst_ms / 1e3 if burst_ms else None]
-            runs: dict[str, Run] = {}
-            for arm in arms(opt):  # the first (Gloo by default) sizes the bursts
+            done: dict[str, Run] = {}
+            order = run_order(arms(opt), seed - opt.seed, burst_s[0] is not None)
+            for arm in order:  # the first sizes the bursts if no length is given (Gloo by default)
                 set_queue(tb, opt, arm)
                 queue_drops(tb, opt)  # (resets the counters: each run's own)
-                runs[arm.name] = run_arm(tb, opt, arm, seed, plan, burst_s)
-                runs[arm.name].fabric = queue_drops(tb, opt)
+                done[arm.name] = run_arm(tb, opt, arm, seed, plan, burst_s)
+                done[arm.name].fabric = queue_drops(tb, opt)
+            runs = {arm.name: done[arm.name] for arm in arms(opt)}  # (the report's order: as given)
             target = opt.target
             if target is None:
                 target = gloo_target(runs["gloo"], opt) if "gloo" in runs else was["target"] if was else None
@@ -642,7 +656,8 @@ def run(opt: Options) -> dict:
             summary = {name: summarize(r, opt, target) for name, r in runs.items()}
             if was:
                 summary = {"gloo": reused_gloo(was, target), **summary}
-            seeds.append({"seed": seed, "target": target, "curve_targets": curve_targets, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
+            seeds.append({"seed": seed, "run_order": [arm.name for arm in order],
+                          "target": target, "curve_targets": curve_targets, "burst_ms": burst_s[0] * 1e3 if burst_s[0] else None,
                           "burst_plan": plan, "summary": summary,
                           "speedup": {**report.speedups(summary), **report.policy_ratios(summary)},
                           "runs": {name: asdict(r) for name, r in runs.items()}})

@@ -397,6 +397,23 @@ def test_the_static_arm_runs_its_own_relaxations_and_each_dblp_arm_finds_its_twi
     assert plain == ["gloo", "static", "dblp"]
 
 
+def test_seeds_alternate_the_order_of_their_runs():
+    """Even seeds run the arms as given, odd ones in reverse, so over an even number of seeds
+    every arm holds each place equally often; while the bursts' length is still to be sized,
+    the first run (which sizes it) stays first."""
+    from pydblp.experiment import runner
+
+    given = runner.arms(runner.Options(relax=("none", "ef")))
+    names = [a.name for a in given]
+    assert names == ["gloo", "static/none", "static/ef", "dblp/none", "dblp/ef"]
+    order = [[a.name for a in runner.run_order(given, nth, sized=True)] for nth in range(4)]
+    assert order[0] == order[2] == names and order[1] == order[3] == names[::-1]
+    for arm in names:  # (each place equally often over two seeds)
+        assert order[0].index(arm) + order[1].index(arm) == len(names) - 1
+    assert [a.name for a in runner.run_order(given, 1, sized=False)] == ["gloo", *names[:0:-1]]
+    assert runner.run_order(given[:1], 1, sized=True) == given[:1]
+
+
 def test_curve_ratio_reads_the_horizontal_distance_between_two_curves():
     from pydblp.experiment import stats
 
