@@ -31,10 +31,12 @@ class Residuals:
         e = self._e.get(tensor)
         return self._rows[tensor] if e is not None and e.shape == shape else _NONE
 
-    def sent(self, tensor: int, flat: np.ndarray, shape: tuple, rows: np.ndarray) -> np.ndarray:
-        """What a round read in place from ``flat`` (``shape``: its (T, C) rows) sent at the
-        tensor's ``rows``: the input plus the residual held there (a new array)."""
-        v = rows_of(flat, rows, shape[1])
+    def sent(self, tensor: int, flat: np.ndarray, shape: tuple, rows: np.ndarray,
+             into: np.ndarray | None = None) -> np.ndarray:
+        """What a round read in place from ``flat`` (``shape``: its (T, C) rows) sends at the
+        tensor's ``rows``: the input plus the residual held there, in ``into`` when given (else a
+        new array)."""
+        v = rows_of(flat, rows, shape[1], into=into)
         if len(self.rows(tensor, shape)):
             v += self._e[tensor][rows]
         return v
@@ -45,17 +47,6 @@ class Residuals:
         rows = self.rows(tensor, x.shape)
         if len(rows):
             x[rows if perm is None else inverse(perm)[rows]] += self._e[tensor][rows]
-
-    def patched(self, tensor: int, flat: np.ndarray, shape: tuple, into: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For a round read in place from ``flat`` (``shape``: its (T, C) rows): the rows with a
-        residual and, in ``into`` (at least that many rows), their input plus the residual.
-        Returns (rows, patch)."""
-        rows = self.rows(tensor, shape)
-        patch = into[: len(rows)]
-        if len(rows):
-            rows_of(flat, rows, shape[1], into=patch)
-            patch += self._e[tensor][rows]
-        return rows, patch
 
     def renew(self, tensor: int, shape: tuple, rows: np.ndarray, vals: np.ndarray) -> None:
         """The round just ended left out ``vals`` at the tensor's ``rows`` (distinct): they replace

@@ -292,12 +292,13 @@ class Protocol:
         if full < T:  # (the tensor's last row is partial: sent from a padded copy)
             tail = rows_of(flat, np.array([T - 1]), C, into=self._scratch("tail", st.tensor, (1, C)))
             addrs[perm == T - 1] = np.uint64(tail.ctypes.data)
-        fed = patch = None
-        if st.feedback:  # (the rows with a residual go from a copy that adds it)
-            fed, patch = self.residuals.patched(st.tensor, flat, (T, C), self._scratch("patch", st.tensor, (T, C)))
-            if len(fed):
-                addrs[inverse(perm)[fed]] = (np.uint64(patch.ctypes.data)
-                                             + np.arange(len(fed), dtype=np.uint64) * np.uint64(C * 4))
+        fed = self.residuals.rows(st.tensor, (T, C)) if st.feedback else ()
+        patch = None
+        if len(fed):  # (the rows with a residual go from a copy that adds it)
+            patch = self.residuals.sent(st.tensor, flat, (T, C), fed,
+                                        into=self._scratch("patch", st.tensor, (len(fed), C)))
+            addrs[inverse(perm)[fed]] = (np.uint64(patch.ctypes.data)
+                                         + np.arange(len(fed), dtype=np.uint64) * np.uint64(C * 4))
         if self.cfg.priority != "magnitude":
             return addrs, None
         rows = flat[: full * C].reshape(full, C)
@@ -305,7 +306,7 @@ class Protocol:
         by_row[:full] = np.einsum("ij,ij->i", rows, rows)
         if tail is not None:
             by_row[T - 1] = float(np.dot(tail[0], tail[0]))
-        if fed is not None and len(fed):
+        if patch is not None:
             by_row[fed] = np.einsum("ij,ij->i", patch, patch)
         return addrs, by_row[perm]
 

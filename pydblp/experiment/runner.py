@@ -258,8 +258,8 @@ def arms(opt: Options) -> list[Arm]:
 def run_order(runs: list[Arm], nth: int, sized: bool) -> list[Arm]:
     """The order the runs of the ``nth`` seed (0, 1, ...) go in: as given on even seeds,
     reversed on odd ones, so that a run's place in the sequence weighs on every arm alike over
-    an even number of seeds (on this machine kind a run costs a few per cent more right after
-    another than after Gloo's, which leaves the CPUs idle: 2026-12-07-error-feedback-cost.md).
+    an even number of seeds (on this machine kind, of two dblp runs in one invocation the second
+    took ~5 % longer a relaxed round, whichever it was: 2026-12-07-error-feedback-cost.md).
     While the bursts are not ``sized`` yet, the first run sizes them and stays first."""
     if nth % 2 == 0 or len(runs) < 2:
         return list(runs)
