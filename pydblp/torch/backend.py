@@ -28,8 +28,9 @@ Failure semantics: a round whose peer stays silent for ``Config.peer_timeout`` f
 ``Work`` (``wait()`` raises, the future completes with the error) with a
 :class:`~pydblp.collective.CollectiveError` naming the silent rank.  Every later operation on
 the group then fails at once with an error naming the first failure; ``destroy_process_group``
-closes the data plane.  An unsupported dtype or op raises ``ValueError`` at the call, before
-anything is sent.
+waits (at most ``peer_timeout``) until every member closes, answering peers meanwhile, then
+closes the data plane (:meth:`ProcessGroupDblp.close`).  An unsupported dtype or op raises
+``ValueError`` at the call, before anything is sent.
 
 Mixed use follows torch's rules for a Python backend: it stands for every device of its group,
 so with ``"cpu:dblp,cuda:nccl"`` the ``dblp`` group is the group and takes CUDA tensors too: they are staged through pinned host buffers with asynchronous
@@ -53,7 +54,6 @@ import weakref
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from pydblp import wire
 from pydblp.collective import CollectiveError, Config
@@ -255,6 +255,36 @@ class _Step:
         self.outputs: list = []       # the gradient rounds' outputs (zeroed if the step is dropped)
 
 
+class _Work(dist.Work):
+    """An operation's ``Work``: its future completes when the operation's rounds have (with their
+    error if one failed), ``wait()`` blocks until then and raises that error.
+
+    (torch's own wrapper of a future, ``_create_work_from_future``, returns True from ``wait()``
+    whatever the future holds: a failed ``dist.all_reduce`` would return with its tensor
+    unchanged.)"""
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the operation completes; raise its error.  ``timeout`` (non-zero): raise
+        ``DistError`` if it has not completed by then (it goes on: the group's order is kept)."""
+        if timeout and timeout.total_seconds() > 0 and not self._fut.done():
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _: done.set())
+            if not done.wait(timeout.total_seconds()):
+                raise dist.DistError(f"dblp: the operation did not complete within {timeout}")
+        self._fut.wait()  # (raises the error the future completed with)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+
 class ProcessGroupDblp(dist.ProcessGroup):
     """A torch.distributed process group over pydblp's bounded-loss collective.
 
@@ -385,16 +415,38 @@ class ProcessGroupDblp(dist.ProcessGroup):
         self.close()
 
     def abort(self) -> None:
-        self.close()
+        self.close(linger=False)
 
-    def close(self) -> None:
+    def close(self, linger: bool = True) -> None:
         """Stop the group's thread and close its data plane (torch calls it from
-        ``destroy_process_group``).  Idempotent.  No barrier: peers may already be gone."""
+        ``destroy_process_group``).  Idempotent.
+
+        Args:
+            linger: first wait, at most ``Config.peer_timeout``, until every member of the group
+                is closing too, answering peers meanwhile: this rank's last round may have ended
+                while a peer still needs a retransmission of its part, or the STOP it lost
+                (a rank's round ends when it holds what it needs, not what the others need).
+                Skipped after a failure (the group is done with), and by ``abort()``.
+        """
         if self._closed:
             return
         self._closed = True
         _OPEN.discard(self)
+        if linger and self._failure is None and len(self.members) > 1:
+            self._linger()
         self.state.close(barrier=False)
+
+    def _linger(self) -> None:
+        """Post this rank's close in the store and wait for every member's, the data plane's
+        responder serving peers meanwhile (see :meth:`close`)."""
+        me, keys = self.rank(), {r: f"pydblp/close/{self.generation}/{r}" for r in self.members}
+        try:
+            self._store.set(keys[me], "1")
+            self._store.wait([k for r, k in keys.items() if r != me],
+                             datetime.timedelta(seconds=self._cfg.peer_timeout))
+        except (RuntimeError, dist.DistError) as e:  # (a member never closed, or the store's host is gone)
+            log.warning("dblp: rank %d closes before every member of its group did (%s); a peer still "
+                        "finishing its last round may wait for this rank until its peer_timeout", me, e)
 
     # ---- steps and failures --------------------------------------------------
     def _backward(self) -> _Step | None:
@@ -592,7 +644,7 @@ class ProcessGroupDblp(dist.ProcessGroup):
                     raise
             return list(outputs)
 
-        return _create_work_from_future(self.state.submit(job))
+        return _Work(self.state.submit(job))
 
     def _down(self, t: torch.Tensor):
         """``t``'s values where the transport thread can read them: ``(cpu tensor, event)``."""

@@ -175,11 +175,14 @@ def tolerant(steps: int) -> None:
     dist.all_reduce(exact)
     ctl = pg.state.collective.controller
     params = [(p.to_local() if fsdp else p).detach() for p in m.parameters()]  # (FSDP: this rank's shard)
-    out("tolerant", {"grad_tols": sorted({r.tol for r in recs}), "grad_delivered": [r.min_delivered for r in recs],
-                     "steps": ctl.steps, "decisions": [(i, c) for i, _, c in ctl.history], "exact": exact,
-                     "exact_rec": pg.state.collective.records[-1].tol, "params": params,
-                     "ag_tols": sorted({r.tol for r in ag}), "ag_delivered": [r.min_delivered for r in ag]})
+    res = {"grad_tols": sorted({r.tol for r in recs}), "grad_delivered": [r.min_delivered for r in recs],
+           "steps": ctl.steps, "decisions": [(i, c) for i, _, c in ctl.history], "exact": exact,
+           "exact_rec": pg.state.collective.records[-1].tol, "params": params,
+           "ag_tols": sorted({r.tol for r in ag}), "ag_delivered": [r.min_delivered for r in ag]}
+    # the last round, under the same loss: a rank whose part of it a peer still needs must not be
+    # gone (destroy_process_group lingers until every rank closes); a failed round raises here
     dist.barrier()
+    out("tolerant", res)
 
 
 def death(steps: int) -> None:
@@ -201,6 +204,24 @@ def death(steps: int) -> None:
                       "params": [p.detach() for p in m.parameters()]})
     except Exception as e:
         out("death", {"done": done, "error": f"{type(e).__name__}: {e}"})
+
+
+def lost() -> None:
+    """The last rank leaves after one all_reduce: the others' next operations raise, naming it."""
+    t = torch.ones(4) * (RANK + 1)
+    dist.all_reduce(t)
+    if RANK == WORLD - 1:
+        os._exit(0)  # gone without a word
+    res = {"first": t.tolist()}
+    for name, call in (("all_reduce", lambda: dist.all_reduce(torch.ones(4))),
+                       ("broadcast", lambda: dist.broadcast(torch.ones(2), 0, async_op=True).wait()),
+                       ("future", lambda: dist.all_reduce(torch.ones(3), async_op=True).get_future().wait())):
+        try:
+            call()
+            res[name] = "returned"
+        except Exception as e:
+            res[name] = f"{type(e).__name__}: {e}"
+    out("lost", res)
 
 
 def group() -> dict:
@@ -231,7 +252,7 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=60), pg_options=options)
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
-         "death": lambda: death(15)}[CASE]()
+         "death": lambda: death(15), "lost": lost}[CASE]()
         if ENV:
             out("group", group())
     finally:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import pydblp.torch
-from pydblp.collective import Config
+from pydblp.collective import CollectiveError, Config
 from pydblp.jobkey import KeyLoadError
 from pydblp.net import NetError
 
@@ -49,7 +49,7 @@ def _job(case: str, backend: str, tmp: Path, world: int = WORLD, env: dict | Non
         f = tmp / f"{name}.{backend}.{r}.pt"
         outs.append(torch.load(f, weights_only=False) if f.exists() else None)
     for r, (p, o) in enumerate(zip(procs, outs)):
-        if o is None and not (case == "death" and r == world - 1):
+        if o is None and not (case in ("death", "lost") and r == world - 1):
             raise AssertionError(f"rank {r} wrote nothing (rc {p.returncode}):\n{logs[r][-3000:]}")
     return outs
 
@@ -109,7 +109,9 @@ def test_gradient_rounds_tolerate_loss_and_nothing_else_does(tmp_path, algo):
     or FSDP2's reduce-scatters (in backward) carry a bound and some end below full delivery; an
     all_reduce after training is exact; the controller counted one step per backward pass and
     decided alike on every rank; every replica holds the same parameters (FSDP: one copy of each
-    shard).  FSDP2's parameter all-gather is exact unless ``allgather="tolerant"``."""
+    shard).  FSDP2's parameter all-gather is exact unless ``allgather="tolerant"``.  The job's
+    last round (a barrier under the same loss, then ``destroy_process_group``) ends on every
+    rank: none leaves while a peer still needs a retransmission of its part."""
     outs = _job("tolerant", "dblp", tmp_path, env={"LOSS": "0.1", "DBLP_PHASE": "dblp:0.2", "ALGO": algo})
     want = torch.arange(100_000, dtype=torch.float32) * sum(range(1, WORLD + 1))
     for res in outs:
@@ -123,6 +125,35 @@ def test_gradient_rounds_tolerate_loss_and_nothing_else_does(tmp_path, algo):
             assert res["ag_tols"] == [0.0] and min(res["ag_delivered"]) == 1.0
         else:
             assert set(res["ag_tols"]) <= {51 / 255, 153 / 255} and min(res["ag_delivered"]) < 1.0
+
+
+def test_a_work_waits_for_its_future_and_raises_its_error():
+    from pydblp.torch.backend import _Work
+
+    ok, bad, slow = torch.futures.Future(), torch.futures.Future(), torch.futures.Future()
+    ok.set_result([torch.ones(1)])
+    bad.set_exception(CollectiveError("rank 0: rank 2 sent nothing"))
+    assert _Work(ok).wait() and _Work(ok).is_completed() and _Work(ok).get_future() is ok
+    with pytest.raises(CollectiveError, match="rank 2 sent nothing"):
+        _Work(bad).wait()
+    with pytest.raises(dist.DistError, match="did not complete within"):
+        _Work(slow).wait(datetime.timedelta(milliseconds=50))
+    assert not _Work(slow).is_completed()
+    slow.set_result([])
+    assert _Work(slow).wait(datetime.timedelta(seconds=5))
+
+
+def test_an_operation_that_fails_outside_backward_raises(tmp_path):
+    """The last rank leaves after one all_reduce.  The survivors' next all_reduce raises from its
+    ``wait()`` (not: returns with the tensor unchanged), naming the silent rank; a later async
+    broadcast's ``wait()`` and a later all_reduce's future raise too, naming the first failure."""
+    outs = _job("lost", "dblp", tmp_path, env={"DBLP_PEER_TIMEOUT": "2"}, timeout=90)
+    assert outs[-1] is None
+    for res in outs[:-1]:
+        assert res["first"] == [10.0] * 4
+        assert res["all_reduce"].startswith("CollectiveError: ") and "rank 3 sent nothing" in res["all_reduce"], res
+        for later in ("broadcast", "future"):
+            assert "an earlier round failed" in res[later] and "rank 3" in res[later], res
 
 
 @pytest.mark.slow
