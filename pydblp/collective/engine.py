@@ -532,7 +532,7 @@ class Collective:
         Peers still probing for the last round's STOPs, or waiting for a
         retransmission of this rank's trailing all-gather, then time out:
         close only after every rank has finished (``pydblp.torch.State.close``
-        barriers first).
+        waits for every rank's close in the rendezvous store first).
         """
         if self._closing:
             if not self._close_late:

@@ -54,10 +54,11 @@ __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo",
 class State:
     """A collective plus the one thread that drives it (rounds run in submission order)."""
 
-    def __init__(self, collective: Collective, owned=()):
+    def __init__(self, collective: Collective, owned=(), closing: tuple | None = None):
         self.collective = collective
         self.depth: dict[int, tuple[int, int]] = {}  # id(parameter) -> (layer, layers): register_model
         self._owned = list(owned)
+        self._closing = closing  # (store, key prefix) where every rank posts its close: see close()
         self._jobs: _queue.Queue = _queue.Queue()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pydblp-rounds", daemon=True)
@@ -161,7 +162,7 @@ class State:
         except BaseException:  # nothing this call opened outlives it
             dp.close()
             raise
-        return cls(col, owned=[col, dp])
+        return cls(col, owned=[col, dp], closing=(store, f"pydblp/{cfg.job}/{epoch}/close"))
 
     def register_model(self, module: torch.nn.Module) -> None:
         """Describe ``module``'s layers for ``Config(priority="layer")``: a layer is a module
@@ -258,25 +259,36 @@ class State:
     def close(self, barrier: bool = True) -> None:
         """Stop the thread, close the transport and detach what this state attached.
 
-        With ``barrier`` (default) first wait, over the Gloo control plane, until
-        every rank is closing: until then this rank keeps answering probes for
-        the last round (its STOP may have been lost) and serving its trailing
-        all-gather (a peer may still need a retransmission), so no peer is stranded.
-        A dead peer makes the barrier fail after ``Config.peer_timeout``; the
-        state is closed anyway.
+        A rank's round ends when it holds what it needs, which may be before a peer has what
+        that peer needs from it.  So with ``barrier`` (default) this rank first posts its close
+        in the rendezvous store and waits, at most ``Config.peer_timeout``, for every rank's,
+        answering probes for the last round (its STOP may have been lost) and serving its
+        trailing all-gather (a peer may still need a retransmission) meanwhile: no peer is
+        stranded.  A rank that never posts (dead) costs the wait; this rank then logs a
+        warning and closes anyway.  Skipped after a failed round, and for a state built
+        around a :class:`~pydblp.collective.Collective` by hand (no store:
+        :meth:`open` and :meth:`from_process_group` give one).
         """
         self._jobs.put(None)
         self._thread.join(timeout=10)
-        if barrier and dist.is_initialized() and self._failed is None:
-            import datetime
-
-            try:
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.collective.cfg.peer_timeout))
-            except RuntimeError:
-                pass  # a peer is gone: nobody is left to strand
+        if barrier and self._closing is not None and self._failed is None and self.collective.world > 1:
+            self._wait_for_all()
         for o in self._owned:
             o.close()
         self._owned = []
+
+    def _wait_for_all(self) -> None:
+        """Post this rank's close in the store; wait for every rank's (see :meth:`close`)."""
+        import datetime
+
+        (store, prefix), col = self._closing, self.collective
+        try:
+            store.set(f"{prefix}/{col.rank}", "1")
+            store.wait([f"{prefix}/{r}" for r in range(col.world) if r != col.rank],
+                       datetime.timedelta(seconds=col.cfg.peer_timeout))
+        except (RuntimeError, dist.DistError) as e:  # (a rank never closed, or the store's host is gone)
+            log.warning("rank %d: closing before every rank did (%s); a peer still finishing the last "
+                        "round may wait for this rank until its peer_timeout", col.rank, e)
 
 
 def _tensors(obj):

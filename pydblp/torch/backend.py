@@ -423,30 +423,16 @@ class ProcessGroupDblp(dist.ProcessGroup):
 
         Args:
             linger: first wait, at most ``Config.peer_timeout``, until every member of the group
-                is closing too, answering peers meanwhile: this rank's last round may have ended
-                while a peer still needs a retransmission of its part, or the STOP it lost
-                (a rank's round ends when it holds what it needs, not what the others need).
-                Skipped after a failure (the group is done with), and by ``abort()``.
+                is closing too, answering peers meanwhile (:meth:`pydblp.torch.State.close`):
+                this rank's last round may have ended while a peer still needs a
+                retransmission of its part, or the STOP it lost.  Skipped after a failure (the
+                group is done with), and by ``abort()``.
         """
         if self._closed:
             return
         self._closed = True
         _OPEN.discard(self)
-        if linger and self._failure is None and len(self.members) > 1:
-            self._linger()
-        self.state.close(barrier=False)
-
-    def _linger(self) -> None:
-        """Post this rank's close in the store and wait for every member's, the data plane's
-        responder serving peers meanwhile (see :meth:`close`)."""
-        me, keys = self.rank(), {r: f"pydblp/close/{self.generation}/{r}" for r in self.members}
-        try:
-            self._store.set(keys[me], "1")
-            self._store.wait([k for r, k in keys.items() if r != me],
-                             datetime.timedelta(seconds=self._cfg.peer_timeout))
-        except (RuntimeError, dist.DistError) as e:  # (a member never closed, or the store's host is gone)
-            log.warning("dblp: rank %d closes before every member of its group did (%s); a peer still "
-                        "finishing its last round may wait for this rank until its peer_timeout", me, e)
+        self.state.close(barrier=linger and self._failure is None)
 
     # ---- steps and failures --------------------------------------------------
     def _backward(self) -> _Step | None:
