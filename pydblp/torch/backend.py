@@ -255,6 +255,10 @@ class _Step:
         self.outputs: list = []       # the gradient rounds' outputs (zeroed if the step is dropped)
 
 
+_UNSUPPORTED = ("dblp: {op} is not supported: run it on a group of another "
+                "backend beside the dblp one, e.g. dist.new_group(backend=\"gloo\")")
+
+
 class _Work(dist.Work):
     """An operation's ``Work``: its future completes when the operation's rounds have (with their
     error if one failed), ``wait()`` blocks until then and raises that error.
@@ -410,6 +414,17 @@ class ProcessGroupDblp(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1]
+
+    # torch reaches a Python group's all-to-all, send and recv (not its reduce, gather or
+    # scatter: those fail inside torch with "No backend type associated with device type")
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        raise ValueError(_UNSUPPORTED.format(op="all_to_all"))
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        raise ValueError(_UNSUPPORTED.format(op="send"))
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        raise ValueError(_UNSUPPORTED.format(op="recv"))
 
     def shutdown(self) -> None:
         self.close()

@@ -130,7 +130,9 @@ def ops() -> None:
     for name, call in (("premul", lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
                        ("avg.int", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)),
                        ("band.float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
-                       ("meta", lambda: dist.all_reduce(torch.ones(2, device="meta")))):
+                       ("meta", lambda: dist.all_reduce(torch.ones(2, device="meta"))),
+                       ("all_to_all", lambda: dist.all_to_all_single(torch.zeros(W), torch.ones(W))),
+                       ("send", lambda: dist.send(torch.ones(2), (r + 1) % W))):
         try:
             call()
         except (ValueError, RuntimeError) as e:
@@ -138,7 +140,7 @@ def ops() -> None:
     res["errors"] = errs
     pg = dist.group.WORLD
     res["tols"] = sorted({rec.tol for rec in pg.state.collective.records})
-    dist.barrier()  # every rank is done before any closes
+    dist.barrier()
     out("ops", res)
 
 
