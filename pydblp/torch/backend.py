@@ -48,6 +48,7 @@ import functools
 import logging
 import operator
 import os
+import sys
 import threading
 import weakref
 
@@ -714,10 +715,14 @@ _OPEN: "weakref.WeakSet[ProcessGroupDblp]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """A script that exits without ``destroy_process_group`` (an error raised from training) still
-    closes its groups' threads and data planes before the interpreter tears torch down."""
+    """A script that exits without ``destroy_process_group`` still closes its groups' threads and
+    data planes before the interpreter tears torch down: after its last line, as
+    ``destroy_process_group`` does (waiting for every member); after an uncaught exception
+    (the interpreter sets ``sys.last_value``), at once: its peers learn of it by their
+    ``peer_timeout``, and nothing of this rank's is to be waited for."""
+    crashed = getattr(sys, "last_value", None) is not None
     for pg in list(_OPEN):
-        pg.close()
+        pg.close(linger=not crashed)
 
 
 def register() -> None:

@@ -226,6 +226,21 @@ def lost() -> None:
     out("lost", res)
 
 
+def crash() -> None:
+    """The last rank raises after one all_reduce, without destroy_process_group: its atexit
+    close must not wait for the others (they are stuck in their next round, which it never
+    joins); they fail naming it."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if RANK == WORLD - 1:
+        raise SystemError("a bug in the training script")  # uncaught
+    try:
+        dist.all_reduce(t)
+        out("crash", "returned")
+    except Exception as e:
+        out("crash", f"{type(e).__name__}: {e}")
+
+
 def group() -> dict:
     """What the default group ran on (written under torchrun, for the testbed test to check)."""
     pg = dist.group.WORLD
@@ -254,11 +269,11 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=60), pg_options=options)
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
-         "death": lambda: death(15), "lost": lost}[CASE]()
+         "death": lambda: death(15), "lost": lost, "crash": crash}[CASE]()
         if ENV:
             out("group", group())
     finally:
-        if CASE != "death":
+        if CASE not in ("death", "crash"):
             dist.destroy_process_group()
     print(f"ok {RANK}", flush=True)  # (tests.helpers.run_in_workers looks for it)
 

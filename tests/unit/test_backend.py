@@ -28,13 +28,14 @@ WORLD = 4
 
 
 def _job(case: str, backend: str, tmp: Path, world: int = WORLD, env: dict | None = None,
-         timeout: float = 120) -> list[dict | list]:
-    """Run ``case`` on ``world`` rank processes; each rank's output (None for a rank that wrote none)."""
+         timeout: float = 120, logs: list | None = None) -> list[dict | list]:
+    """Run ``case`` on ``world`` rank processes; each rank's output (None for a rank that wrote none).
+    ``logs``: a list each rank's stdout and stderr are appended to."""
     e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.backend_rank", case, backend, str(r), str(world),
                                str(tmp)], env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
-    logs = []
+    logs = [] if logs is None else logs
     try:
         for p in procs:
             logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
@@ -49,7 +50,7 @@ def _job(case: str, backend: str, tmp: Path, world: int = WORLD, env: dict | Non
         f = tmp / f"{name}.{backend}.{r}.pt"
         outs.append(torch.load(f, weights_only=False) if f.exists() else None)
     for r, (p, o) in enumerate(zip(procs, outs)):
-        if o is None and not (case in ("death", "lost") and r == world - 1):
+        if o is None and not (case in ("death", "lost", "crash") and r == world - 1):
             raise AssertionError(f"rank {r} wrote nothing (rc {p.returncode}):\n{logs[r][-3000:]}")
     return outs
 
@@ -155,6 +156,18 @@ def test_an_operation_that_fails_outside_backward_raises(tmp_path):
         assert res["all_reduce"].startswith("CollectiveError: ") and "rank 3 sent nothing" in res["all_reduce"], res
         for later in ("broadcast", "future"):
             assert "an earlier round failed" in res[later] and "rank 3" in res[later], res
+
+
+def test_a_rank_that_crashes_closes_at_once_and_its_peers_fail_naming_it(tmp_path):
+    """The last rank raises (uncaught, no destroy_process_group) after one all_reduce.  Its atexit
+    close does not wait for the others (they are in a round it never joins: waiting would only
+    end at its peer_timeout, with a warning); their next all_reduce fails naming it."""
+    logs: list = []
+    outs = _job("crash", "dblp", tmp_path, env={"DBLP_PEER_TIMEOUT": "2"}, timeout=90, logs=logs)
+    assert outs[-1] is None and "SystemError: a bug in the training script" in logs[-1]
+    assert "closing before every rank did" not in logs[-1], logs[-1][-2000:]
+    for res in outs[:-1]:
+        assert res.startswith("CollectiveError: ") and "rank 3 sent nothing" in res, res
 
 
 @pytest.mark.slow
