@@ -366,7 +366,7 @@ class ProcessGroupDblp(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
-        root = opts.rootRank if opts is not None else 0
+        root = _root(opts)
         return self._run(tensors, lambda col, t, x: self._gather_bytes(col, x, root=root)[root])
 
     def barrier(self, opts=None):
@@ -416,8 +416,42 @@ class ProcessGroupDblp(dist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1]
 
-    # torch reaches a Python group's all-to-all, send and recv (not its reduce, gather or
-    # scatter: those fail inside torch with "No backend type associated with device type")
+    def reduce(self, tensors, opts=None):
+        """``dist.reduce``: an exact all_reduce whose result only ``dst`` keeps (the others'
+        tensors are left as they were)."""
+        op, root = _op(opts), _root(opts)
+        for t in tensors:
+            _check_reduce(t, op)
+        return self._run(tensors, lambda col, t, x: self._allreduce(col, t, x, op, False), write=self.rank() == root)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """``dist.gather``: every rank's tensor, exactly (an all-gather of its bytes); ``dst``
+        keeps them."""
+        root, inp = _root(opts), input_tensors[0]
+        if self.rank() != root:
+            return self._gather_into(inp, lambda got: None, [inp])
+        outs = output_tensors[0]
+        if len(outs) != self.size():
+            raise ValueError(f"gather: give {self.size()} output tensors (one per rank), not {len(outs)}")
+        return self._gather_into(inp, lambda got: [o.copy_(g.view_as(o)) for o, g in zip(outs, got)], outs)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """``dist.scatter``: ``src``'s list, piece ``r`` to rank ``r``, exactly: an all-gather of
+        the whole list's bytes (every rank sends as many, zeros but ``src``: world-squared times
+        the bytes of one piece; for start-up and checkpoints, not per step)."""
+        root, out, me = _root(opts), output_tensors[0], self.rank()
+        n = out.numel()
+        if me == root:
+            pieces = input_tensors[0]
+            if len(pieces) != self.size() or any(p.numel() != n for p in pieces):
+                raise ValueError(f"scatter: give {self.size()} input tensors of {n} elements (one per rank)")
+            whole = torch.cat([p.reshape(-1) for p in pieces])
+        else:
+            whole = torch.zeros(n * self.size(), dtype=out.dtype, device=out.device)
+        return self._run([whole], lambda col, t, x: self._gather_bytes(col, x, root=root)[root][me * n:(me + 1) * n],
+                         outputs=[out])
+
+    # torch hands a Python group its all-to-all, send and recv too
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         raise ValueError(_UNSUPPORTED.format(op="all_to_all"))
 
@@ -680,6 +714,10 @@ def _op(opts):
     op = getattr(opts, "reduceOp", _R.SUM)
     op = getattr(op, "op", op)  # a ReduceOp wraps its RedOpType
     return op
+
+
+def _root(opts) -> int:
+    return getattr(opts, "rootRank", 0)
 
 
 def _check_reduce(t: torch.Tensor, op) -> None:

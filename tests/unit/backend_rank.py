@@ -114,6 +114,18 @@ def ops() -> None:
     f = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")]) if r == 0 else torch.zeros(4)
     dist.broadcast(f, src=0)
     res["bcast.bits"] = f.view(torch.int32)
+    t = torch.tensor([r + 1.0, 2.0])
+    dist.reduce(t, dst=1)  # only dst's changes
+    res["reduce"] = t
+    t = torch.tensor([r + 1, 3], dtype=torch.int64)
+    dist.reduce(t, dst=2, op=dist.ReduceOp.MAX)
+    res["reduce.max"] = t
+    got = [torch.empty(2, dtype=torch.int32) for _ in range(W)] if r == 2 else None
+    dist.gather(torch.tensor([r, -r], dtype=torch.int32), got, dst=2)
+    res["gather"] = None if got is None else torch.stack(got)
+    t = torch.empty(3)
+    dist.scatter(t, [torch.full((3,), 10.0 * k) for k in range(W)] if r == 1 else None, src=1)
+    res["scatter"] = t
     objs = [None] * W
     dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"})
     res["objects"] = [o["rank"] for o in objs]
@@ -142,6 +154,35 @@ def ops() -> None:
     res["tols"] = sorted({rec.tol for rec in pg.state.collective.records})
     dist.barrier()
     out("ops", res)
+
+
+def checkpoint() -> None:
+    """FSDP2 with torch.distributed.checkpoint over the dblp group: save after two steps, load
+    into a model built with other values, compare."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = model()
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(m)
+
+    m = build(0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for x, y in batches(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    dcp.save({"model": m.state_dict()}, checkpoint_id=os.path.join(DIR, "ckpt"))
+    fresh = build(1)
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(DIR, "ckpt"))
+    fresh.load_state_dict(sd["model"])
+    out("checkpoint", {"saved": [p.full_tensor().detach() for p in m.parameters()],
+                       "loaded": [p.full_tensor().detach() for p in fresh.parameters()]})
 
 
 def tolerant(steps: int) -> None:
@@ -269,7 +310,8 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=60), pg_options=options)
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
-         "death": lambda: death(15), "lost": lost, "crash": crash}[CASE]()
+         "death": lambda: death(15), "lost": lost, "crash": crash,
+         "checkpoint": checkpoint}[CASE]()
         if ENV:
             out("group", group())
     finally:
