@@ -71,6 +71,7 @@ _R = dist.ReduceOp
 # local reductions of the exact path: gathered (world, ...) tensors -> one
 _LOCAL = {
     _R.SUM: lambda g: g.sum(0, dtype=g.dtype) if g.dtype != torch.bool else g.any(0),
+    _R.AVG: lambda g: g.sum(0, dtype=g.dtype) / g.shape[0],  # (floating only: _check_reduce; the survivors')
     _R.PRODUCT: lambda g: g.prod(0, dtype=g.dtype) if g.dtype != torch.bool else g.all(0),
     _R.MIN: lambda g: g.min(0).values,
     _R.MAX: lambda g: g.max(0).values,

@@ -86,6 +86,12 @@ def ops() -> None:
         t = torch.tensor([r + 1, -r, 7], dtype=torch.int64)
         dist.all_reduce(t, op=op)
         res[f"{op}"] = t
+    t = torch.tensor([1.0, 2.0], dtype=torch.float64) * (r + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    res["avg.f64"] = t
+    t = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (r + 1)
+    dist.all_reduce(t)
+    res["sum.c64"] = t
     t = torch.tensor([r == 1, False, True])
     dist.all_reduce(t, op=dist.ReduceOp.BOR)
     res["bor"] = t

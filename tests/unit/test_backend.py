@@ -83,6 +83,9 @@ def test_every_collective_against_its_definition(tmp_path):
         assert res[f"{dist.ReduceOp.MIN}"].tolist() == [1, -(W - 1), 7]
         assert res[f"{dist.ReduceOp.PRODUCT}"].tolist() == [24, 0, 7 ** W]
         assert res["bor"].tolist() == [True, False, True]
+        tri = W * (W + 1) // 2  # sum over r of (r + 1)
+        assert res["avg.f64"].dtype == torch.float64 and res["avg.f64"].tolist() == [tri / W, 2 * tri / W]
+        assert res["sum.c64"].tolist() == [complex(tri, 2 * tri), complex(3 * tri, -tri)]
         assert torch.allclose(res["avg"], torch.full((3,), (W - 1) / 2))
         assert torch.equal(res["avg.future"], res["avg"])
         full = sum(torch.arange(W * 3, dtype=torch.float32) * (k + 1) for k in range(W))
