@@ -71,7 +71,7 @@ _R = dist.ReduceOp
 # local reductions of the exact path: gathered (world, ...) tensors -> one
 _LOCAL = {
     _R.SUM: lambda g: g.sum(0, dtype=g.dtype) if g.dtype != torch.bool else g.any(0),
-    _R.AVG: lambda g: g.sum(0, dtype=g.dtype) / g.shape[0],  # (floating only: _check_reduce; the survivors')
+    _R.AVG: lambda g: g.sum(0, dtype=g.dtype) / g.shape[0],  # (floating or complex: _check_reduce; the survivors')
     _R.PRODUCT: lambda g: g.prod(0, dtype=g.dtype) if g.dtype != torch.bool else g.all(0),
     _R.MIN: lambda g: g.min(0).values,
     _R.MAX: lambda g: g.max(0).values,
@@ -724,7 +724,7 @@ def _root(opts) -> int:
 def _check_reduce(t: torch.Tensor, op) -> None:
     """Raise ValueError for a reduction the backend cannot make exactly or without loss of meaning."""
     if op == _R.AVG:
-        if not t.is_floating_point():
+        if not (t.is_floating_point() or t.is_complex()):
             raise ValueError(f"dblp: ReduceOp.AVG of {t.dtype}: use a floating-point tensor, or SUM and divide")
         return
     if op not in _LOCAL:

@@ -162,6 +162,32 @@ def ops() -> None:
     out("ops", res)
 
 
+def matrix() -> None:
+    """all_reduce and reduce_scatter_tensor for every op and dtype, results or errors by name
+    (tests/unit/test_backend.py compares the dblp group's with Gloo's)."""
+    import itertools
+
+    ops = {o: getattr(dist.ReduceOp, o) for o in ("SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR")}
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,
+              torch.int64, torch.bool, torch.complex64)
+    res = {}
+    for (name, op), dt in itertools.product(ops.items(), dtypes):
+        base = torch.tensor([3, 5, 1, 0, 2, 7] * WORLD, dtype=torch.int64)[: 3 * WORLD] + RANK
+        t = (base % 2 == 1) if dt == torch.bool else base.to(dt)
+        for kind in ("all_reduce", "reduce_scatter"):
+            try:
+                if kind == "all_reduce":
+                    o = t.clone()
+                    dist.all_reduce(o, op=op)
+                else:
+                    o = torch.empty(3, dtype=dt)
+                    dist.reduce_scatter_tensor(o, t.clone(), op=op)
+                res[(kind, name, str(dt))] = o
+            except (ValueError, RuntimeError) as e:
+                res[(kind, name, str(dt))] = f"{type(e).__name__}: {e}"
+    out("matrix", res)
+
+
 def checkpoint() -> None:
     """FSDP2 with torch.distributed.checkpoint over the dblp group: save after two steps, load
     into a model built with other values, compare."""
@@ -317,7 +343,7 @@ def main() -> None:
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
          "death": lambda: death(15), "lost": lost, "crash": crash,
-         "checkpoint": checkpoint}[CASE]()
+         "checkpoint": checkpoint, "matrix": matrix}[CASE]()
         if ENV:
             out("group", group())
     finally:

@@ -137,6 +137,31 @@ def test_gradient_rounds_tolerate_loss_and_nothing_else_does(tmp_path, algo):
             assert set(res["ag_tols"]) <= {51 / 255, 153 / 255} and min(res["ag_delivered"]) < 1.0
 
 
+def test_every_reduction_gloo_makes_the_dblp_group_makes_alike(tmp_path):
+    """all_reduce and reduce_scatter_tensor, every op (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR,
+    BXOR) and dtype (float32/16, bfloat16, float64, int8, uint8, int32, int64, bool, complex64),
+    3 ranks: where Gloo gives a result, the dblp group gives the same (integers and bool
+    exactly; floats within the mean's rounding: its float SUM/AVG is a mean times the world);
+    where Gloo refuses, dblp refuses with a ValueError at the call (torch's own, or one of its
+    own) or gives the result too; a refusal never fails the group (later operations still run)."""
+    gloo = _job("matrix", "gloo", tmp_path, world=3)
+    ours = _job("matrix", "dblp", tmp_path, world=3)
+    compared = 0
+    for g, d in zip(gloo, ours):
+        for key, want in g.items():
+            got = d[key]
+            if isinstance(want, str):  # refused for Gloo: by torch itself (the same words), or by Gloo
+                assert isinstance(got, torch.Tensor) or got == want or got.startswith("ValueError: dblp: "), (key, got)
+                continue
+            assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, (key, got)
+            if want.is_floating_point() or want.is_complex():
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=str(key))
+            else:
+                assert torch.equal(got, want), (key, got, want)
+            compared += 1
+    assert compared > 3 * 100  # (most pairs have a result on both)
+
+
 def test_fsdp2_checkpoints_with_torch_distributed_checkpoint(tmp_path):
     """dcp.save and dcp.load (which gather and scatter their plans) over the dblp group: a model
     built with other values loads the saved parameters exactly, on every rank."""
