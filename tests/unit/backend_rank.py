@@ -163,7 +163,8 @@ def ops() -> None:
 
 
 def matrix() -> None:
-    """all_reduce and reduce_scatter_tensor for every op and dtype, results or errors by name
+    """all_reduce and reduce_scatter_tensor for every op and dtype, results or errors by name, and
+    broadcast, all_gather_into_tensor, reduce, gather and scatter for every dtype
     (tests/unit/test_backend.py compares the dblp group's with Gloo's)."""
     import itertools
 
@@ -185,6 +186,23 @@ def matrix() -> None:
                 res[(kind, name, str(dt))] = o
             except (ValueError, RuntimeError) as e:
                 res[(kind, name, str(dt))] = f"{type(e).__name__}: {e}"
+    for dt in dtypes:  # the exact movers, every dtype
+        t = torch.arange(4, dtype=torch.int64).to(dt) + RANK if dt != torch.bool else torch.tensor([True, False, RANK == 1, True])
+        b, big, red, sc = t.clone(), torch.empty(4 * WORLD, dtype=dt), t.clone(), torch.empty_like(t)
+        got = [torch.empty_like(t) for _ in range(WORLD)] if RANK == 1 else None
+        pieces = [t * 0 + k if dt != torch.bool else t for k in range(WORLD)] if RANK == 0 else None
+        for kind, call, o in (("broadcast", lambda: dist.broadcast(b, src=WORLD - 1), b),
+                              ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(big, t), big),
+                              ("reduce", lambda: dist.reduce(red, dst=0), red),
+                              ("gather", lambda: dist.gather(t, got, dst=1), None),
+                              ("scatter", lambda: dist.scatter(sc, pieces, src=0), sc)):
+            try:
+                call()
+                if kind == "gather":
+                    o = torch.stack(got) if got else torch.zeros(0)
+                res[(kind, "-", str(dt))] = o if kind != "reduce" or RANK == 0 else torch.zeros(0)  # (elsewhere: unspecified)
+            except (ValueError, RuntimeError) as e:
+                res[(kind, "-", str(dt))] = f"{type(e).__name__}: {e}"
     out("matrix", res)
 
 

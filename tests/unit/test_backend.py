@@ -137,13 +137,14 @@ def test_gradient_rounds_tolerate_loss_and_nothing_else_does(tmp_path, algo):
             assert set(res["ag_tols"]) <= {51 / 255, 153 / 255} and min(res["ag_delivered"]) < 1.0
 
 
-def test_every_reduction_gloo_makes_the_dblp_group_makes_alike(tmp_path):
-    """all_reduce and reduce_scatter_tensor, every op (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR,
-    BXOR) and dtype (float32/16, bfloat16, float64, int8, uint8, int32, int64, bool, complex64),
-    3 ranks: where Gloo gives a result, the dblp group gives the same (integers and bool
-    exactly; floats within the mean's rounding: its float SUM/AVG is a mean times the world);
-    where Gloo refuses, dblp refuses with a ValueError at the call (torch's own, or one of its
-    own) or gives the result too; a refusal never fails the group (later operations still run)."""
+def test_every_op_and_dtype_gives_what_gloo_gives(tmp_path):
+    """3 ranks, over Gloo and over the dblp group: all_reduce and reduce_scatter_tensor with every
+    op (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), and broadcast, all_gather_into_tensor,
+    reduce (at dst), gather and scatter, each of ten dtypes (float32, float16, bfloat16, float64,
+    int8, uint8, int32, int64, bool, complex64).  Where Gloo gives a result the dblp group gives
+    the same: integers and bool exactly, floats within the mean's rounding (its float SUM/AVG is
+    a mean times the world).  Where Gloo is refused, dblp is refused with a ValueError at the call
+    (torch's own, or one of its own) or gives a result; a refusal never fails the group."""
     gloo = _job("matrix", "gloo", tmp_path, world=3)
     ours = _job("matrix", "dblp", tmp_path, world=3)
     compared = 0
