@@ -639,13 +639,14 @@ def run(opt: Options) -> dict:
             burst_ms = opt.burst_ms or (was or {}).get("burst_ms")  # (None: sized by this seed's Gloo run)
             burst_s = [burst_ms / 1e3 if burst_ms else None]
             done: dict[str, Run] = {}
-            order = run_order(arms(opt), seed - opt.seed, burst_s[0] is not None)
+            given = arms(opt)
+            order = run_order(given, seed - opt.seed, burst_s[0] is not None)
             for arm in order:  # the first sizes the bursts if no length is given (Gloo by default)
                 set_queue(tb, opt, arm)
                 queue_drops(tb, opt)  # (resets the counters: each run's own)
                 done[arm.name] = run_arm(tb, opt, arm, seed, plan, burst_s)
                 done[arm.name].fabric = queue_drops(tb, opt)
-            runs = {arm.name: done[arm.name] for arm in arms(opt)}  # (the report's order: as given)
+            runs = {arm.name: done[arm.name] for arm in given}  # (the report's order: as given)
             target = opt.target
             if target is None:
                 target = gloo_target(runs["gloo"], opt) if "gloo" in runs else was["target"] if was else None

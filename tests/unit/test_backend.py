@@ -83,9 +83,6 @@ def test_every_collective_against_its_definition(tmp_path):
         assert res[f"{dist.ReduceOp.MIN}"].tolist() == [1, -(W - 1), 7]
         assert res[f"{dist.ReduceOp.PRODUCT}"].tolist() == [24, 0, 7 ** W]
         assert res["bor"].tolist() == [True, False, True]
-        tri = W * (W + 1) // 2  # sum over r of (r + 1)
-        assert res["avg.f64"].dtype == torch.float64 and res["avg.f64"].tolist() == [tri / W, 2 * tri / W]
-        assert res["sum.c64"].tolist() == [complex(tri, 2 * tri), complex(3 * tri, -tri)]
         assert torch.allclose(res["avg"], torch.full((3,), (W - 1) / 2))
         assert torch.equal(res["avg.future"], res["avg"])
         full = sum(torch.arange(W * 3, dtype=torch.float32) * (k + 1) for k in range(W))
@@ -98,11 +95,6 @@ def test_every_collective_against_its_definition(tmp_path):
         # the bits themselves: a NaN, a negative zero, a subnormal, an infinity
         want = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")]).view(torch.int32)
         assert torch.equal(res["bcast.bits"], want)
-        assert res["reduce"].tolist() == ([sum(range(1, W + 1)), 2.0 * W] if r == 1 else [r + 1.0, 2.0])
-        assert res["reduce.max"].tolist() == ([W, 3] if r == 2 else [r + 1, 3])
-        if r == 2:
-            assert res["gather"].tolist() == [[k, -k] for k in range(W)]
-        assert res["scatter"].tolist() == [10.0 * r] * 3
         assert res["objects"] == list(range(W)) and res["bobj"] == {"k": "v"}
         assert (res["sub"].tolist() == [3.0] * 4) if r < 2 else "sub" not in res
         errs = res["errors"]
