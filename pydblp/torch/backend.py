@@ -241,7 +241,7 @@ class _Staging:
         host.copy_(src.reshape(-1))
         s = self._stream(t.device)
         with torch.cuda.stream(s):
-            t.reshape(-1).copy_(host, non_blocking=True)
+            t.copy_(host.view(t.shape), non_blocking=True)  # (t may be strided: reshape would copy)
             done = torch.cuda.Event()
             done.record(s)
         done.synchronize()

@@ -185,6 +185,13 @@ def matrix() -> None:
                 res[(kind, "-", str(dt))] = o if kind != "reduce" or RANK == 0 else torch.zeros(0)  # (elsewhere: unspecified)
             except (ValueError, RuntimeError) as e:
                 res[(kind, "-", str(dt))] = f"{type(e).__name__}: {e}"
+    for layout in ("transposed", "channels_last"):  # results written into strided tensors
+        base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) * (RANK + 1)
+        t = base.transpose(1, 3) if layout == "transposed" else base.to(memory_format=torch.channels_last)
+        b = t.clone(memory_format=torch.preserve_format)
+        dist.all_reduce(t)
+        dist.broadcast(b, src=WORLD - 1)
+        res[("all_reduce", layout, "-")], res[("broadcast", layout, "-")] = t, b
     out("matrix", res)
 
 

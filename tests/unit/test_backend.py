@@ -133,7 +133,8 @@ def test_every_op_and_dtype_gives_what_gloo_gives(tmp_path):
     """3 ranks, over Gloo and over the dblp group: all_reduce and reduce_scatter_tensor with every
     op (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), and broadcast, all_gather_into_tensor,
     reduce (at dst), gather and scatter, each of ten dtypes (float32, float16, bfloat16, float64,
-    int8, uint8, int32, int64, bool, complex64).  Where Gloo gives a result the dblp group gives
+    int8, uint8, int32, int64, bool, complex64); all_reduce and broadcast into strided
+    (transposed, channels_last) tensors.  Where Gloo gives a result the dblp group gives
     the same: integers and bool exactly, floats within the mean's rounding (its float SUM/AVG is
     a mean times the world).  Where Gloo is refused, dblp is refused with a ValueError at the call
     (torch's own, or one of its own) or gives a result; a refusal never fails the group."""
@@ -147,6 +148,7 @@ def test_every_op_and_dtype_gives_what_gloo_gives(tmp_path):
                 assert isinstance(got, torch.Tensor) or got == want or got.startswith("ValueError: dblp: "), (key, got)
                 continue
             assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, (key, got)
+            assert got.stride() == want.stride(), key  # (written into the caller's tensor)
             if want.is_floating_point() or want.is_complex():
                 torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=str(key))
             else:
