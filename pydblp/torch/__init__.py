@@ -61,6 +61,8 @@ class State:
         self._closing = closing  # (store, key prefix) where every rank posts its close: see close()
         self._jobs: _queue.Queue = _queue.Queue()
         self._failed: BaseException | None = None
+        self._closed = False
+        self._submit_lock = threading.Lock()  # (a job is never queued behind close()'s stop)
         self._thread = threading.Thread(target=self._loop, name="pydblp-rounds", daemon=True)
         self._thread.start()
 
@@ -236,9 +238,16 @@ class State:
         self.collective.load_state_dict(_arrays(state))
 
     def submit(self, fn, *args) -> torch.futures.Future:
-        """Run ``fn(collective, *args)`` on the transport thread; a future of its result."""
+        """Run ``fn(collective, *args)`` on the transport thread; a future of its result.  On a
+        closed state (:meth:`close`; the ``dblp`` backend closes its old state when the group
+        re-forms) the future holds a RuntimeError at once: nothing would ever run the job."""
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((fut, fn, args))
+        with self._submit_lock:
+            if not self._closed:
+                self._jobs.put((fut, fn, args))
+                return fut
+        fut.set_exception(RuntimeError("this pydblp State is closed: open a new one (after the dblp group "
+                                       "re-forms, take dist.group.WORLD.state again)"))
         return fut
 
     def _loop(self) -> None:
@@ -269,7 +278,11 @@ class State:
         around a :class:`~pydblp.collective.Collective` by hand (no store:
         :meth:`open` and :meth:`from_process_group` give one).
         """
-        self._jobs.put(None)
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
         self._thread.join(timeout=10)
         if barrier and self._closing is not None and self._failed is None and self.collective.world > 1:
             self._wait_for_all()

@@ -152,3 +152,22 @@ def test_bad_arguments_are_refused_with_one_line():
             ShardedAdam(states[0], _model(), betas=(0.9, 1.0))
     finally:
         _close(cols, states)
+
+
+def test_a_step_on_a_closed_state_raises_at_once():
+    """An optimizer that outlives its State (closed by the user, or by the dblp group when it
+    re-forms after a failure) raises at its next step instead of waiting forever for a
+    transport thread that is gone; a second close does nothing."""
+    cols, states = _states({"phase": "static:0.0"})
+    models = [_model() for _ in range(WORLD)]
+    opts = [ShardedSGD(states[r], models[r], lr=0.1) for r in range(WORLD)]
+    _close(cols, states)
+    states[0].close()
+
+    def step(r):
+        _loss(models[r], *_batch(r, 0)).backward()
+        opts[r].step()
+
+    _, errs = run_threads(step, range(WORLD), 30)
+    assert set(errs) == set(range(WORLD))
+    assert all(isinstance(e, RuntimeError) and "State is closed" in str(e) for e in errs.values()), errs
