@@ -1,13 +1,18 @@
-"""Parameters as one flat float32 vector, and back: what every whole-model round sends."""
+"""Parameters as one flat CPU vector, and back: what every whole-model round sends."""
 
 from __future__ import annotations
 
 import torch
 
 
-def flatten(params) -> torch.Tensor:
-    """The parameters' values (or any same-shaped tensors), concatenated: a new CPU float32 tensor."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+def flat_dtype(params) -> torch.dtype:
+    """float64 when any of ``params`` is float64 (a float32 copy would round it), else float32."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+def flatten(params, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The parameters' values (or any same-shaped tensors), concatenated: a new CPU tensor of ``dtype``."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", dtype) for p in params])
 
 
 @torch.no_grad()

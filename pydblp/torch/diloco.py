@@ -62,14 +62,17 @@ collective) loaded from it, then takes the steps the saved one would have.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pydblp.torch._flat import assign, flatten
+from pydblp.torch._flat import assign, flat_dtype, flatten
 from pydblp.torch.exchange import Exchange, neighbours
+
+log = logging.getLogger(__name__)
 
 MODES = ("exact", "gossip")
 
@@ -85,7 +88,8 @@ class OuterRecord:
     overlap_wait_s: float     # of which: waiting for the non-blocking rounds to finish
     overlap_s: float = 0.0    # seconds the non-blocking rounds took (in the background)
     missing: dict = field(default_factory=dict)   # mixing round -> neighbours left out of it
-    bytes_sent: int = 0       # exchange payload bytes sent for this outer step
+    bytes_sent: int = 0       # exchange payload bytes: this step's blocking rounds, and the
+                              # background rounds it applied (those that ran since the last one)
 
 
 class DiLoCo:
@@ -126,11 +130,12 @@ class DiLoCo:
         self.sync_every, self.mode, self.topology = sync_every, mode, topology
         self.overlap_rounds, self.blocking_rounds, self.seed = overlap_rounds, blocking_rounds, seed
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._dtype = flat_dtype(self.params)  # the anchor's: float64 models keep their precision
         self.local_step = 0
         self.outer_steps = 0
         self.records: list[OuterRecord] = []
         self._round = 0                      # mixing rounds so far (names them; the same on every rank)
-        self._anchor = flatten(self.params)
+        self._anchor = self._flat()
         self._mix: threading.Thread | None = None   # the background mixing rounds, while they run
         self._mix_out: dict | None = None             # their result (or error), until the next boundary applies it
         self._hook = None
@@ -149,6 +154,9 @@ class DiLoCo:
             self._apply_overlap()
         elif self._mix_out is not None:
             self._wait_overlap()
+            if "error" in self._mix_out:  # (the caller's exception goes on; this one is only logged)
+                log.error("rank %d: background mixing rounds failed too: %s", self.exchange.rank,
+                          self._mix_out["error"])
             self._mix_out = None
 
     def _after_inner_step(self) -> None:
@@ -161,14 +169,15 @@ class DiLoCo:
     def sync(self) -> OuterRecord:
         """The outer step (called by the hook every ``sync_every`` inner steps)."""
         t0 = time.monotonic()
-        sent0 = self.exchange.bytes_sent
+        self._check_params()
         rec = OuterRecord(self.outer_steps, 0.0, 0.0)
         if self._mix_out is not None:
             w0 = time.monotonic()
-            rec.overlap_s, missing = self._apply_overlap()
+            rec.overlap_s, missing, rec.bytes_sent = self._apply_overlap()
             rec.overlap_wait_s = time.monotonic() - w0
             rec.missing.update(missing)
-        delta = self._anchor - flatten(self.params)
+        sent0 = self.exchange.bytes_sent  # (the background rounds are done: none of theirs after this)
+        delta = self._anchor - self._flat()
         if self.mode == "exact":
             delta = self.exchange.allreduce_mean(delta)
         else:
@@ -180,11 +189,11 @@ class DiLoCo:
             p.grad = g.view_as(p).to(p.device, p.dtype, copy=True)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        self._anchor = flatten(self.params)
+        self._anchor = self._flat()
+        rec.bytes_sent += self.exchange.bytes_sent - sent0
         if self.mode == "gossip" and self.overlap_rounds:
             self._start_overlap()
         rec.blocking_s = time.monotonic() - t0
-        rec.bytes_sent = self.exchange.bytes_sent - sent0   # (the overlap's bytes land in the next record)
         self.records.append(rec)
         self.outer_steps += 1
         return rec
@@ -204,7 +213,7 @@ class DiLoCo:
         out = self._mix_out = {}
 
         def run():
-            t = time.monotonic()
+            t, sent0 = time.monotonic(), self.exchange.bytes_sent
             try:
                 x, missing = snapshot, {}
                 for _ in range(self.overlap_rounds):
@@ -214,6 +223,7 @@ class DiLoCo:
             except BaseException as e:  # raised at the next boundary
                 out["error"] = e
             out["seconds"] = time.monotonic() - t
+            out["bytes"] = self.exchange.bytes_sent - sent0
 
         self._mix = threading.Thread(target=run, name="diloco-overlap", daemon=True)
         self._mix.start()
@@ -224,8 +234,9 @@ class DiLoCo:
             self._mix.join()
             self._mix = None
 
-    def _apply_overlap(self) -> tuple[float, dict]:
-        """Wait for the background rounds; shift anchor and parameters by (mixed - anchor)."""
+    def _apply_overlap(self) -> tuple[float, dict, int]:
+        """Wait for the background rounds; shift anchor and parameters by (mixed - anchor).
+        Their (seconds, missing neighbours, bytes sent)."""
         self._wait_overlap()
         out, self._mix_out = self._mix_out, None
         if "error" in out:
@@ -233,8 +244,19 @@ class DiLoCo:
         shift = out["result"] - self._anchor
         self._anchor += shift
         with torch.no_grad():
-            assign(self.params, flatten(self.params) + shift)
-        return out["seconds"], out["missing"]
+            assign(self.params, self._flat() + shift)
+        return out["seconds"], out["missing"], out.get("bytes", 0)
+
+    def _flat(self) -> torch.Tensor:
+        return flatten(self.params, self._dtype)
+
+    def _check_params(self) -> None:
+        """Raise ValueError when the model's trainable parameters are no longer the ones this
+        DiLoCo synchronises (one frozen or unfrozen since): they would drift apart unseen."""
+        now = [p for p in self.model.parameters() if p.requires_grad]
+        if len(now) != len(self.params) or any(a is not b for a, b in zip(now, self.params)):
+            raise ValueError(f"the model's trainable parameters changed since DiLoCo was built ({len(self.params)} "
+                             f"then, {len(now)} now): build DiLoCo after freezing or unfreezing parameters")
 
     # ---- checkpoints ------------------------------------------------------
     def state_dict(self) -> dict:
@@ -256,6 +278,7 @@ class DiLoCo:
         if out is not None and "error" in out:
             raise out["error"]
         overlap = None if out is None else {"result": out["result"].clone(), "seconds": out["seconds"],
+                                            "bytes": out["bytes"],
                                             "missing": {r: list(ps) for r, ps in out["missing"].items()}}
         return {"local_step": self.local_step, "outer_steps": self.outer_steps, "round": self._round,
                 "anchor": self._anchor.clone(), "overlap": overlap,
@@ -273,7 +296,7 @@ class DiLoCo:
         """
         if self._mix_out is not None:
             raise RuntimeError("load_state_dict with mixing rounds pending: load before the first outer step")
-        anchor = state["anchor"].detach().to("cpu", torch.float32)
+        anchor = state["anchor"].detach().to("cpu", self._dtype)
         if anchor.numel() != self._anchor.numel():
             raise ValueError(f"an anchor of {anchor.numel()} values given to a model of {self._anchor.numel()}")
         self.outer.load_state_dict(state["outer"])
@@ -282,7 +305,8 @@ class DiLoCo:
         self._anchor = anchor.clone()
         ov = state["overlap"]
         self._mix_out = None if ov is None else {
-            "result": ov["result"].detach().to("cpu", torch.float32).clone(), "seconds": float(ov["seconds"]),
+            "result": ov["result"].detach().to("cpu", self._dtype).clone(), "seconds": float(ov["seconds"]),
+            "bytes": int(ov.get("bytes", 0)),
             "missing": {int(r): [int(p) for p in ps] for r, ps in ov["missing"].items()}}
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -35,6 +35,7 @@ pydblp as :class:`~pydblp.collective.CollectiveError` after ``peer_timeout``.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
@@ -144,13 +145,15 @@ class GlooExchange(Exchange):
         addr: the address peers reach this rank's mailbox at (default 127.0.0.1;
             in a testbed, the worker's data address).
         timeout: seconds a neighbour has to deliver a round's tensor.
-        group: the Gloo group of ``allreduce_mean`` (default: the default group).
+        group: the Gloo group of the exchange (default: the default group): ``rank``, ``world``
+            and the neighbours' ranks are this group's; every member constructs it.
         store: where mailbox addresses are published (default: the default store).
         tag: names this exchange's keys in ``store`` (several exchanges per job).
         readmit_every: a suspect neighbour is waited for once every this many rounds.
     """
 
     supports_neighbours = True
+    LATE_KEEP = 64  # rounds given up on that are remembered per peer (their tensors deleted if they come)
 
     def __init__(self, addr: str = "127.0.0.1", timeout: float = 5.0, group=None, store=None, tag: str = "diloco",
                  readmit_every: int = 4):
@@ -162,25 +165,30 @@ class GlooExchange(Exchange):
             raise ValueError(f"readmit_every {readmit_every}: use 1 or more rounds")
         self.readmit_every = readmit_every
         self.group, self.timeout = group, timeout
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if dist.get_rank() not in members:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the group {members}: construct the "
+                             "exchange on its members only")
+        self.rank, self.world = members.index(dist.get_rank()), len(members)
         self.bytes_sent = 0
         self.suspects: dict[int, int] = {}   # peer -> rounds since it was last waited for
         store = store or dist.distributed_c10d._get_default_store()
         self._box = dist.TCPStore(addr, 0, None, True, timeout=datetime.timedelta(seconds=timeout),
                                   wait_for_workers=False)
-        store.set(f"pydblp/{tag}/{self.rank}", json.dumps([addr, self._box.port]))
-        self._where = [json.loads(store.get(f"pydblp/{tag}/{r}")) for r in range(self.world)]
-        self._late: set[str] = set()   # keys given up on: deleted when they turn up
+        store.set(f"pydblp/{tag}/{dist.get_rank()}", json.dumps([addr, self._box.port]))
+        self._where = [json.loads(store.get(f"pydblp/{tag}/{g}")) for g in members]  # by this group's rank
+        # peer -> the rounds whose tensor was given up on, oldest first (deleted when they turn up)
+        self._late: dict[int, collections.deque] = {}
         self._out: dict[int, queue.Queue] = {}
         self._senders: list[threading.Thread] = []
         self._closed = False
 
     # ---- exact ---------------------------------------------------------
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.detach().to(torch.float32).clone()
+        out = tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32).clone()
         dist.all_reduce(out, group=self.group)
         # a ring allreduce sends 2 (W-1)/W of the tensor from every rank
-        self.bytes_sent += int(2 * (self.world - 1) / self.world * out.numel() * 4)
+        self.bytes_sent += int(2 * (self.world - 1) / self.world * out.numel() * out.element_size())
         return out / self.world
 
     # ---- neighbours ----------------------------------------------------
@@ -205,11 +213,15 @@ class GlooExchange(Exchange):
                 wsum += w
                 arrived.append(p)
                 self._box.delete_key(key)
+                self._forget_before(p, round)
                 if p in self.suspects:
                     log.info("rank %d: peer %d is back (round %d)", self.rank, p, round)
                     del self.suspects[p]
             else:
-                self._late.add(key)
+                late = self._late.setdefault(p, collections.deque())
+                late.append(round)
+                if len(late) > self.LATE_KEEP:  # silent that long: dead, its old rounds will not come
+                    late.popleft()
                 if p not in self.suspects:
                     log.warning("rank %d: peer %d silent for %.1f s in round %d: left out until it returns",
                                 self.rank, p, self.timeout, round)
@@ -228,9 +240,20 @@ class GlooExchange(Exchange):
             return False
 
     def _forget_late(self) -> None:
-        for key in [k for k in self._late if self._box.check([k])]:
-            self._box.delete_key(key)
-            self._late.discard(key)
+        """Delete the tensors that came after their round was given up.  A peer's tensors come in
+        the order it sent them (one connection), so only each peer's oldest is looked for: one
+        lookup per silent peer and round, however long it stays silent."""
+        for p, late in self._late.items():
+            while late and self._box.check([self._key(late[0], p)]):
+                self._box.delete_key(self._key(late.popleft(), p))
+
+    def _forget_before(self, peer: int, round: int) -> None:
+        """``peer``'s tensor of ``round`` came: its earlier ones came before it or never will."""
+        late = self._late.get(peer)
+        while late and late[0] < round:
+            key = self._key(late.popleft(), peer)
+            if self._box.check([key]):
+                self._box.delete_key(key)
 
     @staticmethod
     def _key(round: int, src: int) -> str:

@@ -72,6 +72,10 @@ class _Sharded(torch.optim.Optimizer):
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the module has no trainable parameters")
+        wide = sorted({str(p.dtype) for p in params if p.dtype == torch.float64 or p.is_complex()})
+        if wide:  # (the round steps float32 values: each step would round them)
+            raise ValueError(f"{', '.join(wide)} parameters: a sharded optimizer steps float32 values; "
+                             "use float32 (or lower-precision) parameters, or torch.optim over the DDP hook")
         super().__init__(params, defaults)
         self.dblp_state = state  # the pydblp State (``state`` is torch.optim's)
         if dist.is_initialized():  # every rank starts from rank 0's values
@@ -142,7 +146,7 @@ class _Sharded(torch.optim.Optimizer):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state, in torch.optim's layout: ``state`` (the rank and world it
+        """This rank's optimizer state, with torch.optim's two keys: ``state`` (the rank and world it
         belongs to, the step count, the owner's shard as (first row, rows, values a row), None
         before its first round or on a rank that owns none, and its buffers, CPU float32 tensors
         of that shape, copies) and ``param_groups`` (the hyperparameters, a scheduler's

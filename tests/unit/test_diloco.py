@@ -174,6 +174,8 @@ def _rounds(rank: int, init_file: str, out_dir: str):
 
     _init(rank, init_file)
     ex = GlooExchange(timeout=TIMEOUT, readmit_every=2)
+    ex.LATE_KEEP = 2
+    ex._box = box = _CountedChecks(ex._box)
     log = []
     try:
         for rnd in range(8):
@@ -181,13 +183,29 @@ def _rounds(rank: int, init_file: str, out_dir: str):
                 os._exit(0)  # dies without closing anything
             peers = [r for r in range(WORLD) if r != rank]
             x = torch.full((1000,), float(rank))
+            before = box.checks
             y, arrived = ex.neighbours_average(x, peers, [1 / 3, 1 / 3], rnd)
-            log.append({"round": rnd, "arrived": arrived, "value": y[0].item(), "suspects": sorted(ex.suspects)})
+            log.append({"round": rnd, "arrived": arrived, "value": y[0].item(), "suspects": sorted(ex.suspects),
+                        "checks": box.checks - before, "late": len(ex._late.get(2, ()))})
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(log, f)
     finally:
         ex.close()
     _leave()
+
+
+class _CountedChecks:
+    """A mailbox (TCPStore) that counts its ``check`` calls: the lookups a round makes."""
+
+    def __init__(self, box):
+        self.box, self.checks = box, 0
+
+    def check(self, keys):
+        self.checks += 1
+        return self.box.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
 
 
 def _run_rounds(tmp_path):
@@ -208,6 +226,51 @@ def test_dead_peer_is_skipped_and_training_goes_on(tmp_path):
         assert all(2 in e["arrived"] for e in log[:DIES_AFTER])
         assert all(2 not in e["arrived"] and e["value"] == pytest.approx(0.5) for e in log[DIES_AFTER:])
         assert log[-1]["suspects"] == [2]
+        # a dead peer's given-up rounds: at most LATE_KEEP remembered, and one lookup a round
+        # for them however many there are (a round's lookups stay the same while it is dead)
+        assert [e["late"] for e in log[DIES_AFTER:]] == [1, 2, 2]
+        assert len({e["checks"] for e in log[DIES_AFTER + 1:]}) == 1, log
+
+
+def _subgroup(rank: int, init_file: str, out_dir: str):
+    from pydblp.torch import GlooExchange
+
+    _init(rank, init_file)
+    g = dist.new_group([1, 2])  # (every rank creates it)
+    res = {}
+    try:
+        if rank == 0:
+            with pytest.raises(ValueError, match="not a member") as e:
+                GlooExchange(group=g, tag="sub")
+            res["error"] = str(e.value)
+        else:
+            ex = GlooExchange(group=g, tag="sub", timeout=TIMEOUT)
+            try:
+                res["rank"], res["world"] = ex.rank, ex.world
+                res["mean"] = ex.allreduce_mean(torch.full((4,), float(rank))).tolist()
+                peers = neighbours("ring", ex.rank, ex.world, 0)
+                y, res["arrived"] = ex.neighbours_average(torch.full((4,), float(rank)), peers, [0.5], 0)
+                res["average"] = y.tolist()
+            finally:
+                ex.close()
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.slow
+def test_an_exchange_on_a_subgroup_averages_within_it(tmp_path):
+    """GlooExchange(group=[1, 2]) of 3 ranks: its ranks and world are the group's (0, 1 of 2),
+    the exact mean and a ring average are over ranks 1 and 2 (1.5, not 1.0), and rank 0 is
+    refused in one line."""
+    out = _run(_subgroup, tmp_path)
+    assert "not a member" in out[0]["error"]
+    for r, res in ((1, out[1]), (2, out[2])):
+        assert (res["rank"], res["world"]) == (r - 1, 2)
+        assert res["mean"] == [1.5] * 4 and res["average"] == [1.5] * 4
+        assert res["arrived"] == [2 - r]
 
 
 # ---- skip and re-admit: PydblpExchange on the simulator (virtual time) -------------
@@ -365,3 +428,95 @@ def test_gossip_over_pydblp_mixes_like_over_gloo(topology, overlap):
     else:
         apart = float((out[1][0][0] - out[0][0][0]).abs().max())
         assert all(s > 0 for s in spread) and apart < 1.0, spread  # mixed, not one model, not blown apart
+
+
+# ---- one process: what DiLoCo does around its exchange --------------------------------
+
+class _Echo:
+    """An exchange of rank 0 of 2 whose peer always holds this rank's values: an average gives
+    back the tensor; counts 4 bytes a value sent to each peer.  ``fail``: neighbour averages raise."""
+
+    rank, world, supports_neighbours = 0, 2, True
+
+    def __init__(self, fail: bool = False):
+        self.bytes_sent, self.suspects, self.fail = 0, {}, fail
+
+    def neighbours_average(self, tensor, peers, weights, round):
+        if self.fail:
+            raise RuntimeError("the network is gone")
+        self.bytes_sent += 4 * tensor.numel() * len(peers)
+        return tensor.clone(), list(peers)
+
+    def allreduce_mean(self, tensor):
+        self.bytes_sent += 4 * tensor.numel()
+        return tensor.clone()
+
+
+def _outer_steps(model, ex, steps: int = 8, lr: float = 0.1, **kw):
+    from pydblp.torch import DiLoCo
+
+    inner = torch.optim.SGD(model.parameters(), lr=lr)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(3)
+    with DiLoCo(ex, model, inner, outer, sync_every=2, **kw) as d:
+        for _ in range(steps):
+            x = torch.randn(4, 6, generator=g, dtype=next(model.parameters()).dtype)
+            inner.zero_grad()
+            model(x).square().mean().backward()
+            inner.step()
+    return d
+
+
+def test_each_record_counts_the_background_rounds_it_applied():
+    """Gossip with one background and one blocking round per outer step: each record counts its
+    blocking round and the background round it applied (none before the first); only the last
+    background round, applied on leaving the context, is in no record."""
+    ex = _Echo()
+    d = _outer_steps(_model(), ex, mode="gossip", overlap_rounds=1, blocking_rounds=1)
+    size = 4 * sum(p.numel() for p in _model().parameters())
+    assert [r.bytes_sent for r in d.records] == [size, 2 * size, 2 * size, 2 * size]
+    assert sum(r.bytes_sent for r in d.records) + size == ex.bytes_sent
+
+
+def test_a_float64_model_keeps_its_precision_through_outer_steps():
+    """The anchor is float64 for a float64 model: with no inner progress (lr 0) and an exact
+    mean of one worker's own pseudo-gradient, every parameter comes back bit for bit (a float32
+    anchor would round 1 + 1e-12 to 1)."""
+    model = _model().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1 + 1e-12)
+    _outer_steps(model, _Echo(), lr=0.0, mode="exact")
+    assert all(bool((p == 1 + 1e-12).all()) for p in model.parameters())
+
+
+def test_a_parameter_unfrozen_after_construction_fails_the_outer_step():
+    """DiLoCo synchronises the parameters that trained when it was built: unfreezing another
+    one later raises at the next outer step, naming the fix (it would drift unseen)."""
+    from pydblp.torch import DiLoCo
+
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    inner = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    outer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    with pytest.raises(ValueError, match="trainable parameters changed.*build DiLoCo after"):
+        with DiLoCo(_Echo(), model, inner, outer, sync_every=1, mode="exact"):
+            model[0].weight.requires_grad_(True)
+            model(torch.ones(2, 6)).sum().backward()
+            inner.step()
+
+
+def test_a_background_error_behind_the_callers_own_is_logged(caplog):
+    """Leaving the context on the caller's exception while background rounds failed: the
+    caller's exception goes on, and the background one is logged, not dropped."""
+    from pydblp.torch import DiLoCo
+
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with caplog.at_level("ERROR", logger="pydblp.torch.diloco"), pytest.raises(KeyError):
+        with DiLoCo(_Echo(fail=True), model, inner, outer, sync_every=1, mode="gossip", blocking_rounds=0):
+            model(torch.ones(2, 6)).sum().backward()
+            inner.step()  # the outer step: starts the background round, which fails
+            raise KeyError("the caller's own")
+    assert "background mixing rounds failed too: the network is gone" in caplog.text

@@ -171,3 +171,10 @@ def test_a_step_on_a_closed_state_raises_at_once():
     _, errs = run_threads(step, range(WORLD), 30)
     assert set(errs) == set(range(WORLD))
     assert all(isinstance(e, RuntimeError) and "State is closed" in str(e) for e in errs.values()), errs
+
+
+def test_float64_parameters_are_refused_in_one_line():
+    """The sharded step is float32: a float64 model would be rounded at every step, so it is
+    refused at construction, saying what to use."""
+    with pytest.raises(ValueError, match=r"^torch.float64 parameters: a sharded optimizer steps float32"):
+        ShardedSGD(None, _model().double(), lr=0.1)
