@@ -43,6 +43,7 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_PROG_GET_FD_BY_ID = 13
+BPF_MAP_GET_FD_BY_ID = 14
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_TYPE_XDP = 6
 BPF_F_XDP_HAS_FRAGS = 1 << 5  # the program handles multi-buffer frames (5.18+)
@@ -212,6 +213,36 @@ def prog_info_by_id(prog_id: int) -> dict | None:
         return prog_info(fd)
     finally:
         os.close(fd)
+
+
+def prog_maps(prog_id: int) -> dict[str, "Map"]:
+    """The maps a loaded program uses, by name (the kernel keeps 15 characters of it): what the
+    CLI reads of a program nobody pinned.  Empty if the program no longer exists.  The caller
+    closes them."""
+    try:
+        fd = _sys_bpf(BPF_PROG_GET_FD_BY_ID, struct.pack("=III", prog_id, 0, 0))
+    except BPFError as e:
+        if e.errno == errno.ENOENT:
+            return {}
+        raise
+    try:
+        ids = (ct.c_uint32 * 64)()
+        info = ct.create_string_buffer(256)  # struct bpf_prog_info: nr_map_ids at 52, map_ids at 56
+        struct.pack_into("=IQ", info, 52, len(ids), ct.addressof(ids))
+        _sys_bpf(BPF_OBJ_GET_INFO_BY_FD, struct.pack("=IIQ", fd, 256, _addr(info)))
+        count = min(struct.unpack_from("=I", info, 52)[0], len(ids))
+    finally:
+        os.close(fd)
+    out = {}
+    for map_id in ids[:count]:
+        try:
+            m = Map(_sys_bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("=III", map_id, 0, 0)))
+        except BPFError as e:
+            if e.errno == errno.ENOENT:  # (gone since)
+                continue
+            raise
+        out[m.name] = m
+    return out
 
 
 def test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:

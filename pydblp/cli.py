@@ -106,16 +106,19 @@ def _cmd_status(args) -> int:
     rows = []
     for e in host.loaded():
         jobs, c = "-", None
-        if e["pinned"]:
-            with host.open_pinned(e["ifname"], e["netns"]) as m:
+        # pinned (`dblp load`), or read through the program (a data plane's own, unpinned)
+        maps = host.open_pinned(e["ifname"], e["netns"]) if e["pinned"] else \
+            host.open_attached(e["prog_id"], e["ifname"], e["netns"]) if e["prog_id"] else None
+        if maps is not None:
+            with maps as m:
                 jobs = ",".join(f"{j}:{v['rank']}/{v['world_size']}{'u' if v['transport'] == 'udp' else ''}"
                                 for j, v in sorted(m.jobs().items())) or "-"
                 c = m.counters()
         mode = e["mode"].value if e["mode"] else "stale-pins"
         rows.append([e["netns"] or "-", e["ifname"], mode, str(e["prog_id"] or "-"), jobs,
                      *([str(c["pass"] + c["dblp_pass"]), str(c["redirect"]), str(sum(c["drop"].values())),
-                        str(sum(c["shed"]))] if c else ["-"] * 4)])
-    head = ["NETNS", "IFACE", "MODE", "PROG", "JOBS(job:rank/world)", "PASS", "REDIRECT", "DROP", "SHED"]
+                        str(sum(c["shed"])), str(c["nosock"])] if c else ["-"] * 5)])
+    head = ["NETNS", "IFACE", "MODE", "PROG", "JOBS(job:rank/world)", "PASS", "REDIRECT", "DROP", "SHED", "NOSOCK"]
     _table(head, rows)
     if not rows:
         print("(pydblp is not loaded anywhere)")
@@ -533,7 +536,7 @@ def _add_experiment(sub):
     p.add_argument("--priority", metavar="RULES",
                    help="pydblp chunk priority, one run each: magnitude (default), layer, none; e.g. magnitude,layer")
     p.add_argument("--queue", type=float, metavar="MBIT",
-                   help="a finite switch buffer draining at MBIT Mbit/s on --queue-port (incast: 1000)")
+                   help="a finite switch buffer draining at MBIT Mbit/s on --queue-port (incast: 2000)")
     p.add_argument("--queue-kb", type=float, metavar="KB", help="its buffer in KiB (default 128)")
     p.add_argument("--mark-kb", type=float, metavar="KB",
                    help="its ECN threshold in KiB: ECN-capable frames admitted past it are marked CE (default: none)")

@@ -321,6 +321,20 @@ def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     return HostMaps({name: bpf.Map.pinned(d / name) for name in MAPS}, ifname, netns)
 
 
+def open_attached(prog_id: int, ifname: str, netns: str | None = None) -> HostMaps | None:
+    """Maps of the host program ``prog_id`` read through the program itself: what a data plane
+    attached without pins (the torch integration, the experiment) shows ``dblp status``.  None if
+    the program is gone or is not this version's."""
+    maps = bpf.prog_maps(prog_id)
+    if any(name not in maps for name in MAPS):
+        for m in maps.values():
+            m.close()
+        return None
+    for name in set(maps) - set(MAPS):
+        maps.pop(name).close()
+    return HostMaps(maps, ifname, netns)
+
+
 def attached_program(ifname: str, netns: str | None = None) -> dict | None:
     """The XDP program on ``ifname`` with its name and mode, or None."""
     found = net.xdp_query(ifname, netns)

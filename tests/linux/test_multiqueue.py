@@ -106,6 +106,12 @@ def test_every_flow_arrives_on_every_queue_where_one_queue_misses_some(pair, cop
         _flows(a)
         one = _take(dp.transport, copy)
         nosock = dp.host.counters()["nosock"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["status"]) == 0
+        head, *rows = [ln.split() for ln in out.getvalue().splitlines()]
+        row = next(r for r in rows if r[:2] == [b, dev])
+        assert int(row[head.index("NOSOCK")]) == nosock  # what `dblp status` shows of the queues missed
     # the flows hashed to queues 1-3 went to a stack with no listener
     assert len(one) < FLOWS * PER_FLOW and nosock == FLOWS * PER_FLOW - len(one), (len(one), nosock)
     print(f"\n32 flows x 20 DATA packets, 4-queue veth: {len(got)} received on every queue {per}, "
