@@ -47,17 +47,18 @@ def _pairs(names, static_too: bool = False) -> list[tuple[str, str]]:
     return dblp + [(n, "gloo") for n, _ in dblp] + [(n, "gloo") for n in statics]
 
 
+SPEEDUP_KEYS = ("burst_round_ms", "round_p99_ms")  # (time to target and wall: the ratio lines, with intervals)
+
+
 def speedups(summary: dict) -> dict:
-    """Ratios of each DBLP arm over gloo and over static (:func:`_pairs`): wall time,
-    burst-round latency, p99, time to target."""
+    """Each DBLP arm's burst-round latency and round p99 against gloo's and static's
+    (:func:`_pairs`), as ``base / arm`` (above 1: the arm's rounds are shorter).  ``summary``
+    holds one seed's values, or the means over seeds: over seeds the speedup is the ratio of
+    the means, as the ratio lines' (:func:`ratios`)."""
     out = {}
     for name, static in _pairs(summary):
         d, b = summary[name], summary[static]
-        r = {}
-        for key in ("wall_s", "burst_round_ms", "round_p99_ms", "time_to_target_s"):
-            if b.get(key) and d.get(key):
-                r[key] = b[key] / d[key]
-        out[f"{name}_vs_{static}"] = r
+        out[f"{name}_vs_{static}"] = {key: b[key] / d[key] for key in SPEEDUP_KEYS if b.get(key) and d.get(key)}
     return out
 
 
@@ -65,12 +66,17 @@ def ratios(seeds: list[dict]) -> dict:
     """Per DBLP arm against static and Gloo, static against Gloo, and each run with congestion
     control or plans against the same run without (:func:`_off_pairs`; the same seeds): time to
     target, wall time and the ranks' CPU as ``arm / base`` (below 1: the arm is faster or
-    cheaper), the ratio of the means
-    over seeds with its 90 % bootstrap interval (:func:`pydblp.experiment.stats.bootstrap_ratio`;
-    a run that never reached the target counts its last evaluation's time, and ``censored``
-    says how many); the curve ratio (:func:`~pydblp.experiment.stats.curve_ratio` over each
-    seed's ``curve_targets``), its geometric mean over seeds with its interval; and the final
-    quality against Gloo's: accuracy points (arm - gloo) or perplexity (arm / gloo - 1)."""
+    cheaper), the ratio of the means over seeds with its 90 % interval
+    (:func:`pydblp.experiment.stats.ratio_interval`); the curve ratio
+    (:func:`~pydblp.experiment.stats.curve_ratio` over each seed's ``curve_targets``), its
+    geometric mean over seeds with its interval; and the final quality against Gloo's:
+    accuracy points (arm - gloo) or perplexity (arm / gloo - 1).
+
+    A run that never reached the target counts its last evaluation's time, which is less than
+    its time to target would have been: ``censored`` is ``[arm's, base's]`` count of such
+    runs (targets, for the curve), and ``bound`` says what the ratio then is: ``"lower"`` (only
+    the arm missed: the arm's true ratio is at least this), ``"upper"`` (only the base
+    missed), ``"none"`` (both missed: neither)."""
     from pydblp.experiment import stats
 
     names = list(seeds[0]["summary"])
@@ -89,16 +95,16 @@ def ratios(seeds: list[dict]) -> dict:
         r = {}
         a = [ttt(s["summary"][arm]) for s in seeds]
         b = [ttt(s["summary"][base]) for s in seeds]
-        got = stats.bootstrap_ratio([x for x, _ in a], [x for x, _ in b])
+        got = stats.ratio_interval([x for x, _ in a], [x for x, _ in b])
         if got is not None:
-            got["censored"] = sum(c for _, c in a) + sum(c for _, c in b)
+            _censored(got, sum(c for _, c in a), sum(c for _, c in b))
             r["time_to_target_s"] = got
         for key in ("wall_s", "cpu_s"):
-            got = stats.bootstrap_ratio([s["summary"][arm].get(key) for s in seeds],
-                                        [s["summary"][base].get(key) for s in seeds])
+            got = stats.ratio_interval([s["summary"][arm].get(key) for s in seeds],
+                                       [s["summary"][base].get(key) for s in seeds])
             if got is not None:
                 r[key] = got
-        per, missed = [], 0
+        per, missed_a, missed_b = [], 0, 0
         for s in seeds:
             ca, cb = s["summary"][arm].get("loss_curve"), s["summary"][base].get("loss_curve")
             if not (ca and cb and ca[0] and cb[0] and s.get("curve_targets")):
@@ -106,10 +112,10 @@ def ratios(seeds: list[dict]) -> dict:
             c = stats.curve_ratio(ca[0], ca[1], ca[0][-1], cb[0], cb[1], cb[0][-1], s["curve_targets"])
             if c is not None:
                 per.append(c[0])
-                missed += c[1]
-        got = stats.bootstrap_geomean(per)
+                missed_a, missed_b = missed_a + c[1], missed_b + c[2]
+        got = stats.geomean_interval(per)
         if got is not None:
-            got["censored"] = missed
+            _censored(got, missed_a, missed_b)
             r["curve"] = got
         out[f"{arm} / {base}"] = r
     if "gloo" in names:
@@ -129,6 +135,13 @@ def ratios(seeds: list[dict]) -> dict:
     return out
 
 
+def _censored(got: dict, arm: int, base: int) -> None:
+    """Note in ``got`` how many of the arm's and the base's runs (or targets) were never
+    reached, and what that makes the ratio (see :func:`ratios`)."""
+    got["censored"] = [arm, base]
+    got["bound"] = "none" if arm and base else "lower" if arm else "upper" if base else None
+
+
 def ratio_lines(rep: dict) -> list[str]:
     """The ratios' lines for the table: ``dblp / static: time to target 0.78x (90 % CI 0.70-0.86,
     6 seeds: 0.71 0.85 ...)``."""
@@ -141,8 +154,15 @@ def ratio_lines(rep: dict) -> list[str]:
             if not b:
                 continue
             ci = f"90 % CI {b['lo']:.2f}-{b['hi']:.2f}, " if b.get("lo") is not None else ""
-            late = f", {b['censored']} never reached" if b.get("censored") else ""
-            parts.append(f"{what} {b['ratio']:.2f}x ({ci}{b['n']} seed{'s' if b['n'] > 1 else ''}: "
+            late, sign = "", ""
+            if b.get("bound"):
+                arm, base = pair.split(" / ")
+                unit = "targets" if key == "curve" else "runs"
+                missed = " and ".join(f"{name} {k}" for name, k in zip((arm, base), b["censored"]) if k)
+                late = (f"; never reached: {missed} {unit}, counted at their last evaluation: "
+                        + {"lower": "a lower bound", "upper": "an upper bound", "none": "no bound"}[b["bound"]])
+                sign = {"lower": ">=", "upper": "<="}.get(b["bound"], "~")
+            parts.append(f"{what} {sign}{b['ratio']:.2f}x ({ci}{b['n']} seed{'s' if b['n'] > 1 else ''}: "
                          + " ".join(f"{x:.2f}" for x in b["per_seed"]) + late + ")")
         q = r.get("final_quality")
         if q:
@@ -184,7 +204,9 @@ def _target_text(rep: dict) -> str:
 
 
 def table(rep: dict) -> str:
-    """The comparison table: one column per arm; mean +- standard deviation over seeds."""
+    """The comparison table: one column per arm; mean +- standard deviation over seeds (over
+    the seeds that measured it: "(k of n)" when some did not, e.g. runs that never reached the
+    target)."""
     s = {arm: dict(v) for arm, v in rep["summary"].items()}
     spread = {arm: dict(v) for arm, v in rep.get("spread", {}).items()}
     rows = [("", *s.keys())]
@@ -195,7 +217,9 @@ def table(rep: dict) -> str:
             return "-"
         sd = spread.get(arm, {}).get(key)
         text = format(int(round(v)) if spec == "d" else v, spec)
-        return text + (f" +-{format(sd, spec if spec != 'd' else '.0f')}" if sd is not None else "")
+        text += f" +-{format(sd, spec if spec != 'd' else '.0f')}" if sd is not None else ""
+        n, of = s[arm].get(key + "_n"), s[arm].get("wall_s_n")
+        return text + (f" ({n} of {of})" if n is not None and of is not None and n < of else "")  # (the seeds it had)
 
     metric = next((v["metric"] for v in s.values() if v.get("metric")), "metric")
     lines = [

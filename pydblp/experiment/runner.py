@@ -664,11 +664,7 @@ def run(opt: Options) -> dict:
                           "runs": {name: asdict(r) for name, r in runs.items()}})
         fabric_stats = tb.stats()
     mean, spread = aggregate([s["summary"] for s in seeds])
-    speed = {}
-    for name in seeds[0]["speedup"]:
-        keys = {k for s in seeds for k in s["speedup"].get(name, {})}
-        speed[name] = {k: float(np.mean([s["speedup"][name][k] for s in seeds if k in s["speedup"].get(name, {})]))
-                       for k in sorted(keys)}
+    speed = {**report.speedups(mean), **report.policy_ratios(mean)}  # (over seeds: ratios of the means)
     rep = {
         "options": asdict(opt),
         "target": [s["target"] for s in seeds] if len(seeds) > 1 else seeds[0]["target"],
