@@ -44,6 +44,8 @@ BPF_OBJ_GET = 7
 BPF_PROG_TEST_RUN = 10
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_MAP_GET_FD_BY_ID = 14
+BPF_LINK_CREATE = 28
+BPF_XDP = 37  # enum bpf_attach_type: a link's XDP attachment
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_TYPE_XDP = 6
 BPF_F_XDP_HAS_FRAGS = 1 << 5  # the program handles multi-buffer frames (5.18+)
@@ -213,6 +215,13 @@ def prog_info_by_id(prog_id: int) -> dict | None:
         return prog_info(fd)
     finally:
         os.close(fd)
+
+
+def link_create_xdp(prog_fd: int, ifindex: int, flags: int) -> int:
+    """Attach XDP program ``prog_fd`` to ``ifindex`` (in the calling thread's network namespace)
+    through a BPF link (Linux 5.9+): the attachment lasts while the returned fd is open, so the
+    kernel detaches it when the process dies, however it dies.  ``flags``: the XDP mode's."""
+    return _sys_bpf(BPF_LINK_CREATE, struct.pack("=IIII", prog_fd, ifindex, BPF_XDP, flags))
 
 
 def prog_maps(prog_id: int) -> dict[str, "Map"]:

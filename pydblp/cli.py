@@ -9,6 +9,7 @@ as one line, exit code 2; no tracebacks for user mistakes.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -61,6 +62,10 @@ def _add_load(sub):
 def _cmd_load(args) -> int:
     from pydblp import host
 
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: give a UDP port in 1..65535")
+    if os.geteuid() != 0:  # (bcc would print a page of map errors first)
+        raise UsageError("loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN): run it with sudo")
     p = host.HostProgram(args.ifname, netns=args.netns, mode=args.mode, port=args.port,
                          force=args.force, pin=True, keep=True)
     where = f" (netns {args.netns})" if args.netns else ""
@@ -80,6 +85,7 @@ def _add_unload(sub):
 
 def _cmd_unload(args) -> int:
     from pydblp import host
+    from pydblp.net import NetError
 
     if args.all == bool(args.ifname):
         raise UsageError("give an interface or --all (not both)")
@@ -87,7 +93,16 @@ def _cmd_unload(args) -> int:
                else [(args.ifname, args.netns)])
     for ifname, ns in targets:
         where = f" (netns {ns})" if ns else ""
-        if host.unload(ifname, ns):
+        try:
+            done = host.unload(ifname, ns)
+        except host.HostError:
+            raise
+        except NetError as e:  # a running process's program (a BPF link): --all leaves it to its owner
+            if not args.all:
+                raise
+            print(f"kept {ifname}{where}: {e}", file=sys.stderr)
+            continue
+        if done:
             print(f"unloaded {ifname}{where}")
         elif not args.all:
             raise UsageError(f"pydblp is not loaded on {ifname}{where}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import mmap
+import os
 import struct
 import weakref
 
@@ -375,21 +376,32 @@ class HostProgram(HostMaps):
         maps = {name: bpf.Map(self._bpf[name.encode()].map_fd, owned=False) for name in MAPS}
         super().__init__(maps, ifname, netns)
         self.mode = mode
-        self.configure(port=port, rate_pps=0, shed_at=shed_at)
-        if current and force and current["mode"] != mode:
-            net.xdp_detach(ifname, current["mode"], netns)
-        net.xdp_attach(ifname, self.prog_fd, mode, netns)
-        self.pins = None
-        if pin:
-            self.pins = bpf.pin_dir("host", ifname, netns)
-            if self.pins.exists():
-                bpf.unpin(self.pins)  # stale pins of a crashed load
-            self.pins.mkdir(parents=True)
-            for name, m in maps.items():
-                bpf.obj_pin(m.fd, self.pins / name)
-            bpf.obj_pin(self.prog_fd, self.pins / "prog")
+        self.pins, self.link = None, None
+        attached = False
+        try:  # (anything that fails, or an interrupt, releases what came before it)
+            self.configure(port=port, rate_pps=0, shed_at=shed_at)
+            if current and force:
+                net.xdp_detach(ifname, current["mode"], netns)
+            # Not kept: a BPF link owns the attachment, so the kernel detaches it when this
+            # process dies, SIGKILL and SIGTERM included (a netlink attachment would outlive it
+            # and block the next run).  Kept (`dblp load`): netlink, which outlives the CLI.
+            self.link = None if keep else net.xdp_link(ifname, self.prog_fd, mode, netns)
+            if self.link is None:
+                net.xdp_attach(ifname, self.prog_fd, mode, netns, replace=False)
+            attached = True
+            if pin:
+                self.pins = bpf.pin_dir("host", ifname, netns)
+                if self.pins.exists():
+                    bpf.unpin(self.pins)  # stale pins of a crashed load
+                self.pins.mkdir(parents=True)
+                for name, m in maps.items():
+                    bpf.obj_pin(m.fd, self.pins / name)
+                bpf.obj_pin(self.prog_fd, self.pins / "prog")
+        except BaseException:
+            _release(ifname, netns, mode, self.prog_id if attached else None, self.link, self.pins, self._bpf)
+            raise
         self._finalizer = None if keep else weakref.finalize(
-            self, _release, ifname, netns, mode, self.prog_id, self.pins, self._bpf)
+            self, _release, ifname, netns, mode, self.prog_id, self.link, self.pins, self._bpf)
 
     def close(self) -> None:
         """Detach (if still ours) and unpin.  Idempotent."""
@@ -405,11 +417,16 @@ class HostProgram(HostMaps):
         self.close()
 
 
-def _release(ifname, netns, mode, prog_id, pins, bpf_obj) -> None:
+def _release(ifname, netns, mode, prog_id, link, pins, bpf_obj) -> None:
+    """Detach program ``prog_id`` (None: not attached) from ``ifname``: close its ``link``, or
+    detach it through netlink if it is still the one there; remove ``pins``; free the program."""
     try:
-        found = net.xdp_query(ifname, netns) if (netns is None or net.netns_exists(netns)) else None
-        if found and found["prog_id"] == prog_id:
-            net.xdp_detach(ifname, mode, netns)
+        if link is not None:
+            os.close(link)
+        elif prog_id is not None:
+            found = net.xdp_query(ifname, netns) if (netns is None or net.netns_exists(netns)) else None
+            if found and found["prog_id"] == prog_id:
+                net.xdp_detach(ifname, mode, netns)
     except net.NetError:
         pass  # interface or namespace already gone: nothing attached any more
     finally:

@@ -155,6 +155,35 @@ def xdp_attach(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str |
             raise NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}") from e
 
 
+def xdp_link(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | None = None) -> int | None:
+    """Attach ``prog_fd`` to ``ifname`` in ``mode`` through a BPF link: its fd, which owns the
+    attachment (closing it, or the process's exit, detaches it), or None where the kernel has no
+    XDP links (before 5.9: attach with :func:`xdp_attach`).  Refuses to replace any program."""
+    from pydblp import bpf
+
+    index = ifindex(ifname, netns)
+    try:
+        with in_netns(netns):  # (the link resolves the ifindex in the caller's namespace)
+            return bpf.link_create_xdp(prog_fd, index, Mode(mode).flags)
+    except bpf.BPFError as e:
+        if e.errno == errno.EINVAL and not _xdp_links():
+            return None
+        hint = {errno.EBUSY: "a program is already attached", errno.EEXIST: "a program is already attached",
+                errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
+                errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
+                }.get(e.errno, str(e))
+        raise NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}") from e
+
+
+def _xdp_links() -> bool:
+    """Whether this kernel has XDP links (5.9+)."""
+    import platform
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", platform.release())
+    return bool(m) and (int(m[1]), int(m[2])) >= (5, 9)
+
+
 def xdp_detach(ifname: str, mode: Mode | None = None, netns: str | None = None) -> bool:
     """Detach with the mode's own flags (a flagless detach misses skb programs).
 
@@ -165,7 +194,13 @@ def xdp_detach(ifname: str, mode: Mode | None = None, netns: str | None = None) 
         return False
     mode = Mode(mode or found["mode"])
     with ipr(netns) as ip:
-        ip.link("set", index=ifindex(ifname, netns), **_xdp(-1, mode.flags))
+        try:
+            ip.link("set", index=ifindex(ifname, netns), **_xdp(-1, mode.flags))
+        except Exception as e:  # pyroute2 NetlinkError carries errno in .code
+            if getattr(e, "code", None) == errno.EBUSY:  # (the kernel refuses to detach a link's program)
+                raise NetError(f"the XDP program on {ifname} belongs to a running process (a BPF link): stop "
+                               "that process; its program goes with it") from e
+            raise NetError(f"cannot detach XDP from {ifname}: {e}") from e
     return True
 
 

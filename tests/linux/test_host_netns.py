@@ -241,3 +241,23 @@ def test_a_process_inside_a_namespace_finds_that_namespaces_pins_only(pair):
         with net.in_netns(b), pytest.raises(host.HostError, match="not loaded on va"):
             host.open_pinned("va")
     assert not bpf.pin_dir("host", "va", a).exists()
+
+
+def test_a_process_s_own_program_is_its_own(pair, capsys):
+    """A data plane's program (not kept) is attached through a BPF link: another program cannot
+    replace it, `dblp unload` refuses it in one line naming the owner, `unload --all` leaves it,
+    and it goes when its owner closes it (or dies: tests/linux/test_crash_hygiene.py)."""
+    a, b = pair
+    with host.HostProgram("vb", netns=b) as p:
+        assert p.link is not None and host.attached_program("vb", b)["prog_id"] == p.prog_id
+        with pytest.raises(net.NetError, match="belongs to a running process"):  # (even forced)
+            host.HostProgram("vb", netns=b, force=True).close()
+        capsys.readouterr()
+        assert cli.main(["unload", "vb", "--netns", b]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "belongs to a running process" in err, err
+        assert cli.main(["unload", "--all"]) == 0
+        assert "kept vb" in capsys.readouterr().err
+        assert host.attached_program("vb", b)["prog_id"] == p.prog_id
+    assert host.attached_program("vb", b) is None
+    assert no_pydblp_anywhere() == []
