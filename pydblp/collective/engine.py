@@ -526,22 +526,28 @@ class Collective:
         y = self._round(x, start=start, done=done)
         return y, arrived
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Stop answering peers and close the transport.
 
         Peers still probing for the last round's STOPs, or waiting for a
         retransmission of this rank's trailing all-gather, then time out:
         close only after every rank has finished (``pydblp.torch.State.close``
         waits for every rank's close in the rendezvous store first).
+
+        Returns:
+            True once the transport is closed; False when the idle responder is still inside
+            a transport call after ``CLOSE_JOIN`` seconds: the transport then closes when that
+            call returns, and nothing it uses (the data plane's sockets, UMEM, host program)
+            may be closed before.
         """
         if self._closing:
             if not self._close_late:
                 self.t.close()
-            return
+            return not self._close_late
         self._closing = True
         if self._idler is None:
             self.t.close()
-            return
+            return True
         self._alarm.set(1e-9)
         os.eventfd_write(self._wake, 1)
         self._idler.join(timeout=CLOSE_JOIN)
@@ -550,8 +556,9 @@ class Collective:
         if self._close_late:  # stuck in a transport call: never close what it is using under it
             log.warning("rank %d: the idle responder is still in a transport call after %.0f s; the "
                         "transport closes when it returns", self.rank, CLOSE_JOIN)
-            return
+            return False
         self._release()
+        return True
 
     def _release(self) -> None:
         """Close the idle responder's timer and wake descriptor, then the transport."""

@@ -47,6 +47,8 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb, for a module that 
 
 log = logging.getLogger(__name__)
 
+CLOSE_MARGIN = 5.0  # seconds past peer_timeout that close() waits for a round in progress to end
+
 __all__ = ["State", "hook", "ParameterBroadcaster", "CollectiveError", "DiLoCo", "Exchange", "GlooExchange",
            "PydblpExchange", "ShardedSGD", "ShardedAdam", "BackendOptions", "ProcessGroupDblp"]
 
@@ -283,12 +285,35 @@ class State:
                 return
             self._closed = True
             self._jobs.put(None)
-        self._thread.join(timeout=10)
-        if barrier and self._closing is not None and self._failed is None and self.collective.world > 1:
-            self._wait_for_all()
-        for o in self._owned:
-            o.close()
-        self._owned = []
+        try:  # (an interrupt in a wait below still releases what the rounds no longer use)
+            # a round in progress ends within peer_timeout: it completes or fails
+            self._thread.join(timeout=self.collective.cfg.peer_timeout + CLOSE_MARGIN)
+            if barrier and self._closing is not None and self._failed is None and self.collective.world > 1:
+                self._wait_for_all()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Close what this state owns (the collective, then the data plane), each even if one
+        before it failed; never while the rounds thread, or the collective's idle responder,
+        may still be using them (left to the process's exit then, with a warning)."""
+        if self._thread.is_alive():
+            log.warning("rank %d: a round is still running: its transport and data plane are left open "
+                        "until the process exits", self.collective.rank)
+            return
+        errors = []
+        owned, self._owned = self._owned, []
+        for o in owned:
+            try:
+                if o.close() is False:  # (the collective's idle responder is inside a transport call)
+                    log.warning("rank %d: the data plane stays open until the process exits: the "
+                                "collective's responder still uses it", self.collective.rank)
+                    break
+            except Exception as e:  # the rest still close; the first error is raised after them
+                log.error("rank %d: closing %s: %s", self.collective.rank, type(o).__name__, e)
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _wait_for_all(self) -> None:
         """Post this rank's close in the store; wait for every rank's (see :meth:`close`)."""

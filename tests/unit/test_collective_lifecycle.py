@@ -181,3 +181,79 @@ def test_warm_up_checks_its_arguments_and_zero_rounds_do_nothing(ranks):
 def inputs_of(world, n, seed=5):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+
+# ---- pydblp.torch.State.close: never under a running call, and whatever interrupts it ----
+
+class _Owned:
+    """Something a State owns (as its data plane): records its close."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_state_leaves_open_what_a_running_round_still_uses(monkeypatch, caplog):
+    """close() waits peer_timeout (plus a margin) for the round in progress; if it still runs,
+    nothing it uses is closed under it (the native path would touch unmapped rings), with a
+    warning: the process's exit releases them."""
+    import pydblp.torch as pt
+
+    monkeypatch.setattr(pt, "CLOSE_MARGIN", 0.1)
+    t, dp = Stuck(), _Owned()
+    col = Collective(t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], Config(peer_timeout=0.5))
+    state = pt.State(col, owned=[col, dp])
+    t.entered.clear()
+    fut = state.submit(lambda c: c.allreduce(np.ones(100, np.float32)))
+    assert t.entered.wait(5)  # the round is inside its receive
+    with caplog.at_level("WARNING", logger="pydblp.torch"):
+        state.close(barrier=False)
+    assert "a round is still running" in caplog.text
+    assert not t.closed and not dp.closed
+    t.go.set()
+    with pytest.raises(CollectiveError):
+        fut.wait()
+    state._release()  # (what a later close would do once the round is over)
+    assert t.closed and dp.closed and not t.closed_while_inside
+
+
+def test_a_state_still_closes_when_its_close_is_interrupted():
+    """Ctrl-C while close() waits for the other ranks' closes: what it owns is closed anyway,
+    and a second close() has nothing left to do."""
+    import pydblp.torch as pt
+
+    class Interrupting:
+        def set(self, key, value):
+            pass
+
+        def wait(self, keys, timeout):
+            raise KeyboardInterrupt
+
+    t, dp = Stuck(), _Owned()
+    t.go.set()
+    col = Collective(t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], Config())
+    state = pt.State(col, owned=[col, dp], closing=(Interrupting(), "pydblp/1/0/close"))
+    with pytest.raises(KeyboardInterrupt):
+        state.close()
+    assert t.closed and dp.closed
+    state.close()
+
+
+def test_a_state_closes_its_data_plane_after_the_collective_and_never_under_it(monkeypatch):
+    """When the collective's idle responder is stuck in a transport call, the data plane stays
+    open (the responder uses it); the transport closes when the call returns."""
+    import pydblp.torch as pt
+
+    monkeypatch.setattr(engine, "CLOSE_JOIN", 0.2)
+    t, dp = Stuck(), _Owned()
+    col = Collective(t, 0, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], Config())
+    state = pt.State(col, owned=[col, dp])
+    assert t.entered.wait(5)  # the idle responder is inside recv
+    state.close(barrier=False)
+    assert not t.closed and not dp.closed
+    t.go.set()
+    end = time.monotonic() + 5
+    while not t.closed and time.monotonic() < end:
+        time.sleep(0.01)
+    assert t.closed and not t.closed_while_inside
