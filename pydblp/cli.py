@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import struct
 import sys
 
 from pydblp.cliutil import Parser, UsageError, formatter
@@ -366,20 +367,14 @@ def _cmd_dump(args) -> int:
         except KeyLoadError as e:
             raise UsageError(str(e)) from None
     show = inspect.describe if args.verbose else inspect.summary
-    writer = None
-    if args.write:
-        from scapy.utils import PcapWriter
-
-        try:
-            writer = PcapWriter(args.write, sync=True)
-        except OSError as e:
-            raise UsageError(f"cannot write {args.write}: {e.strerror or e}") from None
+    out = _PcapOut(args.write, args.read) if args.write else None
 
     def emit(pkt) -> None:
         print(show(pkt, ports, key), flush=True)
-        if writer is not None:
-            writer.write(pkt)
+        if out is not None:
+            out.write(pkt)
 
+    kept = False
     try:
         if args.read:
             shown = 0
@@ -393,16 +388,52 @@ def _cmd_dump(args) -> int:
         else:
             inspect.sniff_live(args.iface, emit, expr or inspect.default_filter(ports),
                                count=args.count, timeout=args.timeout, netns=args.netns)
+        kept = True
     except inspect.CaptureError as e:
         raise UsageError(str(e)) from None
     except BrokenPipeError:  # `dblp dump ... | head`: stop quietly
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        kept = True
+    except KeyboardInterrupt:  # Ctrl-C ends a live capture: what it wrote is kept, as tcpdump's
+        kept = True
+        raise
     finally:
-        if writer is not None:
-            writer.close()
+        if out is not None:
+            out.close(keep=kept)
     return 0
+
+
+class _PcapOut:
+    """``dump -w FILE``: packets go to a file beside ``FILE``, which replaces it only when the
+    dump ends well (a bad input or a failed capture leaves an existing ``FILE`` as it was)."""
+
+    def __init__(self, path: str, read: str | None):
+        if read and os.path.exists(path) and os.path.exists(read) and os.path.samefile(read, path):
+            raise UsageError(f"-w {path} is the file -r reads: write to another file")
+        self.path, self.part = path, f"{path}.part"
+        self.writer = None
+        try:
+            open(self.part, "wb").close()  # (can it be written at all: say so before reading anything)
+        except OSError as e:
+            raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+
+    def write(self, pkt) -> None:
+        from scapy.utils import PcapWriter
+
+        if self.writer is None:
+            self.writer = PcapWriter(self.part, sync=True)
+        self.writer.write(pkt)
+
+    def close(self, keep: bool) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        elif keep:  # no packet: an empty capture (the pcap header alone: Ethernet, snaplen 65535)
+            with open(self.part, "wb") as f:
+                f.write(struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, 1))
+        if keep:
+            os.replace(self.part, self.path)
+        else:
+            os.unlink(self.part)
 
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+from pathlib import Path
 
 import pytest
 from scapy.layers.inet import IP, UDP
@@ -124,6 +125,27 @@ def test_write_pcap(pcap, tmp_path, capsys):
     assert rc == 0 and out == expected(0, 1, 3)
     written = rdpcap(str(out_path))
     assert [bytes(p) for p in written] == [bytes(CASES[i][0]) for i in (0, 1, 3)]
+
+
+def test_a_failed_dump_leaves_its_w_file_as_it_was(pcap, tmp_path, capsys):
+    """-w replaces its file only when the dump ends well: a missing or unreadable input, or -w
+    naming the -r file, leaves an existing capture untouched, each with one line; a dump that
+    matches nothing writes an empty capture, with no warning."""
+    keep = tmp_path / "keep.pcap"
+    keep.write_bytes(Path(pcap).read_bytes())
+    before = keep.read_bytes()
+    notpcap = tmp_path / "notpcap.txt"
+    notpcap.write_text("hello\n" * 10)
+    for argv, says in ((["-r", str(tmp_path / "missing.pcap")], "no such file"),
+                       (["-r", str(notpcap)], "not a capture file"),
+                       (["-r", str(keep)], "is the file -r reads")):
+        rc, out, err = dump(capsys, *argv, "-w", keep)
+        assert rc == 2 and len(err) == 1 and says in err[0], err
+        assert keep.read_bytes() == before
+    assert not list(tmp_path.glob("*.part"))  # (nothing left beside it)
+    empty = tmp_path / "empty.pcap"
+    rc, out, err = dump(capsys, "-r", pcap, "-w", empty, "--port", "9")
+    assert rc == 0 and out == [] and err == [] and len(rdpcap(str(empty))) == 0
 
 
 def test_top_level_help_has_examples(capsys):
