@@ -9,6 +9,7 @@ as one line, exit code 2; no tracebacks for user mistakes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import struct
@@ -190,8 +191,10 @@ def _cmd_stats(args) -> int:
 
     if args.interval is None:
         args.interval = 1.0
-    if args.interval <= 0 or (args.count is not None and args.count <= 0):
-        raise UsageError("interval and count must be positive")
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise UsageError(f"interval {args.interval:g}: give a positive number of seconds, e.g. 1")
+    if args.count is not None and args.count <= 0:
+        raise UsageError(f"count {args.count}: give a positive number of samples, or none to go on until Ctrl-C")
     with host.open_pinned(args.ifname, args.netns) as m:
         prev, t0 = _flat_counters(m.counters()), time.monotonic()
         print(f"{'TIME':8}  {'pass':>10} {'dblp_pass':>10} {'redirect':>10} {'nosock':>8} "
@@ -249,12 +252,20 @@ def _peer_arg(text: str) -> tuple[int, str | None, str | None]:
 def _cmd_job(args) -> int:
     from pydblp import host
 
+    binds = []
+    if args.action in ("add", "del") and not 0 < args.job < 2**32:
+        raise UsageError(f"--job {args.job}: give a job id in 1..{2**32 - 1}")
+    if args.action == "add":  # (every value checked before the interface is looked up)
+        if not 0 < args.world <= 0xFFFF:
+            raise UsageError(f"--world {args.world}: give a world size in 1..65535")
+        if not 0 <= args.rank < args.world:
+            raise UsageError(f"--rank {args.rank}: use 0..{args.world - 1} (--world {args.world})")
+        binds = [_peer_arg(x) for x in args.peer]
+        for rank, _, _ in binds:
+            if rank >= args.world:
+                raise UsageError(f"--peer rank {rank}: use 0..{args.world - 1} (--world {args.world})")
     with host.open_pinned(args.ifname, args.netns) as m:
         if args.action == "add":
-            binds = [_peer_arg(x) for x in args.peer]
-            for rank, _, _ in binds:
-                if rank >= args.world:
-                    raise UsageError(f"--peer rank {rank}: use 0..{args.world - 1} (--world {args.world})")
             m.register_job(args.job, args.world, args.rank, args.transport)
             try:
                 for rank, ip, mac in binds:
@@ -288,11 +299,20 @@ def _cmd_config(args) -> int:
     from pydblp import host
 
     shed_at = None
-    if args.shed_at:
+    example = "e.g. --shed-at 0,900,800,700,600,500,400,300"
+    if args.shed_at is not None:
         try:
             shed_at = tuple(int(x) for x in args.shed_at.split(","))
         except ValueError:
-            raise UsageError("--shed-at takes 8 integers, e.g. 0,900,800,700,600,500,400,300") from None
+            raise UsageError(f"--shed-at {args.shed_at!r}: give 8 comma-separated levels, {example}") from None
+        if len(shed_at) != 8 or not all(0 <= x <= host.PRESSURE_MAX for x in shed_at):
+            raise UsageError(f"--shed-at {args.shed_at!r}: give 8 levels in 0..{host.PRESSURE_MAX}, {example}")
+        if shed_at[0]:
+            raise UsageError(f"--shed-at {args.shed_at!r}: priority 0 is never shed, its level is 0; {example}")
+    if args.pressure is not None and not 0 <= args.pressure <= host.PRESSURE_MAX:
+        raise UsageError(f"--pressure {args.pressure}: give a level in 0..{host.PRESSURE_MAX}")
+    if args.rate_pps is not None and not 0 <= args.rate_pps < 2**32:
+        raise UsageError(f"--rate-pps {args.rate_pps}: give packets per second in 0..{2**32 - 1} (0: off)")
     with host.open_pinned(args.ifname, args.netns) as m:
         m.configure(rate_pps=args.rate_pps, shed_at=shed_at)
         if args.pressure is not None:
@@ -710,9 +730,35 @@ def _experiment_options(args):
                           queue_mbit=queue, queue_kb=queue_kb, mark_kb=mark_kb, queue_ports=qports, starve=starve, **v)
 
 
+# the options --algo diloco takes besides its own group's, and that group's (which the other
+# algorithms do not take)
+DILOCO_SHARED = ("workers", "model", "rate", "loss", "bursts", "burst_ms", "seed", "out")
+DILOCO_OWN = ("runs", "outer_steps", "sync_every", "topology", "overlap_rounds", "blocking_rounds", "peer_timeout")
+
+
+def _given(args) -> list[str]:
+    """The experiment options given on the command line (those whose value is not the default)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    exp = sub.choices["experiment"]
+    return [a.dest for a in exp._actions
+            if a.dest not in ("help", "command", "func", "algo") and getattr(args, a.dest, None) != a.default]
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _cmd_experiment(args) -> int:
+    given = _given(args)
     if args.algo == "diloco":
+        other = [d for d in given if d not in DILOCO_SHARED + DILOCO_OWN]
+        if other:
+            raise UsageError(f"{_option(other[0])} does not apply to --algo diloco (it takes "
+                             f"{', '.join(map(_option, DILOCO_SHARED))} and its own group's options)")
         return _cmd_experiment_diloco(args)
+    own = [d for d in given if d in DILOCO_OWN]
+    if own:
+        raise UsageError(f"{_option(own[0])} is an --algo diloco option: add --algo diloco, or leave it out")
     from pydblp._extras import require
     from pydblp.experiment import report, runner
 
@@ -751,8 +797,8 @@ def _diloco_options(p):
     g = p.add_argument_group("DiLoCo (--algo diloco: DDP vs exact vs gossip DiLoCo over Gloo or pydblp, a worker "
                              "killed)",
                              "--workers, --model, --rate (default 20 here), --loss, --bursts, --burst-ms, --seed and "
-                             "--out apply too (--bursts: one every 3 s from the start of each run); --steps "
-                             "and --scenario do not.")
+                             "--out apply too (--bursts: one every 3 s from the start of each run); any other "
+                             "option is refused.")
     g.add_argument("--algo", choices=["ddp", "fsdp", "diloco"], default="ddp",
                    help="ddp: the arms' comparison above (default); fsdp: the same with FSDP2 (fully_shard) over "
                         "a 'dblp' process group; diloco: this group's")
@@ -791,6 +837,7 @@ def _cmd_experiment_diloco(args) -> int:
               (args.peer_timeout > 0, f"--peer-timeout {args.peer_timeout:g}: use a positive number of seconds"),
               (0 <= a["loss"] < 1, f"--loss {a['loss']:g}: use a probability in [0, 1)"),
               (a["bursts"] >= 0, f"--bursts {a['bursts']}: use 0 (none) or more"),
+              (0 < a["burst_ms"] < 3000, f"--burst-ms {_g(a['burst_ms'])}: use 0 < MS < 3000 (a burst every 3 s)"),
               (not any(r.startswith("gossip-kill") for r in runs) or a["workers"] >= 3,
                "gossip-kill needs --workers 3 or more"))
     for ok, what in checks:

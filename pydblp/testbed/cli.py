@@ -229,13 +229,35 @@ def _port(args):
 
 def cmd_fault(args) -> int:
     from pydblp.testbed import Testbed
-    from pydblp.testbed.fabric import parse_duration, parse_mark, parse_size
+    from pydblp.testbed.fabric import parse_duration, parse_mark, parse_rate, parse_size
 
-    mark = None
-    if args.action == "queue" and args.mark is not None:  # refused before looking for the testbed
-        mark = parse_mark(args.mark, parse_size(args.buffer))
-    if args.action == "queue" and args.mark_drop and not mark:
-        raise UsageError("--mark-drop drops what cannot be marked past the mark: give --mark too, e.g. --mark 32k")
+    # every value is checked before the testbed is looked up: one line for the first bad one
+    mark = thr = None
+    if args.action == "queue":
+        parse_rate(args.rate)
+        if args.mark is not None:
+            mark = parse_mark(args.mark, parse_size(args.buffer))
+        if args.mark_drop and not mark:
+            raise UsageError("--mark-drop drops what cannot be marked past the mark: give --mark too, e.g. --mark 32k")
+        if args.thresholds:
+            try:
+                thr = [int(x) for x in args.thresholds.split(",")]
+            except ValueError:
+                raise UsageError(f"--thresholds {args.thresholds!r}: 8 comma-separated integers (bytes)") from None
+    if args.action == "burst":
+        if not 0 <= args.ratio <= 1:
+            raise UsageError(f"--ratio {args.ratio:g}: give a drop probability in [0, 1]")
+        for opt in ("duration", "delay", "every"):
+            if getattr(args, opt):
+                parse_duration(getattr(args, opt))
+        if args.count is not None and not args.every:
+            raise UsageError(f"--count {args.count} repeats a burst: give its period too, e.g. --every 1s")
+    if args.action in ("loss", "ge"):
+        for opt in ("p", "r", "loss_bad", "loss_good"):
+            v = getattr(args, opt, None)
+            if v is not None and not 0 <= v <= 1:
+                name = "P" if args.action == "loss" else "--" + opt.replace("_", "-")
+                raise UsageError(f"{name} {v:g}: give a probability in [0, 1]")
     tb = Testbed.open(args.testbed)
     try:
         port = _port(args)
@@ -254,12 +276,6 @@ def cmd_fault(args) -> int:
             print(f"{tb.name}: burst ratio {args.ratio:g} for {args.duration} at monotonic "
                   f"{start:.6f}{f' every {args.every}' if every else ''} on {where}")
         elif args.action == "queue":
-            thr = None
-            if args.thresholds:
-                try:
-                    thr = [int(x) for x in args.thresholds.split(",")]
-                except ValueError:
-                    raise UsageError("--thresholds: 8 comma-separated integers (bytes)") from None
             tb.queue(args.rate, buffer=args.buffer, thresholds=thr, port=port, mark=mark, mark_drop=args.mark_drop,
                      delay=args.delay)
             ecn = f" ECN mark {args.mark}{' (Not-ECT dropped)' if args.mark_drop else ''}" if mark else ""
@@ -272,6 +288,9 @@ def cmd_fault(args) -> int:
             s = tb.stats(reset=args.reset)
             if port is not None:
                 keep = set(args.port)
+                missing = sorted(keep - set(s))
+                if missing:
+                    raise UsageError(f"--port {missing[0]}: {tb.name} has ports {', '.join(sorted(s))}")
                 s = {k: v for k, v in s.items() if k in keep}
             if args.json:
                 print(json.dumps(s, indent=1))

@@ -1,0 +1,45 @@
+"""CLI mistakes: one line on stderr naming the option, its bad value and the fix, exit status 2,
+before any interface, pin or testbed is looked up (the interface and testbed named here do not
+exist: a check made after the lookup would answer "not loaded" or "no testbed" instead)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pydblp import cli
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["stats", "nosuch0", "nan", "1"], "interval nan: give a positive number of seconds"),
+    (["stats", "nosuch0", "inf"], "interval inf: give a positive number of seconds"),
+    (["stats", "nosuch0", "1", "0"], "count 0: give a positive number of samples"),
+    (["config", "nosuch0", "--pressure", "5000"], "--pressure 5000: give a level in 0..1000"),
+    (["config", "nosuch0", "--shed-at", "5,900,800,700,600,500,400,300"], "priority 0 is never shed"),
+    (["config", "nosuch0", "--shed-at", "0,9"], "give 8 levels in 0..1000"),
+    (["config", "nosuch0", "--shed-at", "0,a"], "give 8 comma-separated levels"),
+    (["config", "nosuch0", "--rate-pps", "-1"], "--rate-pps -1: give packets per second"),
+    (["job", "add", "nosuch0", "--job", "0", "--world", "4", "--rank", "1"], "--job 0: give a job id"),
+    (["job", "add", "nosuch0", "--job", "7", "--world", "0", "--rank", "0"], "--world 0: give a world size"),
+    (["job", "add", "nosuch0", "--job", "7", "--world", "4", "--rank", "4"], "--rank 4: use 0..3"),
+    (["job", "add", "nosuch0", "--job", "7", "--world", "4", "--rank", "1", "--peer", "x"], "use RANK=IP[,MAC]"),
+    (["job", "add", "nosuch0", "--job", "7", "--world", "4", "--rank", "1", "--peer", "5=198.18.0.5"],
+     "--peer rank 5: use 0..3"),
+    (["load", "nosuch0", "--port", "70000"], "--port 70000: give a UDP port in 1..65535"),
+    (["fault", "burst", "--ratio", "1.5"], "--ratio 1.5: give a drop probability in [0, 1]"),
+    (["fault", "burst", "--duration", "5xs"], "bad duration '5xs'"),
+    (["fault", "burst", "--count", "3"], "give its period too, e.g. --every 1s"),
+    (["fault", "queue", "--rate", "fast"], "bad rate 'fast'"),
+    (["fault", "queue", "--rate", "1gbit", "--thresholds", "a"], "--thresholds 'a': 8 comma-separated"),
+    (["fault", "loss", "1.5"], "P 1.5: give a probability in [0, 1]"),
+    (["fault", "ge", "--p", "0.1", "--loss-bad", "3"], "--loss-bad 3: give a probability in [0, 1]"),
+    (["experiment", "--algo", "diloco", "--key-file", "job.key"], "--key-file does not apply to --algo diloco"),
+    (["experiment", "--algo", "diloco", "--arms", "gloo"], "--arms does not apply to --algo diloco"),
+    (["experiment", "--outer-steps", "3"], "--outer-steps is an --algo diloco option"),
+    (["experiment", "--algo", "fsdp", "--topology", "exp"], "--topology is an --algo diloco option"),
+    (["experiment", "--algo", "diloco", "--burst-ms", "-5"], "--burst-ms -5: use 0 < MS < 3000"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_mistake_is_one_line_naming_the_fix(argv, says, capsys):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith(f"dblp {argv[0]}: ") and says in lines[0], err
