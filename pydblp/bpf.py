@@ -243,14 +243,24 @@ def prog_maps(prog_id: int) -> dict[str, "Map"]:
     finally:
         os.close(fd)
     out = {}
-    for map_id in ids[:count]:
-        try:
-            m = Map(_sys_bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("=III", map_id, 0, 0)))
-        except BPFError as e:
-            if e.errno == errno.ENOENT:  # (gone since)
-                continue
-            raise
-        out[m.name] = m
+    try:
+        for map_id in ids[:count]:
+            try:
+                fd = _sys_bpf(BPF_MAP_GET_FD_BY_ID, struct.pack("=III", map_id, 0, 0))
+            except BPFError as e:
+                if e.errno == errno.ENOENT:  # (gone since)
+                    continue
+                raise
+            try:
+                m = Map(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            out[m.name] = m
+    except BaseException:
+        for m in out.values():
+            m.close()
+        raise
     return out
 
 

@@ -44,6 +44,31 @@ examples:
 """
 
 
+JOB_EPILOG = """\
+examples:
+  dblp job add eth0 --job 7 --world 4 --rank 1                 admit job 7's packets for rank 1 of 4
+  dblp job add eth0 --job 7 --world 4 --rank 1 --transport udp to the kernel stack, not AF_XDP
+  dblp job add eth0 --job 7 --world 2 --rank 1 --peer 0=198.18.0.1,02:00:00:00:00:01
+                                                               rank 0 only from that address and MAC
+  dblp job list eth0                                           the admitted jobs
+  dblp job peers eth0 --netns w1                               the address bindings
+  dblp job del eth0 --job 7
+"""
+
+CONFIG_EPILOG = """\
+examples:
+  dblp config eth0 --pressure 800                 shed priorities whose level is <= 800 now
+  dblp config eth0 --shed-at 0,900,800,700,600,500,400,300   the default levels (priority 0 never)
+  dblp config eth0 --rate-pps 500000              raise pressure above 500k packets/s (0: off)
+"""
+
+STATUS_EPILOG = """\
+examples:
+  dblp status                                     every pydblp attachment, its jobs and counters
+  sudo watch -n1 dblp status                      the same, every second
+"""
+
+
 def _iface_args(p, required: bool = True):
     p.add_argument("ifname", metavar="IFNAME", nargs=None if required else "?", help="interface")
     p.add_argument("--netns", metavar="NS", help="network namespace of the interface")
@@ -113,7 +138,7 @@ def _cmd_unload(args) -> int:
 
 def _add_status(sub):
     p = sub.add_parser("status", help="table of pydblp attachments, jobs and counters",
-                       formatter_class=formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=STATUS_EPILOG)
     p.set_defaults(func=_cmd_status)
 
 
@@ -217,9 +242,10 @@ def _cmd_stats(args) -> int:
 
 def _add_job(sub):
     p = sub.add_parser("job", help="register, remove or list jobs on a loaded interface",
-                       formatter_class=formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=JOB_EPILOG)
     jsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    a = jsub.add_parser("add", help="admit a job (others are dropped as 'job')")
+    a = jsub.add_parser("add", help="admit a job (others are dropped as 'job')", formatter_class=formatter,
+                        epilog=JOB_EPILOG)
     _iface_args(a)
     a.add_argument("--job", type=int, required=True, help="job id (non-zero)")
     a.add_argument("--world", type=int, required=True, help="world size")
@@ -229,12 +255,13 @@ def _add_job(sub):
     a.add_argument("--peer", action="append", default=[], metavar="RANK=IP[,MAC]",
                    help="bind RANK's packets to source IP (and MAC): others claiming RANK are dropped "
                         "as spoof_ip/spoof_mac (repeatable; IP may be '-' to bind the MAC alone)")
-    d = jsub.add_parser("del", help="remove a job")
+    d = jsub.add_parser("del", help="remove a job", formatter_class=formatter, epilog=JOB_EPILOG)
     _iface_args(d)
     d.add_argument("--job", type=int, required=True)
-    ls = jsub.add_parser("list", help="list jobs")
+    ls = jsub.add_parser("list", help="list jobs", formatter_class=formatter, epilog=JOB_EPILOG)
     _iface_args(ls)
-    pe = jsub.add_parser("peers", help="list the ranks' source address bindings (anti-spoofing)")
+    pe = jsub.add_parser("peers", help="list the ranks' source address bindings (anti-spoofing)",
+                         formatter_class=formatter, epilog=JOB_EPILOG)
     _iface_args(pe)
     p.set_defaults(func=_cmd_job)
 
@@ -287,7 +314,7 @@ def _cmd_job(args) -> int:
 
 def _add_config(sub):
     p = sub.add_parser("config", help="set pressure, rate estimate or shed levels of a loaded interface",
-                       formatter_class=formatter, epilog=HOST_EPILOG)
+                       formatter_class=formatter, epilog=CONFIG_EPILOG)
     _iface_args(p)
     p.add_argument("--pressure", type=int, help="pressure level 0..1000 (normally written by the receiver)")
     p.add_argument("--rate-pps", type=int, help="raise pressure from the arrival rate above this (0: off)")
@@ -887,14 +914,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    where = f"dblp {args.command}" if getattr(args, "command", None) else "dblp"
     for name, conv in getattr(args, "late_positionals", ()):
         if extra and getattr(args, name) is None:
             try:
-                setattr(args, name, conv(extra.pop(0)))
+                setattr(args, name, conv(extra[0]))
             except ValueError:
-                parser.error(f"{args.command}: {name} must be a number")
+                if extra[0].startswith("-"):
+                    break  # an option this command does not have: said below
+                what = "a whole number" if conv is int else "a number"
+                sys.stderr.write(f"{where}: {name} {extra[0]!r}: give {what} (see {where} --help)\n")
+                return 2
+            extra.pop(0)
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        sys.stderr.write(f"{where}: unrecognized arguments: {' '.join(extra)} (see {where} --help)\n")
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

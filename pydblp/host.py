@@ -17,6 +17,7 @@ import enum
 import mmap
 import os
 import struct
+import sys
 import weakref
 
 from pydblp import bpf, net, wire
@@ -319,7 +320,18 @@ def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
         where = f" --netns {netns}" if netns else ""
         raise HostError(f"the program pinned on {ifname} lacks map(s) {', '.join(missing)} (another pydblp "
                         f"version): `dblp unload {ifname}{where}` and `dblp load {ifname}{where}` again")
-    return HostMaps({name: bpf.Map.pinned(d / name) for name in MAPS}, ifname, netns)
+    maps = {}
+    try:
+        for name in MAPS:
+            maps[name] = bpf.Map.pinned(d / name)
+    except BaseException:  # (a pin gone meanwhile: `dblp unload` racing this) the others close
+        for m in maps.values():
+            m.close()
+        if isinstance(sys.exc_info()[1], FileNotFoundError):
+            where = f" --netns {netns}" if netns else ""
+            raise HostError(f"pydblp was unloaded from {ifname} meanwhile: run `dblp load {ifname}{where}`") from None
+        raise
+    return HostMaps(maps, ifname, netns)
 
 
 def open_attached(prog_id: int, ifname: str, netns: str | None = None) -> HostMaps | None:

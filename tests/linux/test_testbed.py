@@ -421,7 +421,7 @@ def test_cli_up_exec_down_leaves_nothing(private_dir, bpf_xdp):
              "import socket; s=socket.socket(); s.bind(('198.18.0.2', 0)); print('bound')", env=env)
     assert r.returncode == 0 and "bound" in r.stdout, r.stderr
     r = dblp("fault", "loss", "2", env=env)
-    assert r.returncode == 2 and "within [0, 1]" in r.stderr
+    assert r.returncode == 2 and "P 2: give a probability in [0, 1]" in r.stderr and len(r.stderr.splitlines()) == 1
     r = dblp("testbed", "down", "--name", name, env=env)
     assert r.returncode == 0, r.stderr
     assert leftovers(name, state_dir, state["prog_id"]) == []

@@ -13,6 +13,8 @@ from pydblp import cli
     (["stats", "nosuch0", "nan", "1"], "interval nan: give a positive number of seconds"),
     (["stats", "nosuch0", "inf"], "interval inf: give a positive number of seconds"),
     (["stats", "nosuch0", "1", "0"], "count 0: give a positive number of samples"),
+    (["stats", "nosuch0", "--bogus"], "unrecognized arguments: --bogus (see dblp stats --help)"),
+    (["stats", "nosuch0", "--netns", "ns", "1", "2.5"], "count '2.5': give a whole number"),
     (["config", "nosuch0", "--pressure", "5000"], "--pressure 5000: give a level in 0..1000"),
     (["config", "nosuch0", "--shed-at", "5,900,800,700,600,500,400,300"], "priority 0 is never shed"),
     (["config", "nosuch0", "--shed-at", "0,9"], "give 8 levels in 0..1000"),
