@@ -113,7 +113,7 @@ class Config:
 
     job: int = 1
     mode: str = "tar"                # "tar" (transpose allreduce) or "ps" (parameter server, rank 0)
-    estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (sum/arrived)
+    estimator: str = "unbiased"      # "zero" (sum/N) or "unbiased" (the arrived others' mean for the missing)
     consistent: bool = True          # every rank ends a round with the same result: all-gather
                                      # messages carry tolerance 0 and are repaired whole, so loss is
                                      # tolerated only in the reduce-scatter, whose estimate the owner

@@ -647,7 +647,8 @@ class Protocol:
         if st.feedback:  # (before the estimate: it zeroes what did not arrive) what the estimate uses
             for src in self._others:
                 self._final(st, src)
-        estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True, out=st.y[a:b])
+        estimators.reduce_mean(st.rbuf, st.rmask, self.cfg.estimator, scratch=True, out=st.y[a:b],
+                               own=self.rank)
         if st.signs is not None:
             rotation.rotate(st.y, a, b, self.cfg.rotate, st.signs, inverse=True)
         st.reduced = True
@@ -972,8 +973,9 @@ class Protocol:
         """Handle a control packet: header fields ``f`` (a record as a tuple), its payload, at
         ``now``; ``current``: of round ``st`` (else of an earlier one; ``st`` None between rounds).
 
-        A probe for a neighbour message this rank skipped is answered with STOP: the round that
-        wanted it is over.  A control packet whose NEIGHBOUR flag does not match its message's
+        A probe for a message of a round that is over (this rank ended it at its deadline, or
+        below a message's bound), or for a neighbour message this rank skipped, is answered with
+        STOP: nothing more of it will be used.  A control packet whose NEIGHBOUR flag does not match its message's
         (ranks calling rounds in different orders) is ignored."""
         flag = f[F_FLAGS] & (AG | NB)
         ag = bool(flag & AG)
@@ -990,7 +992,9 @@ class Protocol:
                 return
             if inn.tol8 is None:
                 inn.tol8 = f[F_TOL]
-            if inn.done or inn.skipped:
+            # a round that is over takes nothing more (its late chunks are dropped): STOP, whatever
+            # it holds of the message (a BITMAP would ask for retransmissions it never takes)
+            if inn.done or inn.skipped or not current:
                 self._ctrl_packet(rnd, tensor, STOP, flag, src, inn.n, inn.tol8)
                 inn.stop_sent = True
             else:

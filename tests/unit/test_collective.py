@@ -192,6 +192,33 @@ def test_unbiased_estimator_is_unbiased_and_zero_shrinks():
     assert shrink < 0.8
 
 
+def test_unbiased_estimator_weighs_the_owner_like_any_other():
+    """Ranks whose contributions differ (each sees other data), the owner's most: with random
+    arrival of the others (80 %) and its own always there, the estimate averages to the true
+    mean.  Counting the owner's own as one more arrival (``sum / arrived``) pulls it towards
+    the owner's: weight E[1/arrived] = 0.31 instead of 1/4 here.  What is left (0.018, within
+    the tolerance) is the rows where no other arrived (0.8 %), which can only be the owner's."""
+    rng = np.random.default_rng(11)
+    W, n, C, rounds, p = 4, 16, 4, 4000, 0.8
+    x = rng.uniform(-2, 2, (W, n, C)).astype(np.float32)
+    x[0] += 3
+    truth = x.mean(axis=0)
+    est, alike = np.zeros((n, C)), np.zeros((n, C))
+    for _ in range(rounds):
+        mask = rng.random((W, n)) < p
+        mask[0] = True
+        est += estimators.reduce_mean(x, mask, "unbiased", own=0)
+        alike += estimators.reduce_mean(x, mask, "unbiased")
+    bias, pulled = est / rounds - truth, alike / rounds - truth
+    assert abs(bias.mean()) < 0.04 and np.abs(bias).max() < 0.1, (bias.mean(), np.abs(bias).max())
+    assert pulled.mean() > 0.12  # (the check that fails without ``own``)
+    whole = np.ones((W, n), bool)  # every chunk in: the same bits as before
+    np.testing.assert_array_equal(estimators.reduce_mean(x, whole, "unbiased", own=0),
+                                  estimators.reduce_mean(x, whole, "unbiased"))
+    with pytest.raises(ValueError, match="always there"):
+        estimators.reduce_mean(x, np.zeros((W, n), bool), "unbiased", own=0)
+
+
 def test_reduce_mean_ignores_whatever_masked_entries_hold():
     rng = np.random.default_rng(5)
     buf = rng.standard_normal((4, 30, 8)).astype(np.float32)
@@ -1610,3 +1637,30 @@ def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkey
     assert len(h) == 1 + 17 + 3 + 9 + 5 and h["kind"][0] == wire.Kind.STOP and (h["kind"][1:] == wire.Kind.DATA).all()
     assert h["chunk"][1:18].tolist() == [(7 + c) % 40 for c in range(3, 20)] and (h["round"][-14:-5] == 0x1234ABCC).all()
     assert counts[True] == counts[False] and counts[True][0][3] > 0 and counts[True][2] > 0
+
+
+def test_a_round_ended_at_its_deadline_stops_a_trailing_message_at_its_first_probe():
+    """Rank 1 ends its round at the deadline without chunk 0 of rank 0's all-gather (lost every
+    time it is sent).  Rank 0's message then trails and probes; a round that is over takes
+    nothing more, so rank 1 answers STOP, not a BITMAP asking for the chunk again (which it
+    would drop as late, probe after probe, until its next round)."""
+    from tests.helpers import Ranks, lose_sent
+
+    rk = Ranks(2, deadline=0.3, peer_timeout=5.0, cc="off", order="rows")
+    try:
+        lose_sent(rk.ts[0], lambda h: (h["kind"] == wire.Kind.DATA) & ((h["flags"] & wire.Flag.ALLGATHER) != 0)
+                  & (h["dst"] == 1) & (h["chunk"] == 0))
+        x = np.arange(4000, dtype=np.float32)
+        _, errs = rk.run(lambda r, c: c.allreduce(x))
+        assert not errs, errs
+        assert rk.cols[1].records[-1].min_delivered < 1.0  # (the round did end short)
+        c0 = rk.cols[0].protocol.counters
+        sent = c0["trail_retransmits"]  # (while rank 1's round still ran, it asked for them)
+        end = time.monotonic() + 3.0
+        while rk.cols[0].trailing and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (what a loop would have sent meanwhile)
+        assert rk.cols[0].trailing == 0, "the message still trails"
+        assert c0["trail_retransmits"] - sent <= 2, c0["trail_retransmits"] - sent
+    finally:
+        rk.close()

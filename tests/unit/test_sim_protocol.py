@@ -119,7 +119,8 @@ def test_a_peer_whose_data_does_not_fit_fails_the_round_after_peer_timeout(case)
 def test_deadline_ends_below_bound_reported_and_filled(fill):
     """Rank 2 takes part in round 1 and not in round 2 (it only answers peers): ranks 0 and 1 end
     round 2 at its deadline, below the bound, and fill rank 2's shard (``stale``: round 1's mean,
-    ``local``: their own input); the shard that two contributions reached is their mean."""
+    ``local``: their own input); in the shard that two contributions reached, the other's stands
+    for the missing one too (``unbiased``: (own + 2 * other) / 3)."""
     s = sim(3, deadline=0.4, peer_timeout=2.0, fill=fill, estimator="unbiased", order="rows")  # (shards by row)
     xs = inputs(3, 30_000, rounds=2, seed=3)
 
@@ -144,8 +145,8 @@ def test_deadline_ends_below_bound_reported_and_filled(fill):
     first, out = nodes[0].result
     want = first if fill == "stale" else xs[1][0]
     np.testing.assert_array_equal(out[a2:], want[a2:])
-    # shard 0 was estimated from the two contributions that arrived (unbiased: /2)
-    np.testing.assert_allclose(out[:a1], (xs[1][0][:a1] + xs[1][1][:a1]) / 2, atol=1e-5)
+    # shard 0 (rank 0's) was estimated from its own and rank 1's, which stands for rank 2's too
+    np.testing.assert_allclose(out[:a1], (xs[1][0][:a1] + 2 * xs[1][1][:a1]) / 3, atol=1e-5)
 
 
 # ---- lost STOPs, trailing all-gather messages, probes between rounds -----------------------
