@@ -715,9 +715,12 @@ def _experiment_options(args):
     from pydblp.experiment.worker import CONSISTENCY_USE, consistency
 
     try:
-        consistency(eff["consistency"])
+        knobs = consistency(eff["consistency"])[0]
     except ValueError:
         raise UsageError(f"--consistency {eff['consistency']}: use {CONSISTENCY_USE}") from None
+    if knobs.get("allgather_bound") and eff["high"] == "loss":
+        raise UsageError(f"--high loss gives each rank its own bound, and --consistency {eff['consistency']} "
+                         "cuts the all-gather at one they share: use --high fixed or another --consistency")
     ports = _ports(args.burst_port, eff["workers"]) if args.burst_port is not None else base.burst_ports
     if ports != "all" and any(p >= eff["workers"] for p in ports):
         raise UsageError(f"--burst-port: the {args.scenario} scenario bursts port(s) {ports}, beyond "

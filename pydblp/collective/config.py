@@ -232,6 +232,11 @@ class Config:
                 and self.fill == "stale"):
             raise ValueError("Dblp(g_over='window') sums each row over steps, and allgather_bound with fill "
                              "'stale' measures G on other rows each round: use g_over 'step' or fill 'carry'")
+        if self.allgather_bound and getattr(self.phase, "hears_loss", False):
+            # (each rank's own loss sets its bound, and an all-gather cut at its owner's bound then
+            # has another length than its receivers expect: every packet of it would be refused)
+            raise ValueError("Dblp(high='loss') gives each rank its own bound, and allgather_bound cuts the "
+                             "all-gather at one every rank must share: use high='fixed', or allgather_bound=False")
         if self.fill == "carry" and not (self.consistent and self.allgather_bound):
             raise ValueError("fill 'carry' fills only rows past a consistent all-gather's bound: set consistent=True "
                              "and allgather_bound=True, or use fill 'stale' or 'local'")

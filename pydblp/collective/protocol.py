@@ -1157,8 +1157,12 @@ class Protocol:
                     + (f" ({foreign} packets of another job or for another rank came meanwhile: every rank "
                        f"must use the same Config.job, world and peer list)" if foreign else ""))
         for q, (since, what) in st.misfit.items():
-            # alive (it probes) but nothing it sent fits: the round can never complete
-            if now - since > self.cfg.peer_timeout and not any(i.count for (_, s), i in st.ins.items() if s == q):
+            # alive (it probes) but a message of its that this round needs has not moved for
+            # peer_timeout while what it sends does not fit (all of it, or one message's only, as
+            # an all-gather of another length): the round can never complete
+            if now - since > self.cfg.peer_timeout and any(
+                    not (i.done or i.skipped) and now - i.t_data > self.cfg.peer_timeout
+                    for (_, s), i in st.ins.items() if s == q):
                 raise CollectiveError(
                     f"rank {self.rank}: rank {q}'s data in round {st.index} does not fit for "
                     f"{self.cfg.peer_timeout:.1f} s: {what}.  Every rank must use the same Config "

@@ -23,7 +23,7 @@ from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedul
 from pydblp.collective.protocol import Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import Ranks, lose_sent, require_native
+from tests.helpers import Ranks, lose_sent, require_native, run_threads
 
 
 def inputs(world, n, rounds=1, seed=0):
@@ -927,7 +927,8 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5"),
     ((0, 2), {"allgather": "multicast"}, "allgather 'multicast'"),
     ((0, 2), {"allgather": "broadcast"}, "allgather 'broadcast' needs group="),
-    ((0, 2), {"phase": Dblp(g_over="window"), "allgather_bound": True}, "use g_over 'step' or fill 'carry'")])
+    ((0, 2), {"phase": Dblp(g_over="window"), "allgather_bound": True}, "use g_over 'step' or fill 'carry'"),
+    ((0, 2), {"phase": Dblp(high="loss"), "allgather_bound": True}, "gives each rank its own bound")])
 def test_config_refusals_name_the_knob_and_register_nothing(args, cfg, says):
     """Each bad knob gets its own ValueError naming it, before any peer is added to the transport."""
     t = UdpTransport(port=0)
@@ -1664,3 +1665,23 @@ def test_a_round_ended_at_its_deadline_stops_a_trailing_message_at_its_first_pro
         assert c0["trail_retransmits"] - sent <= 2, c0["trail_retransmits"] - sent
     finally:
         rk.close()
+
+
+def test_a_peer_whose_all_gather_does_not_fit_fails_the_round_in_peer_timeout():
+    """Ranks at different tolerances with allgather_bound cut their all-gathers at different
+    lengths: each refuses the other's, while their reduce-scatters fit.  The round fails with
+    the "does not fit" error once the all-gather has not moved for peer_timeout; it never hangs."""
+    from pydblp.transport.udp import UdpTransport
+
+    ts = [UdpTransport(port=0) for _ in range(2)]
+    peers = [("127.0.0.1", t.port) for t in ts]
+    cols = [Collective(ts[r], r, 2, peers, Config(allgather_bound=True, fill="carry", consistent=True, cc="off",
+                                                  phase=f"static:{0.10 if r == 0 else 0.12}", peer_timeout=1.0))
+            for r in range(2)]
+    try:  # (a rank still in its round after 30 s fails the test: it hung)
+        _, errs = run_threads(lambda r: cols[r].allreduce(np.ones(40_000, np.float32)), range(2), 30)
+        assert set(errs) == {0, 1}, errs
+        assert all(isinstance(e, CollectiveError) and "does not fit" in str(e) for e in errs.values()), errs
+    finally:
+        for c in cols:
+            c.close()
