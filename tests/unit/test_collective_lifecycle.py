@@ -214,6 +214,7 @@ def test_a_state_leaves_open_what_a_running_round_still_uses(monkeypatch, caplog
     t.go.set()
     with pytest.raises(CollectiveError):
         fut.wait()
+    state._thread.join(5)  # (the rounds thread leaves once its round has failed)
     state._release()  # (what a later close would do once the round is over)
     assert t.closed and dp.closed and not t.closed_while_inside
 
