@@ -448,7 +448,13 @@ def _release(ifname, netns, mode, prog_id, link, pins, bpf_obj) -> None:
 
 
 def unload(ifname: str, netns: str | None = None) -> bool:
-    """Detach pydblp's host program from ``ifname`` and remove its pins (after a crash too)."""
+    """Detach pydblp's host program from ``ifname`` and remove its pins (after a crash too, and
+    after its namespace went: its pins are all that is left)."""
+    if netns is not None and not net.netns_exists(netns):
+        pins = bpf.pin_dir("host", ifname, netns)
+        had_pins = pins.exists()
+        bpf.unpin(pins)
+        return had_pins
     current = attached_program(ifname, netns)
     detached = False
     if current and current["name"] == PROG_NAME:

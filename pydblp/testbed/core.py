@@ -338,6 +338,8 @@ def teardown(name: str) -> dict:
         pin = Path(state.get("pin_dir") or PIN_BASE / name)
         had_pins = pin.exists()
         bpf.unpin(pin)
+        for ns in spaces:  # a host program `dblp load`ed inside a worker's namespace went with it
+            bpf.unpin(bpf.PIN_ROOT / "host" / ns)
         _state_path(name).unlink(missing_ok=True)
         _restore_host_sysctls()
     return {"namespaces": gone, "killed": killed, "pins": had_pins}

@@ -381,6 +381,7 @@ def leftovers(name: str, state_dir: Path, prog_id: int | None) -> list[str]:
     left = [f"netns {n}" for n in net.netns_list() if n.startswith(name + "-")]
     if (bpf.PIN_ROOT / "testbed" / name).exists():
         left.append("pins")
+    left += [f"host pins {p.name}" for p in (bpf.PIN_ROOT / "host").glob(name + "-*")]
     if (state_dir / f"{name}.json").exists():
         left.append("state file")
     if prog_id:
@@ -420,6 +421,8 @@ def test_cli_up_exec_down_leaves_nothing(private_dir, bpf_xdp):
     r = dblp("testbed", "exec", "w1", "--", sys.executable, "-c",
              "import socket; s=socket.socket(); s.bind(('198.18.0.2', 0)); print('bound')", env=env)
     assert r.returncode == 0 and "bound" in r.stdout, r.stderr
+    r = dblp("load", "eth0", "--netns", f"{name}-w1", env=env)  # (pinned in a worker's namespace)
+    assert r.returncode == 0, r.stderr
     r = dblp("fault", "loss", "2", env=env)
     assert r.returncode == 2 and "P 2: give a probability in [0, 1]" in r.stderr and len(r.stderr.splitlines()) == 1
     r = dblp("testbed", "down", "--name", name, env=env)
