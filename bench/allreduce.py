@@ -518,11 +518,15 @@ def main(argv=None) -> int:
           + (f", {args.repeats} repeats interleaved" if args.repeats > 1 else "") + f", {PYTHON}", flush=True)
 
     def one_repeat(tb, rep: int) -> dict:
-        """Every transport's blocks once (Gloo first: its clean p50 sizes this repeat's bursts)."""
+        """Every transport's blocks once (Gloo first: its clean p50 sizes this repeat's bursts;
+        the others in the given order in even repeats, reversed in odd ones: drift over a repeat
+        favours none of them)."""
         nonlocal seq
         res: dict = {t: {} for t in transports}
         tag = f"[{rep + 1}/{args.repeats}] " if args.repeats > 1 else ""
-        for tr in transports:
+        first = [t for t in transports if t == "gloo" and args.burst_len == "gloo"]
+        rest = [t for t in transports if t not in first]
+        for tr in first + (rest if rep % 2 == 0 else rest[::-1]):
             gen = 0
             ws = None
             try:
@@ -656,14 +660,16 @@ def main(argv=None) -> int:
                 r = ratios.get(f"{tr}/{key}/{cond}", {})
                 if r.get(field) is not None:
                     each = [x[field] for x in r.get("per_repeat", []) if x[field] is not None]
+                    failed = len(r.get("per_repeat", [])) - len(each)  # (a failed block has no ratio)
                     targets[f"{tr} {key} MiB {name}"] = (r[field], ok(r[field]), each, sum(map(ok, each)),
-                                                         r.get("burst_ceiling") if cond == "burst" else None)
+                                                         r.get("burst_ceiling") if cond == "burst" else None, failed)
     if targets:
         print("targets (issue 6" + ("" if args.repeats == 1 else f"; the median of {args.repeats} repeats' ratios, "
                                     "each within its repeat, min-max and how many met")
               + ("" if args.workers == 4 else f"; stated for 4 workers, this run has {args.workers}") + "):")
-        for k, (v, ok, each, n_ok, ceil) in targets.items():
+        for k, (v, ok, each, n_ok, ceil, failed) in targets.items():
             spread = f"  ({min(each):.2f}-{max(each):.2f}, met in {n_ok} of {len(each)})" if len(each) > 1 else ""
+            spread += f"; {failed} repeat(s) FAILED, left out of the median" if failed else ""
             reach = "" if ceil is None else f"; any transport: <= {ceil:.2f}"
             print(f"  {k:<48} {v:6.2f}  {'met' if ok else 'MISSED'}{spread}{reach}")
         if any(t[4] is not None for t in targets.values()):

@@ -543,9 +543,14 @@ def run_incast(procs: Procs, tb: Testbed, args, cc: str, senders: int, transport
     t0 = np.array([[x["t0"] for x in r] for r in ranks]).max(0)
     t1 = np.array([[x["t1"] for x in r] for r in ranks]).max(0)
     bounds = np.concatenate([[t0[0]], t1])
-    drops = np.diff(smp.drops_at(bounds))
-    tail = np.diff(smp.at(bounds, "tail"))
-    marks = np.diff(smp.at(bounds, "mark"))
+    # the counters per round: the first round from the sampler's first sample, the last to its
+    # last (nothing else sends before or after): the totals are then the counters' own, whatever
+    # falls between two samples (interpolated at a round's start, a first round's drops were
+    # mostly counted before it, and ECN's, nearly all in the first round, lost)
+    edges = np.concatenate([[smp.samples[0][0]], t1[:-1], [smp.samples[-1][0]]])
+    drops = np.diff(smp.drops_at(edges))
+    tail = np.diff(smp.at(edges, "tail"))
+    marks = np.diff(smp.at(edges, "mark"))
     port = port_totals(smp, bounds[0], bounds[-1])
     send = [cc_delta(ph[n]) for n in names[1:]]
     rates = [(ph[n]["cc"] or {}).get("rate", [0])[0] / 1e6 if ph[n]["cc"] else None for n in names[1:]]
@@ -731,7 +736,7 @@ def print_incast(res: dict, args) -> None:
         o, e = res.get(str(n), {}).get("off"), res.get(str(n), {}).get("ecn")
         if o and e and "error" not in o and "error" not in e:
             tr = e["total_s"] / o["total_s"]
-            if e["drops_per_round"] * args.rounds < 1:  # none at all (the sampled counters interpolate)
+            if e["drops_per_round"] * args.rounds < 1:  # none at all (totals are the counters' own)
                 down, says = float("inf"), f"none with ecn against {o['drops_per_round']:.0f} a round"
             else:
                 down = o["drops_per_round"] / e["drops_per_round"]

@@ -11,11 +11,14 @@ GSO message whole, so a receive takes it merged), the result written into the
 input (``allreduce(x, out=x)``); Gloo: ``all_reduce`` in place, then divided by
 the world size, as in `allreduce.py`.
 
-Each repeat runs every size for pydblp, then for Gloo (interleaved: a, b, a,
-b, ...), ``--rounds`` measured rounds after 10 warm-up ones; CPU is
-``os.times()`` of each rank over the measured rounds, divided by their
-number and averaged over ranks; wall is the slowest rank's mean ``allreduce``
-call (each rank times its calls; their sum over the rounds).  Figures are
+Each repeat runs every size for both, the order alternating from repeat to
+repeat (pydblp first in even repeats, Gloo first in odd ones), ``--rounds``
+measured rounds after 10 warm-up ones.  CPU is each rank's process CPU
+(``getrusage``: every thread) over the measured rounds, less the benchmark's
+own copy of the input before each round (both stacks reduce in place; the
+copy is timed with the thread's CPU clock), divided by the rounds and averaged
+over ranks; wall is the slowest rank's mean ``allreduce`` call (each rank
+times its calls; their sum over the rounds).  Figures are
 medians over repeats (min-max), and the headline is pydblp's CPU per rank
 and round over Gloo's.  Ranks are not pinned (4 on 2 CPUs: they share, as
 in the testbed).  The last round's result is checked against the exact mean:
@@ -35,7 +38,10 @@ workers of a testbed (``pydblp.testbed``: a namespace per worker, veths to a bri
 link limit, no fabric program, ``--queues`` receive queues per veth) and pydblp opens its
 data plane there as a job does (``open_dataplane``: the host program, an AF_XDP socket per
 queue); Gloo runs over the same veths.  ``--transport udp --net testbed`` measures the UDP
-transport there too.  A veth costs the sender the receiver's softirq work (veth delivers
+transport there too.  On a testbed each implementation's ranks run alone: pydblp's are
+started for its blocks of a repeat and stopped before Gloo's start, since its host XDP
+program on every veth would otherwise run on Gloo's packets too (and veth copies each frame
+for an XDP program), charging Gloo pydblp's cost.  A veth costs the sender the receiver's softirq work (veth delivers
 in the sender's context), so these figures are CPU per rank and round of the whole path.
 
 ``--gap MS``: each rank sleeps MS ms after each measured round, as a training
@@ -57,6 +63,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import select
 import statistics
 import subprocess
@@ -124,18 +131,22 @@ def rank_main(a) -> int:
         size, rounds, gap_us = (int(v) for v in line.split())
         base = np.random.default_rng(size).standard_normal(size // 4).astype(np.float32)
         x = base + np.float32(a.rank + 1)
+        y = np.empty_like(x)
         for _ in range(WARMUP):
-            round_(x.copy())
-        d0, c0, busy = drops(), os.times(), 0.0
+            np.copyto(y, x)
+            round_(y)
+        d0, c0, busy, copying = drops(), resource.getrusage(resource.RUSAGE_SELF), 0.0, 0.0
         fed0 = 0 if a.impl == "gloo" else col.protocol.counters["fed_back"]
         for _ in range(rounds):
-            y = x.copy()  # Gloo reduces in place: both get a fresh input
+            t0 = time.thread_time()
+            np.copyto(y, x)  # both reduce in place: a fresh input, not counted as either stack's
+            copying += time.thread_time() - t0
             t0 = time.monotonic()
             out = round_(y)
             busy += time.monotonic() - t0
             if gap_us:
                 time.sleep(gap_us / 1e6)  # the caller away (computing on a GPU, say): the CPU is free
-        c1 = os.times()
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
         want = base + np.float32((a.world + 1) / 2)
         # (pydblp at tol 0.05 ends a round at its bound, without chunks still on their way or dropped:
         # then inexact by design; the last round's record says whether every chunk was in.  With
@@ -143,8 +154,9 @@ def rank_main(a) -> int:
         # fed anything back over the block)
         full = a.impl == "gloo" or (col.records[-1].min_delivered == 1.0
                                     and col.protocol.counters["fed_back"] == fed0)
-        print(json.dumps({"cpu": (c1.user + c1.system - c0.user - c0.system) / rounds,
-                          "sys": (c1.system - c0.system) / rounds, "wall": busy / rounds,
+        print(json.dumps({"cpu": (c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime - copying) / rounds,
+                          "sys": (c1.ru_stime - c0.ru_stime) / rounds, "wall": busy / rounds,
+                          "copy": copying / rounds,
                           "exact": bool(np.allclose(out, want, rtol=1e-5, atol=1e-5)), "full": full,
                           "drops": drops() - d0}), flush=True)
     if a.impl == "gloo":
@@ -193,6 +205,7 @@ class Ranks:
             p.stdin.flush()
         got = self.replies(60 + rounds * (0.05 + gap + 0.5 * size / (1 << 20)))
         return {"cpu": statistics.mean(g["cpu"] for g in got), "sys": statistics.mean(g["sys"] for g in got),
+                "copy": statistics.mean(g["copy"] for g in got),
                 "wall": max(g["wall"] for g in got), "exact": all(g["exact"] for g in got),
                 "full": all(g["full"] for g in got), "drops": sum(g["drops"] for g in got)}
 
@@ -284,22 +297,40 @@ def main() -> int:
         from pydblp.transport.udp import native_lib
 
         compiled = "on" if native_lib() is not None else f"off ({native.why('udp')})"
-        for impl in ("pydblp", "gloo"):
-            sets.append(Ranks(impl, where, a.world, tmp / f"store-{impl}", a))
+        impls = ("pydblp", "gloo")
+        alone = a.net == "testbed"  # (there each implementation's ranks run without the other's)
+        if not alone:
+            sets.extend(Ranks(impl, where, a.world, tmp / f"store-{impl}", a) for impl in impls)
         print(f"bench/cpu.py: {a.world} ranks on {place}, {a.rounds} rounds x {a.repeats} "
               f"repeats" + (f", {a.gap:g} ms between rounds" if a.gap else ", back to back")
               + f", {os.cpu_count()} CPUs (ranks not pinned), Python {python}, compiled loops {compiled}",
               flush=True)
+        def measure(s, rep, mib):
+            r = s.block(int(mib * (1 << 20)) // 4 * 4, a.rounds, a.gap / 1e3)
+            runs.setdefault(f"{s.impl}/{mib:g}", []).append(r)
+            print(f"  repeat {rep + 1} {s.impl:<6} {mib:g} MiB: CPU/rank/round {r['cpu'] * 1e3:.2f} ms "
+                  f"(sys {r['sys'] * 1e3:.2f}; input copy {r['copy'] * 1e3:.2f} not counted), wall/round "
+                  f"{r['wall'] * 1e3:.2f} ms, exact {r['exact']}"
+                  + ("" if r["full"] else f" (the last round ended at its bound before every chunk "
+                                          f"was in; receive-buffer drops: {r['drops']})"),
+                  flush=True)
+
         for rep in range(a.repeats):
-            for mib in sizes:
-                for s in sets:
-                    r = s.block(int(mib * (1 << 20)) // 4 * 4, a.rounds, a.gap / 1e3)
-                    runs.setdefault(f"{s.impl}/{mib:g}", []).append(r)
-                    print(f"  repeat {rep + 1} {s.impl:<6} {mib:g} MiB: CPU/rank/round {r['cpu'] * 1e3:.2f} ms "
-                          f"(sys {r['sys'] * 1e3:.2f}), wall/round {r['wall'] * 1e3:.2f} ms, exact {r['exact']}"
-                          + ("" if r["full"] else f" (the last round ended at its bound before every chunk "
-                                                  f"was in; receive-buffer drops: {r['drops']})"),
-                          flush=True)
+            order = impls if rep % 2 == 0 else impls[::-1]  # (alternating: drift favours neither)
+            if not alone:
+                for mib in sizes:
+                    for impl in order:
+                        measure(next(s for s in sets if s.impl == impl), rep, mib)
+                continue
+            for impl in order:
+                s = Ranks(impl, where, a.world, tmp / f"store-{impl}-{rep}", a)
+                sets.append(s)
+                try:
+                    for mib in sizes:
+                        measure(s, rep, mib)
+                finally:
+                    s.stop()
+                    sets.remove(s)
     finally:
         for s in sets:
             s.stop()
