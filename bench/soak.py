@@ -194,7 +194,8 @@ def accounting(run: dict, clean: dict) -> dict:
 
 
 def rss_bound(run: dict, after: float = 60.0) -> list[dict]:
-    """Per rank: RSS at the first sample past ``after`` s, and max - min from there on (KiB)."""
+    """Per rank: RSS at the first sample past ``after`` s, its min and max from there on, and its
+    growth, the max less that first sample (KiB)."""
     out = []
     for r in range(1, len(run["rss"][0])):
         xs = [row[r] for row in run["rss"] if row[0] >= after and row[r] is not None]
