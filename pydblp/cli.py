@@ -116,6 +116,8 @@ def _cmd_unload(args) -> int:
 
     if args.all == bool(args.ifname):
         raise UsageError("give an interface or --all (not both)")
+    if args.all and args.netns:
+        raise UsageError("--all covers every namespace: leave out --netns, or give the interface")
     targets = ([(e["ifname"], e["netns"]) for e in host.loaded()] if args.all
                else [(args.ifname, args.netns)])
     for ifname, ns in targets:
@@ -396,6 +398,8 @@ def _cmd_dump(args) -> int:
         raise UsageError("--netns needs -i IFACE")
     if args.timeout is not None and not args.iface:
         raise UsageError("--timeout applies to live capture (-i)")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds")
     if args.count < 0:
         raise UsageError("-c COUNT must be >= 0")
     ports = set(args.port or [wire.DEFAULT_PORT])

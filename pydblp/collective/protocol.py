@@ -223,8 +223,9 @@ class Protocol:
         input ``put`` writes, given when the round may read it in place (never written during the
         round; what outlives it is copied: :meth:`_trail_from`).  ``out``: where the result goes as
         the round finishes (flat, ``flat``'s size; may be ``flat`` itself), else None: a fresh array."""
-        rnd = self._next_round()
         bounds = self._bounds(T, nsh)
+        self._check_message(tensor, max(b - a for a, b in bounds))
+        rnd = self._next_round()
         perm = self._order(rnd, tensor, T, bounds)
         cfg = self.cfg
         # an allreduce's shuffled input read where it lies: each message sends its rows from the
@@ -391,11 +392,13 @@ class Protocol:
                       put: Callable[[np.ndarray], None], exact: bool = False) -> GatherRound:
         """Begin a round of ``kind`` (an all-gather alone) on ``T`` rows cut into ``nsh`` shards;
         ``put(rows)`` writes this rank's input into ``rows`` (T, C): its own shard goes out at once."""
+        bounds = self._bounds(T, nsh)
+        self._check_message(tensor, max(b - a for a, b in bounds))
         rnd = self._next_round()
         x = self._scratch("x", tensor, (T, self.C))
         put(x)
         me = self.rank
-        st = kind(**self._fields(rnd, tensor, x, exact), bounds=self._bounds(T, nsh), my_shard=me if me < nsh else None,
+        st = kind(**self._fields(rnd, tensor, x, exact), bounds=bounds, my_shard=me if me < nsh else None,
                   **self._gather_fields(T))
         if st.my_shard is not None:  # my shard is my own values
             a, b = st.bounds[st.my_shard]
@@ -416,8 +419,9 @@ class Protocol:
         may still be waiting out a dead peer of its own in that round (up to ``timeout``), and a
         live neighbour late only for that is not left out.
         """
-        rnd = self._next_round()
         T = max(1, -(-flat.size // self.C))
+        self._check_message(tensor, T)
+        rnd = self._next_round()
         x = self._scratch("x", tensor, (T, self.C))
         _pad(flat, x)
         fields = self._fields(rnd, tensor, x)
@@ -441,6 +445,15 @@ class Protocol:
         """Where this rank's reduce-scatter and neighbour messages of ``n`` chunks start
         (``Config.stagger``; the receiver's matcher counts them from there too)."""
         return stagger_first(self.rank, n, self.world) if self.cfg.stagger else 0
+
+    def _check_message(self, tensor: int, chunks: int) -> None:
+        """Raise ValueError, before the round is numbered, for what the wire cannot carry: a
+        tensor id past its 16 bits, or a message of more chunks than its 24."""
+        if not 0 <= tensor <= 0xFFFF:
+            raise ValueError(f"tensor id {tensor}: use 0..65535")
+        if chunks > wire.MAX_NCHUNKS:
+            raise ValueError(f"a message of {chunks} chunks: the wire carries at most {wire.MAX_NCHUNKS}; "
+                             f"use a larger Config.chunk_bytes (now {self.cfg.chunk_bytes}) or split the tensor")
 
     def _next_round(self) -> int:
         """The next round's number on the wire (wraps at 2**32)."""

@@ -27,6 +27,8 @@ from pydblp import cli
     (["job", "add", "nosuch0", "--job", "7", "--world", "4", "--rank", "1", "--peer", "5=198.18.0.5"],
      "--peer rank 5: use 0..3"),
     (["load", "nosuch0", "--port", "70000"], "--port 70000: give a UDP port in 1..65535"),
+    (["unload", "--all", "--netns", "w0"], "--all covers every namespace"),
+    (["dump", "-i", "lo", "--timeout", "-1"], "--timeout -1: give a positive number of seconds"),
     (["fault", "burst", "--ratio", "1.5"], "--ratio 1.5: give a drop probability in [0, 1]"),
     (["fault", "burst", "--duration", "5xs"], "bad duration '5xs'"),
     (["fault", "burst", "--count", "3"], "give its period too, e.g. --every 1s"),

@@ -1685,3 +1685,21 @@ def test_a_peer_whose_all_gather_does_not_fit_fails_the_round_in_peer_timeout():
     finally:
         for c in cols:
             c.close()
+
+
+def test_what_the_wire_cannot_carry_is_refused_before_the_round_is_numbered():
+    """A tensor id past 16 bits, or a message of more chunks than 24 bits count, is a ValueError
+    naming the limit, raised before the round takes a number: the ranks' next rounds still match."""
+    rk = Ranks(2, chunk_bytes=64)
+    try:
+        x = np.ones(1000, np.float32)
+        _, errs = rk.run(lambda r, c: c.allreduce(x, tensor=70_000))
+        assert all(isinstance(e, ValueError) and "tensor id 70000: use 0..65535" in str(e) for e in errs.values()), errs
+        big = np.zeros(wire.MAX_NCHUNKS * 16 + 16, np.float32)  # (16 values a 64-byte chunk: one chunk too many)
+        with pytest.raises(ValueError, match="at most 16777216"):
+            rk.cols[0].neighbours(big, [1], [0.5])
+        res, errs = rk.run(lambda r, c: c.allreduce(x * (r + 1)))
+        assert not errs, errs
+        np.testing.assert_allclose(res[0], 1.5)
+    finally:
+        rk.close()
