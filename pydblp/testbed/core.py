@@ -116,6 +116,8 @@ def read_state(name: str) -> dict:
         return json.loads(_state_path(name).read_text())
     except FileNotFoundError:
         raise TestbedError(f"no testbed {name!r} (see `dblp testbed status`)") from None
+    except ValueError as e:  # (not JSON: a state file cut short)
+        raise TestbedError(f"testbed {name!r}: its state file {_state_path(name)} is damaged ({e})") from None
 
 
 def names() -> list[str]:
@@ -321,8 +323,10 @@ def teardown(name: str) -> dict:
     with _locked():
         try:
             state = read_state(name)
-        except TestbedError:
-            state = {"name": name, "namespaces": [], "pin_dir": str(PIN_BASE / name)}
+        except TestbedError:  # no state file (nothing known), or a damaged one (its namespaces by name)
+            damaged = _state_path(name).exists()
+            state = {"name": name, "pin_dir": str(PIN_BASE / name),
+                     "namespaces": [n for n in net.netns_list() if n.startswith(name + "-")] if damaged else []}
         spaces = state.get("namespaces", [])
         killed = _kill_ns_processes(spaces)
         sw = state.get("switch_ns")
@@ -330,16 +334,24 @@ def teardown(name: str) -> dict:
             for port in state.get("ports", {}):
                 with contextlib.suppress(Exception):
                     net.xdp_detach(port, netns=sw)
-        gone = []
-        for ns in spaces:
-            if net.netns_exists(ns):
-                net.netns_del(ns)
-                gone.append(ns)
+        gone, failed = [], []
+        for ns in spaces:  # (each on its own: one that fails leaves the rest to go)
+            try:
+                if net.netns_exists(ns):
+                    net.netns_del(ns)
+                    gone.append(ns)
+            except (OSError, net.NetError) as e:
+                failed.append(f"namespace {ns}: {e}")
         pin = Path(state.get("pin_dir") or PIN_BASE / name)
         had_pins = pin.exists()
-        bpf.unpin(pin)
-        for ns in spaces:  # a host program `dblp load`ed inside a worker's namespace went with it
-            bpf.unpin(bpf.PIN_ROOT / "host" / ns)
+        for p in [pin, *(bpf.PIN_ROOT / "host" / ns for ns in spaces)]:  # (and host programs loaded inside)
+            try:
+                bpf.unpin(p)
+            except OSError as e:
+                failed.append(f"pins {p}: {e}")
+        if failed:  # the state file stays: `down` again retries what is left
+            raise TestbedError(f"testbed {name!r}: not all gone ({'; '.join(failed)}): run `dblp testbed down "
+                               f"--name {name}` again")
         _state_path(name).unlink(missing_ok=True)
         _restore_host_sysctls()
     return {"namespaces": gone, "killed": killed, "pins": had_pins}
@@ -347,10 +359,13 @@ def teardown(name: str) -> dict:
 
 def teardown_all() -> list[str]:
     """``down --all``: every testbed with a state file, plus orphaned pin dirs."""
-    done = []
-    for n in names():
-        teardown(n)
-        done.append(n)
+    done, failed = [], []
+    for n in names():  # (each on its own: one that fails leaves the others to go)
+        try:
+            teardown(n)
+            done.append(n)
+        except TestbedError as e:
+            failed.append(str(e))
     if PIN_BASE.exists():
         for d in PIN_BASE.iterdir():
             # orphan: no state file here and no namespace (a testbed of another state dir is live)
@@ -358,6 +373,8 @@ def teardown_all() -> list[str]:
                 bpf.unpin(d)
                 done.append(d.name)
     _restore_host_sysctls()
+    if failed:
+        raise TestbedError("; ".join(failed))
     return done
 
 
