@@ -51,10 +51,14 @@ class XskReceive:
         h, pay, ln, peer, ecn = into.headers, into.payload, into.lengths, into.peer, into.ecn
         xi = self._xinto  # the last batch's arrays and their addresses: most calls receive into the same one
         if not (xi is not None and xi[0] is h and xi[1] is pay and xi[2] is ln and xi[3] is peer and xi[4] is ecn):
+            n = len(h)  # (C writes n rows of every array: each must have them, writeable)
             if not (h.flags.c_contiguous and h.dtype == wire.HEADER_DTYPE and pay.ndim == 2 and pay.strides[1] == 1
-                    and pay.strides[0] >= pay.shape[1] and ln.dtype == np.int32 and ln.flags.c_contiguous
-                    and peer.dtype == np.int32 and peer.flags.c_contiguous
-                    and (ecn is None or (ecn.dtype == np.uint8 and ecn.flags.c_contiguous and len(ecn) >= len(h)))):
+                    and pay.strides[0] >= pay.shape[1] and len(pay) >= n and ln.dtype == np.int32
+                    and ln.flags.c_contiguous and len(ln) >= n and peer.dtype == np.int32
+                    and peer.flags.c_contiguous and len(peer) >= n
+                    and all(a.flags.writeable for a in (h, pay, ln, peer))
+                    and (ecn is None or (ecn.dtype == np.uint8 and ecn.flags.c_contiguous and len(ecn) >= n
+                                         and ecn.flags.writeable))):
                 return None
             # (C's argument order after the ring context and the count: headers, payload, its row
             # stride and width, lengths, peer, ecn; NULL ecn: not reported)
