@@ -89,8 +89,7 @@ def _add_load(sub):
 def _cmd_load(args) -> int:
     from pydblp import host
 
-    if not 1 <= args.port <= 65535:
-        raise UsageError(f"--port {args.port}: give a UDP port in 1..65535")
+    host.check_config(port=args.port)
     if os.geteuid() != 0:  # (bcc would print a page of map errors first)
         raise UsageError("loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN): run it with sudo")
     p = host.HostProgram(args.ifname, netns=args.netns, mode=args.mode, port=args.port,
@@ -282,17 +281,14 @@ def _cmd_job(args) -> int:
     from pydblp import host
 
     binds = []
-    if args.action in ("add", "del") and not 0 < args.job < 2**32:
-        raise UsageError(f"--job {args.job}: give a job id in 1..{2**32 - 1}")
     if args.action == "add":  # (every value checked before the interface is looked up)
-        if not 0 < args.world <= 0xFFFF:
-            raise UsageError(f"--world {args.world}: give a world size in 1..65535")
-        if not 0 <= args.rank < args.world:
-            raise UsageError(f"--rank {args.rank}: use 0..{args.world - 1} (--world {args.world})")
+        host.check_job(args.job, args.world, args.rank)
         binds = [_peer_arg(x) for x in args.peer]
         for rank, _, _ in binds:
             if rank >= args.world:
                 raise UsageError(f"--peer rank {rank}: use 0..{args.world - 1} (--world {args.world})")
+    elif args.action == "del":
+        host.check_job(args.job, 1, 0)
     with host.open_pinned(args.ifname, args.netns) as m:
         if args.action == "add":
             m.register_job(args.job, args.world, args.rank, args.transport)
@@ -334,14 +330,9 @@ def _cmd_config(args) -> int:
             shed_at = tuple(int(x) for x in args.shed_at.split(","))
         except ValueError:
             raise UsageError(f"--shed-at {args.shed_at!r}: give 8 comma-separated levels, {example}") from None
-        if len(shed_at) != 8 or not all(0 <= x <= host.PRESSURE_MAX for x in shed_at):
-            raise UsageError(f"--shed-at {args.shed_at!r}: give 8 levels in 0..{host.PRESSURE_MAX}, {example}")
-        if shed_at[0]:
-            raise UsageError(f"--shed-at {args.shed_at!r}: priority 0 is never shed, its level is 0; {example}")
-    if args.pressure is not None and not 0 <= args.pressure <= host.PRESSURE_MAX:
-        raise UsageError(f"--pressure {args.pressure}: give a level in 0..{host.PRESSURE_MAX}")
-    if args.rate_pps is not None and not 0 <= args.rate_pps < 2**32:
-        raise UsageError(f"--rate-pps {args.rate_pps}: give packets per second in 0..{2**32 - 1} (0: off)")
+    host.check_config(rate_pps=args.rate_pps, shed_at=shed_at)
+    if args.pressure is not None and not 0 <= args.pressure <= host.PRESSURE_MAX:  # (the library clamps a
+        raise UsageError(f"--pressure {args.pressure}: give a level in 0..{host.PRESSURE_MAX}")  # receiver's)
     with host.open_pinned(args.ifname, args.netns) as m:
         m.configure(rate_pps=args.rate_pps, shed_at=shed_at)
         if args.pressure is not None:
@@ -722,9 +713,12 @@ def _experiment_options(args):
         knobs = consistency(eff["consistency"])[0]
     except ValueError:
         raise UsageError(f"--consistency {eff['consistency']}: use {CONSISTENCY_USE}") from None
-    if knobs.get("allgather_bound") and eff["high"] == "loss":
-        raise UsageError(f"--high loss gives each rank its own bound, and --consistency {eff['consistency']} "
-                         "cuts the all-gather at one they share: use --high fixed or another --consistency")
+    from pydblp.collective import Config, Dblp
+
+    try:  # (the pair the collective's Config refuses)
+        Config(phase=Dblp(high=eff["high"]), **knobs).check()
+    except ValueError as e:
+        raise UsageError(f"--high {eff['high']} with --consistency {eff['consistency']}: {e}") from None
     ports = _ports(args.burst_port, eff["workers"]) if args.burst_port is not None else base.burst_ports
     if ports != "all" and any(p >= eff["workers"] for p in ports):
         raise UsageError(f"--burst-port: the {args.scenario} scenario bursts port(s) {ports}, beyond "

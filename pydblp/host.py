@@ -17,7 +17,6 @@ import enum
 import mmap
 import os
 import struct
-import sys
 import weakref
 
 from pydblp import bpf, net, wire
@@ -79,6 +78,33 @@ class HostError(net.NetError):
     """Loading or talking to the host program failed; the message says how to fix it."""
 
 
+def check_job(job: int, world_size: int, rank: int) -> None:
+    """Raise HostError, naming the range, for a job id, world size or rank a job cannot have
+    (what :meth:`HostMaps.register_job` checks; the CLI asks before it looks anything up)."""
+    if not 0 < job < 2**32:
+        raise HostError(f"job id {job} must be in 1..2^32-1")
+    if not 0 < world_size <= 0xFFFF:
+        raise HostError(f"world size {world_size} must be in 1..65535")
+    if not 0 <= rank < world_size:
+        raise HostError(f"rank {rank} must be in 0..{world_size - 1} (world size {world_size})")
+
+
+def check_config(port: int | None = None, rate_pps: int | None = None, shed_at=None) -> None:
+    """Raise HostError, naming the range, for values :meth:`HostMaps.configure` cannot take
+    (None: not given)."""
+    if port is not None and not 0 < port < 65536:
+        raise HostError(f"port {port} out of range 1..65535")
+    if rate_pps is not None and not 0 <= rate_pps < 2**32:
+        raise HostError(f"rate_pps {rate_pps} out of range 0..{2**32 - 1} (0: off)")
+    if shed_at is not None:
+        n = wire.MAX_PRIO + 1
+        if len(shed_at) != n or not all(0 <= x <= PRESSURE_MAX for x in shed_at):
+            raise HostError(f"shed_at needs {n} levels in 0..{PRESSURE_MAX}, e.g. "
+                            f"{','.join(map(str, DEFAULT_SHED_AT))}; got {','.join(map(str, shed_at))}")
+        if shed_at[0]:
+            raise HostError(f"shed_at's first level is priority 0's, which is never shed: give 0, got {shed_at[0]}")
+
+
 class HostMaps:
     """Configuration and counters of one attached host program, through its maps."""
 
@@ -104,22 +130,20 @@ class HostMaps:
         """Set the DBLP UDP port, the in-kernel rate estimate (0 = off) and per-prio shed levels.
 
         ``shed_at[p]`` is the pressure (0..1000) from which prio ``p`` is shed;
-        0 means never.  Prio 0 is never shed whatever is given.  ``classify``:
+        0 means never; prio 0's must be 0 (it is never shed).  HostError for a value out of
+        range (:func:`check_config`).  ``classify``:
         ``"header"`` takes a packet's priority from its DBLP header, ``"dscp"``
         from its IP header's DSCP through ``dscp`` (a map as ``Config.dscp``:
         :func:`pydblp.dscp.prio_table`); None leaves it as it is.
         """
+        check_config(port, rate_pps, shed_at)
         c = self._cfg()
         if port is not None:
-            if not 0 < port < 65536:
-                raise HostError(f"port {port} out of range 1..65535")
             c[0] = port
         if rate_pps is not None:
             c[3] = int(rate_pps)
         if shed_at is not None:
-            if len(shed_at) != wire.MAX_PRIO + 1:
-                raise HostError(f"shed_at needs {wire.MAX_PRIO + 1} levels, got {len(shed_at)}")
-            c[4:12] = [0] + [int(x) for x in shed_at[1:]]
+            c[4:12] = [int(x) for x in shed_at]
         if classify is not None:
             if classify not in CLASSIFY:
                 raise HostError(f"classify {classify!r}: use header or dscp")
@@ -156,12 +180,7 @@ class HostMaps:
                 transport = JobTransport[transport.upper()]
             except KeyError:
                 raise HostError(f"transport {transport!r}: use xsk or udp") from None
-        if not 0 < job < 2**32:
-            raise HostError(f"job id {job} must be in 1..2^32-1")
-        if not 0 < world_size <= 0xFFFF:
-            raise HostError(f"world size {world_size} must be in 1..65535")
-        if not 0 <= rank < world_size:
-            raise HostError(f"rank {rank} must be in 0..{world_size - 1} (world size {world_size})")
+        check_job(job, world_size, rank)
         self.maps["jobs"].update(struct.pack("=I", job), JOB.pack(world_size, rank, transport))
 
     def unregister_job(self, job: int) -> bool:
@@ -324,12 +343,14 @@ def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     try:
         for name in MAPS:
             maps[name] = bpf.Map.pinned(d / name)
-    except BaseException:  # (a pin gone meanwhile: `dblp unload` racing this) the others close
+    except FileNotFoundError:  # a pin gone meanwhile (`dblp unload` racing this)
         for m in maps.values():
             m.close()
-        if isinstance(sys.exc_info()[1], FileNotFoundError):
-            where = f" --netns {netns}" if netns else ""
-            raise HostError(f"pydblp was unloaded from {ifname} meanwhile: run `dblp load {ifname}{where}`") from None
+        where = f" --netns {netns}" if netns else ""
+        raise HostError(f"pydblp was unloaded from {ifname} meanwhile: run `dblp load {ifname}{where}`") from None
+    except BaseException:
+        for m in maps.values():
+            m.close()
         raise
     return HostMaps(maps, ifname, netns)
 

@@ -146,13 +146,17 @@ def xdp_attach(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str |
         try:
             ip.link("set", index=ifindex(ifname, netns), **_xdp(prog_fd, flags))
         except Exception as e:  # pyroute2 NetlinkError carries errno in .code
-            code = getattr(e, "code", None)
-            hint = {errno.EBUSY: "a program in another mode is attached; unload it first",
-                    errno.EEXIST: "a program is already attached",
-                    errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
-                    errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
-                    }.get(code, str(e))
-            raise NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}") from e
+            raise _attach_error(ifname, mode, getattr(e, "code", None), e) from e
+
+
+def _attach_error(ifname: str, mode: Mode, code: int | None, e: Exception) -> NetError:
+    """What an XDP attach that failed with errno ``code`` says: the cause and the fix."""
+    hint = {errno.EBUSY: "a program is already attached (in this or another mode); unload it first",
+            errno.EEXIST: "a program is already attached",
+            errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
+            errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
+            }.get(code, str(e))
+    return NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}")
 
 
 def xdp_link(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | None = None) -> int | None:
@@ -168,11 +172,7 @@ def xdp_link(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | N
     except bpf.BPFError as e:
         if e.errno == errno.EINVAL and not _xdp_links():
             return None
-        hint = {errno.EBUSY: "a program is already attached", errno.EEXIST: "a program is already attached",
-                errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
-                errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
-                }.get(e.errno, str(e))
-        raise NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}") from e
+        raise _attach_error(ifname, mode, e.errno, e) from e
 
 
 def _xdp_links() -> bool:

@@ -48,7 +48,7 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
     working on a copy.  ``out``: an (n, C) float32 array to write the
     estimate into (not overlapping ``buf``), else a new one.  ``own``: the
     index of the caller's own contribution, which is always there (its
-    ``mask`` row all True): ``unbiased`` then weighs it ``1/W`` (see above);
+    ``mask`` row must be all True, unchecked): ``unbiased`` then weighs it ``1/W`` (see above);
     None: every contribution alike (``sum / arrived``).
     """
     if estimator not in ESTIMATORS:
@@ -65,16 +65,15 @@ def reduce_mean(buf: np.ndarray, mask: np.ndarray, estimator: str, scratch: bool
     elif own is None:
         arrived = mask.sum(axis=0, dtype=np.float32)
         total /= np.maximum(arrived, 1, out=arrived)[:, None]
-    else:
-        if not mask[own].all():
-            raise ValueError(f"contribution {own} is the caller's own: it is always there")
+    else:  # (own's mask row is all True: the caller's own contribution)
         others = mask.sum(axis=0, dtype=np.float32) - 1  # per chunk, the others that arrived
         total -= buf[own]  # their sum
-        some = others > 0
         # (own + (W - 1) / others * sum) / W where some arrived; own alone where none did
-        total *= np.where(some, np.float32(W - 1) / np.maximum(others, 1), 0).astype(np.float32)[:, None]
+        scale = np.float32(W - 1) / np.maximum(others, 1)
+        scale[others == 0] = 0
+        total *= scale[:, None]
         total += buf[own]
-        total /= np.where(some, np.float32(W), np.float32(1))[:, None]
+        total /= np.where(others > 0, np.float32(W), np.float32(1))[:, None]
     return total
 
 

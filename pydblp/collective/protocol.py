@@ -224,7 +224,7 @@ class Protocol:
         round; what outlives it is copied: :meth:`_trail_from`).  ``out``: where the result goes as
         the round finishes (flat, ``flat``'s size; may be ``flat`` itself), else None: a fresh array."""
         bounds = self._bounds(T, nsh)
-        self._check_message(tensor, max(b - a for a, b in bounds))
+        self._check_message(tensor, -(-T // nsh))  # (the largest shard's rows)
         rnd = self._next_round()
         perm = self._order(rnd, tensor, T, bounds)
         cfg = self.cfg
@@ -393,7 +393,7 @@ class Protocol:
         """Begin a round of ``kind`` (an all-gather alone) on ``T`` rows cut into ``nsh`` shards;
         ``put(rows)`` writes this rank's input into ``rows`` (T, C): its own shard goes out at once."""
         bounds = self._bounds(T, nsh)
-        self._check_message(tensor, max(b - a for a, b in bounds))
+        self._check_message(tensor, -(-T // nsh))  # (the largest shard's rows)
         rnd = self._next_round()
         x = self._scratch("x", tensor, (T, self.C))
         put(x)

@@ -229,7 +229,7 @@ def _port(args):
 
 def cmd_fault(args) -> int:
     from pydblp.testbed import Testbed
-    from pydblp.testbed.fabric import parse_duration, parse_mark, parse_rate, parse_size
+    from pydblp.testbed.fabric import parse_duration, parse_mark, parse_rate, parse_size, prob
 
     # every value is checked before the testbed is looked up: one line for the first bad one
     mark = thr = None
@@ -245,8 +245,7 @@ def cmd_fault(args) -> int:
             except ValueError:
                 raise UsageError(f"--thresholds {args.thresholds!r}: 8 comma-separated integers (bytes)") from None
     if args.action == "burst":
-        if not 0 <= args.ratio <= 1:
-            raise UsageError(f"--ratio {args.ratio:g}: give a drop probability in [0, 1]")
+        prob(args.ratio, "--ratio")
         for opt in ("duration", "delay", "every"):
             if getattr(args, opt):
                 parse_duration(getattr(args, opt))
@@ -254,10 +253,8 @@ def cmd_fault(args) -> int:
             raise UsageError(f"--count {args.count} repeats a burst: give its period too, e.g. --every 1s")
     if args.action in ("loss", "ge"):
         for opt in ("p", "r", "loss_bad", "loss_good"):
-            v = getattr(args, opt, None)
-            if v is not None and not 0 <= v <= 1:
-                name = "P" if args.action == "loss" else "--" + opt.replace("_", "-")
-                raise UsageError(f"{name} {v:g}: give a probability in [0, 1]")
+            if getattr(args, opt, None) is not None:
+                prob(getattr(args, opt), "P" if args.action == "loss" else "--" + opt.replace("_", "-"))
     tb = Testbed.open(args.testbed)
     try:
         port = _port(args)

@@ -424,7 +424,7 @@ def test_cli_up_exec_down_leaves_nothing(private_dir, bpf_xdp):
     r = dblp("load", "eth0", "--netns", f"{name}-w1", env=env)  # (pinned in a worker's namespace)
     assert r.returncode == 0, r.stderr
     r = dblp("fault", "loss", "2", env=env)
-    assert r.returncode == 2 and "P 2: give a probability in [0, 1]" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert r.returncode == 2 and "P must be within [0, 1], got 2.0" in r.stderr and len(r.stderr.splitlines()) == 1
     r = dblp("testbed", "down", "--name", name, env=env)
     assert r.returncode == 0, r.stderr
     assert leftovers(name, state_dir, state["prog_id"]) == []
