@@ -350,15 +350,17 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     name = f"{arm.name.replace('/', '-')}.seed{seed}"
-    errs = [open(Path(opt.out_dir) / f"{name}.rank{r}.log", "w") for r in range(opt.workers)]
-    procs = [tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                      stderr=errs[r], env=env, text=True) for r in range(opt.workers)]
     run = Run(arm.name, setup=asdict(arm))
     pending = dict(plan)
     starved = None
     ports = None if opt.burst_ports == "all" else list(opt.burst_ports)
     deadline = time.monotonic() + opt.timeout
+    errs, procs = [], []  # (filled inside the try: a rank that fails to start ends the ones before it)
     try:
+        for r in range(opt.workers):
+            errs.append(open(Path(opt.out_dir) / f"{name}.rank{r}.log", "w"))
+            procs.append(tb.popen(r, argv(r), stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                  stderr=errs[r], env=env, text=True))
         if opt.starve:
             from pydblp.testbed.cpucap import CpuCap
 

@@ -294,7 +294,7 @@ def cmd_fault(args) -> int:
             else:
                 _print_stats(s)
     finally:
-        tb._fab and tb._fab.close()
+        tb.close()
     return 0
 
 

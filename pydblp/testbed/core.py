@@ -327,6 +327,10 @@ def teardown(name: str) -> dict:
             damaged = _state_path(name).exists()
             state = {"name": name, "pin_dir": str(PIN_BASE / name),
                      "namespaces": [n for n in net.netns_list() if n.startswith(name + "-")] if damaged else []}
+        maker = state.get("creator_pid") or 0
+        if state.get("status") == "creating" and maker != os.getpid() and pid_alive(maker):
+            raise TestbedError(f"testbed {name!r} is still being created by pid {maker}: run `dblp testbed "
+                               f"down --name {name}` once it is up (or once that process has ended)")
         spaces = state.get("namespaces", [])
         killed = _kill_ns_processes(spaces)
         sw = state.get("switch_ns")
@@ -493,7 +497,12 @@ class Testbed:
     # ---- lifecycle ----------------------------------------------------
     @classmethod
     def open(cls, name: str | None = None) -> "Testbed":
-        """Attach to a testbed another process brought up (``dblp testbed up``)."""
+        """Attach to a testbed another process brought up (``dblp testbed up``).
+
+        The testbed stays that process's: leaving ``with Testbed.open(...)``
+        releases only what this process opened (:meth:`close`); :meth:`down`
+        removes the testbed itself.
+        """
         state = read_state(resolve(name))
         tb = cls(workers=state["workers"], name=state["name"], mtu=state["mtu"],
                  rate=state.get("rate_bps", 0), fabric=state.get("fabric", True), queues=state.get("queues", 1))
@@ -506,7 +515,10 @@ class Testbed:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.down()
+        if self._owner:
+            self.down()
+        else:
+            self.close()
 
     def up(self) -> "Testbed":
         spaces = [self.switch_ns] + [self.ns(i) for i in range(self.n)]
@@ -608,10 +620,11 @@ class Testbed:
         """ICMP echo from worker ``src`` to worker ``dst`` (an address or worker); replies received."""
         return ping(self.ns(src), dst if "." in str(dst) else self.addr(dst), count, timeout, size)
 
-    def down(self) -> None:
-        """Remove the testbed (namespaces, links, XDP, pins, state file); idempotent."""
+    def close(self) -> None:
+        """Release what this process opened (the commands :meth:`popen` started, the fabric's
+        maps) and leave the testbed up; idempotent."""
         if os.getpid() != self._pid:
-            return  # a forked child (pyroute2 forks for netns): never tear down the parent's
+            return  # a forked child (pyroute2 forks for netns): the parent's handles are its own
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
@@ -621,6 +634,12 @@ class Testbed:
         if self._fab:
             self._fab.close()
             self._fab = None
+
+    def down(self) -> None:
+        """Remove the testbed (namespaces, links, XDP, pins, state file); idempotent."""
+        if os.getpid() != self._pid:
+            return  # a forked child (pyroute2 forks for netns): never tear down the parent's
+        self.close()
         if self.state:
             teardown(self.name)
             self.state = {}

@@ -4,7 +4,8 @@
 CPU (CFS bandwidth control: ``cpu.max`` on cgroup v2, ``cpu.cfs_quota_us``
 on v1's ``cpu`` controller), moves the process and its threads into it, and
 on :meth:`CpuCap.close` moves whatever is still alive back to the cgroup
-it came from and removes its own.  A capped receiver drains its AF_XDP
+it came from and removes its own.  A cap whose owner died without closing it
+(SIGKILL) is removed by the next cap made beside it.  A capped receiver drains its AF_XDP
 ring late, so the ring fills and the host program's pressure rises: the
 shedding that ``dblp stats`` counts per priority.
 """
@@ -13,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
+
+from pydblp._libc import pid_alive
 
 log = logging.getLogger(__name__)
 
 CGROUP = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000  # the CFS period: the process runs share * 100 ms of every 100 ms
+NAME_RE = re.compile(r"dblp-cap-(\d+)-(\d+)$")  # dblp-cap-<owner pid>-<capped pid>
 
 
 class CpuCapError(RuntimeError):
@@ -76,6 +81,7 @@ class CpuCap:
         self._home = root / _own_cgroup(pid, self._v2)
         if not self._home.is_dir():
             self._home = root
+        self._sweep()
         self.path = self._home / f"dblp-cap-{os.getpid()}-{pid}"
         quota = max(1000, int(PERIOD_US * share))
         try:
@@ -89,6 +95,17 @@ class CpuCap:
         except OSError as e:
             self.close()
             raise CpuCapError(f"cannot cap pid {pid}'s CPU in {self.path}: {e.strerror or e}") from None
+
+    def _sweep(self) -> None:
+        """Remove the caps beside this one whose owner is gone, releasing what they still hold."""
+        try:
+            found = [d for d in self._home.iterdir() if NAME_RE.match(d.name)]
+        except OSError:
+            return
+        for d in found:
+            if not pid_alive(int(NAME_RE.match(d.name).group(1))):
+                log.info("removing cgroup %s: its owner has ended", d)
+                self._release(d)
 
     def _tids(self) -> list[int]:
         try:
@@ -115,20 +132,27 @@ class CpuCap:
 
     def close(self) -> None:
         """Move what is left of the process back, then remove the cgroup (idempotent)."""
-        if not self.path.exists():
+        self._release(self.path)
+
+    def _release(self, path: Path) -> None:
+        """Move every task left in cgroup ``path`` to this cap's home, then remove ``path``."""
+        if not path.exists():
             return
-        if self._v2:
-            self._move(self._home, [])
-        else:  # threads started after the move joined the cgroup too
-            try:
-                left = [int(t) for t in (self.path / "tasks").read_text().split()]
-            except OSError:
-                left = []
-            self._move(self._home, left)
+        # (threads started after the move joined the cgroup too; v2 moves processes whole)
         try:
-            self.path.rmdir()
+            left = [int(t) for t in (path / ("cgroup.procs" if self._v2 else "tasks")).read_text().split()]
+        except OSError:
+            left = []
+        target = self._home / ("cgroup.procs" if self._v2 else "tasks")
+        for t in left:
+            try:
+                target.write_text(str(t))
+            except ProcessLookupError:
+                pass  # (gone: nothing to move)
+        try:
+            path.rmdir()
         except OSError as e:
-            log.warning("cgroup %s not removed: %s", self.path, e)
+            log.warning("cgroup %s not removed: %s", path, e)
 
     def __enter__(self) -> "CpuCap":
         return self

@@ -498,3 +498,37 @@ def test_host_sysctl_restored_by_last_holder(tmp_path, monkeypatch, root):
     if core.SYSCTL_RECORD.exists():
         holders = json.loads(core.SYSCTL_RECORD.read_text())["holders"]
         assert not any(t.name in h for _, t in made for h in holders)
+
+
+def test_open_releases_its_handles_and_leaves_the_testbed_up(tmp_path, monkeypatch, root):
+    """A testbed another process owns stays up after ``with Testbed.open(...)``; what this
+    process started in it ends; ``down()`` still removes it when asked."""
+    monkeypatch.setattr(core, "STATE_DIR", tmp_path)
+    owner = Testbed(workers=1, name=unique_name("o"), fabric=False).up().detach()
+    try:
+        with Testbed.open(owner.name) as t:
+            sleeper = t.popen("w0", ["sleep", "30"])
+        assert sleeper.poll() is not None  # what the attached process started went with it
+        assert net.netns_exists(owner.ns(0)) and core.read_state(owner.name)["status"] == "up"
+    finally:
+        owner.down()
+    assert not net.netns_exists(owner.ns(0))
+
+
+def test_down_waits_for_a_creator_that_is_still_building(tmp_path, monkeypatch, root):
+    """``down`` while another live process is still creating the testbed would delete
+    namespaces under its build (and the build would leave later ones behind): refused in one
+    line naming the creator; once the creator is gone, ``down`` removes what it left."""
+    monkeypatch.setattr(core, "STATE_DIR", tmp_path)
+    name = unique_name("m")
+    maker = subprocess.Popen(["sleep", "30"])
+    try:
+        core._write_state({"name": name, "status": "creating", "creator_pid": maker.pid, "namespaces": []})
+        with pytest.raises(TestbedError, match=f"still being created by pid {maker.pid}"):
+            core.teardown(name)
+        assert core._state_path(name).exists()
+    finally:
+        maker.kill()
+        maker.wait()
+    core.teardown(name)  # (the creator died mid-build: its leftovers go)
+    assert not core._state_path(name).exists()

@@ -84,3 +84,24 @@ def test_the_ranks_share_an_alignment_directory_removed_after_the_run(tmp_path):
     dirs = {argv[argv.index("--align") + 1] for argv in ranks.argv.values()}
     assert len(dirs) == 1
     assert not os.path.exists(dirs.pop())
+
+
+def test_a_rank_that_cannot_start_ends_the_ones_started_before_it(tmp_path):
+    class Refuses(Ranks):
+        def __init__(self, scripts):
+            super().__init__(scripts)
+            self.started = []
+
+        def popen(self, r, argv, **kw):
+            if r == 2:
+                raise OSError(24, "Too many open files")
+            p = super().popen(r, argv, **kw)
+            self.started.append(p)
+            return p
+
+    ranks = Refuses(["import time; time.sleep(30)"] * 3)
+    with pytest.raises(OSError, match="Too many open files"):
+        run(tmp_path, ranks.scripts, ranks)
+    assert len(ranks.started) == 2 and all(p.poll() is not None for p in ranks.started)
+    align = ranks.argv[0][ranks.argv[0].index("--align") + 1]
+    assert not os.path.exists(align)
