@@ -804,15 +804,11 @@ class Protocol:
         for o in active:
             budget = share
             if paced:
-                dsts = self._others if o.dst == wire.DST_ALL else (o.dst,)
-                allowed = min(cc.allowed(d, now) for d in dsts)
-                left = o.avail - o.sent + o.nretx
-                if allowed < cc.quantum(left):
+                budget, w = self._paced(o, budget, now)
+                if w is not None:
                     held.add(id(o))
-                    w = max(cc.wait(d, left) for d in dsts)
                     wait = w if wait is None else min(wait, w)
                     continue
-                budget = min(budget, allowed)
             self._sends(o, budget, now, parts, ended)
             o.t_last = now
         if bc is not None:
@@ -837,6 +833,17 @@ class Protocol:
         elif not more and st.ag_rest is not None:
             self.tx_wait = max(0.0005, st.ag_rest - now)
         return more
+
+    def _paced(self, o: OutMessage, budget: int, now: float) -> tuple[int, float | None]:
+        """What the rate control lets ``o`` send now, of ``budget``: ``(frames, None)``, or
+        ``(0, seconds)`` while its destinations' tokens cover less than a quantum."""
+        cc = self.cc
+        dsts = self._others if o.dst == wire.DST_ALL else (o.dst,)
+        allowed = min(cc.allowed(d, now) for d in dsts)
+        left = o.avail - o.sent + o.nretx
+        if allowed < cc.quantum(left):
+            return 0, max(cc.wait(d, left) for d in dsts)
+        return min(budget, allowed), None
 
     def _sends(self, o: OutMessage, budget: int, now: float, parts: list, ended: list) -> int:
         """Queue ``o``'s next sends in ``parts``, at most ``budget``: what it was asked to resend,
@@ -1014,8 +1021,10 @@ class Protocol:
                 self._bitmap(rnd, tensor, inn)
             return
         echo = None
-        if kind == STOP and len(payload) >= 2:
-            self.timeouts[src] = int.from_bytes(payload[:2].tobytes(), "big") / 1e4
+        if kind == STOP and len(payload) >= 2:  # (within the bounds this rank holds its own to: a
+            # peer's 0 would make the median 0, a probe at every timer)
+            c = self.cfg
+            self.timeouts[src] = min(c.probe_max, max(c.probe_min, int.from_bytes(payload[:2].tobytes(), "big") / 1e4))
             if len(payload) >= STOP_PAYLOAD.size and self.ledger is not None:
                 echo = self._echo(src, *STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:])
         if kind == BITMAP and f[F_FLAGS] & FINAL:  # what an owner's estimate used of my contribution
@@ -1198,11 +1207,19 @@ class Protocol:
         None if none does.  Read by whoever holds the transport (a round, or the idle responder
         holding ``Collective._poll_lock``) before it sleeps."""
         due, pt = None, None
+        paced = self.cc is not None and self.cc.rate.any()
         for o in list(self.trail.values()):
             if o.done:
                 continue
             if o.nretx or o.sent < o.avail:
-                return 0.0
+                if self.t.tx_backlog() > TXQ_LIMIT:  # (as serve_trail holds back)
+                    t = 0.001
+                elif paced and (w := self._paced(o, 1, now)[1]) is not None:
+                    t = w
+                else:
+                    return 0.0
+                due = t if due is None else min(due, t)
+                continue
             if pt is None:
                 pt = self.probe_timeout
             t = o.t_last + o.probe_wait(pt, self.cfg.probe_max) - now
@@ -1212,11 +1229,21 @@ class Protocol:
     def serve_trail(self, now: float) -> None:
         """Between rounds: send what trailing messages were asked to resend, and the first sends a
         BITMAP grew their plans by (``burst`` packets at most; the rest on the next call), then
-        their timers."""
+        their timers.  Held back as a round's sends are: while a pacing transport holds more
+        than ``TXQ_LIMIT``, and to what the rate control allows each destination
+        (:meth:`trail_due` says when to call again)."""
         parts, budget, ended = [], self.cfg.burst, []
+        if self.t.tx_backlog() > TXQ_LIMIT:
+            budget = 0
+        paced = self.cc is not None and self.cc.rate.any()
         for o in self.trail.values():
             if not o.done and budget > 0:
-                k = self._sends(o, budget, now, parts, ended)
+                b = budget
+                if paced:
+                    b, w = self._paced(o, budget, now)
+                    if w is not None:
+                        continue
+                k = self._sends(o, b, now, parts, ended)
                 if k:
                     budget -= k
                     o.t_last = now

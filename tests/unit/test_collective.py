@@ -20,7 +20,7 @@ import pytest
 
 from pydblp import wire
 from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedule, Static, config, estimators
-from pydblp.collective.protocol import Protocol
+from pydblp.collective.protocol import STOP_PAYLOAD, Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
 from tests.helpers import Ranks, lose_sent, require_native, run_threads
@@ -414,18 +414,33 @@ def test_dblp_tolerance_reaches_the_wire(ranks):
 
 
 @pytest.mark.parametrize("slow_ranks,want", [((0,), 0.002), ((0, 1), 0.03)])
-def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want):
+def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want, monkeypatch):
     """Each STOP carries the sender's estimate; every rank uses the median of all ranks' estimates."""
+    monkeypatch.setattr(Protocol, "_out_done", lambda self, o, now: setattr(o, "done", True))  # (no adapting)
     rk = ranks(3)
     for r, c in enumerate(rk.cols):
-        t = 0.03 if r in slow_ranks else 0.002
-        c.cfg.probe_min = c.cfg.probe_max = c.protocol.estimate = t
+        c.cfg.probe_min, c.cfg.probe_max = 0.002, 0.03
+        c.protocol.estimate = 0.03 if r in slow_ranks else 0.002
     xs = inputs(3, 20_000, rounds=3)
     _, errs = rk.run(lambda r, c: [c.allreduce(xs[i][r]) for i in range(3)])
     assert not errs
     for r, c in enumerate(rk.cols):
         assert c.protocol.timeouts == pytest.approx([0.03 if q in slow_ranks else 0.002 for q in range(3)])
         assert c.probe_timeout == pytest.approx(want)
+
+
+@pytest.mark.parametrize("carried", [0, 0xFFFF])
+def test_a_peers_estimate_is_taken_within_this_ranks_bounds(rank0, carried):
+    """A STOP's estimate of 0 would make the median 0 (a probe at every timer); 6.5 s, probes
+    as rare as ``probe_max`` allows only through the back-off's cap.  Both are held to the
+    bounds this rank's own estimate keeps."""
+    h = wire.empty_batch(1)[0]
+    h["kind"], h["job"], h["src"], h["dst"], h["round"] = wire.Kind.STOP, 1, 1, 0, rank0.st.round
+    rank0.col.control(rank0.st, h.item(), np.frombuffer(STOP_PAYLOAD.pack(carried, 0, 0), np.uint8), 100.0,
+                      current=True)
+    cfg = rank0.col.cfg
+    assert rank0.col.timeouts[1] == (cfg.probe_min if carried == 0 else cfg.probe_max)
+    assert cfg.probe_min <= rank0.col.probe_timeout <= cfg.probe_max
 
 
 class Rank0:
@@ -1701,3 +1716,32 @@ def test_what_the_wire_cannot_carry_is_refused_before_the_round_is_numbered():
         np.testing.assert_allclose(res[0], 1.5)
     finally:
         rk.close()
+
+
+def test_a_trailing_message_keeps_to_the_rate_control_between_rounds(ranks):
+    """What a trailing message still sends between rounds (retransmissions, a plan's growth)
+    goes out no faster than the rate control lets its destination be sent, as a round's sends
+    do; :meth:`trail_due` says when the tokens will cover a quantum."""
+    from pydblp.collective import cc as ccmod
+    from pydblp.collective.messages import OutMessage
+
+    rk = ranks(2)
+    col = rk.cols[0]
+    p = col.protocol
+    with col._poll_lock:  # (the idle responder stays out)
+        o = OutMessage(True, 1, np.zeros((40, p.C), np.float32), np.zeros(40, np.uint8), 0, 5, 7)
+        p.trail[(5, True, 1)] = o
+        now = p.clock()
+        o.t_heard = o.t_last = now  # (its receiver is alive)
+        p.cc.rate[1] = 10e6  # 10 Mbit/s, an empty bucket: a quantum is ms away
+        p.cc.tokens[1], p.cc.t_tok[1] = 0.0, now
+        p.serve_trail(now)
+        assert o.sent == 0
+        due = p.trail_due(now)
+        assert due == pytest.approx(ccmod.WAIT_FRAMES * p.frame * 8 / 10e6, rel=0.01)
+        p.serve_trail(now + due)
+        assert o.sent == ccmod.WAIT_FRAMES  # (what the tokens covered)
+        p.cc.rate[1] = 0  # not paced: a burst at once
+        p.serve_trail(now + due)
+        assert o.sent == min(o.n, ccmod.WAIT_FRAMES + p.cfg.burst)
+        del p.trail[(5, True, 1)]
