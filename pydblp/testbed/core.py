@@ -346,6 +346,10 @@ def teardown(name: str) -> dict:
                     gone.append(ns)
             except (OSError, net.NetError) as e:
                 failed.append(f"namespace {ns}: {e}")
+        from pydblp.dataplane import CLAIM_DIR
+
+        for ns in spaces:  # (job claims a killed data plane left on a program pinned inside)
+            shutil.rmtree(CLAIM_DIR / ns, ignore_errors=True)
         pin = Path(state.get("pin_dir") or PIN_BASE / name)
         had_pins = pin.exists()
         for p in [pin, *(bpf.PIN_ROOT / "host" / ns for ns in spaces)]:  # (and host programs loaded inside)

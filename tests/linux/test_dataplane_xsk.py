@@ -106,3 +106,50 @@ def test_over_a_loaded_program_only_the_job_comes_and_goes(pair):
         loaded.close()
         host.unload(dev, ns)
     assert host.attached_program(dev, ns) is None
+
+
+DIES = """
+import os, sys
+from pydblp.dataplane import open_dataplane
+dp = open_dataplane("xsk-ktx", sys.argv[2], netns=sys.argv[1], job=int(sys.argv[3]), rank=1, world=2)
+print("open", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, tmp_path):
+    """A second data plane of the job on the interface is refused while the first is open (its
+    registration would be overwritten, then removed under it when either closed); the job's
+    registration that a killed data plane left is replaced and not put back."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import pydblp.dataplane as dpmod
+
+    monkeypatch.setattr(dpmod, "CLAIM_DIR", tmp_path / "jobs")
+    monkeypatch.setenv("DBLP_JOBS_DIR", str(tmp_path / "jobs"))  # (the child's claims go there too)
+    (ns, dev), _ = pair
+    loaded = host.HostProgram(dev, netns=ns, pin=True, keep=True)
+    try:
+        with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=1, world=2):
+            with pytest.raises(host.HostError, match=f"job {JOB} is open on {dev} --netns {ns} by pid {os.getpid()}"):
+                open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2)
+            assert loaded.jobs()[JOB]["rank"] == 1  # (the refused one changed nothing)
+        assert JOB not in loaded.jobs()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        child = subprocess.Popen([sys.executable, "-c", DIES, ns, dev, str(JOB)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
+        try:
+            assert child.stdout.readline().strip() == "open"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        assert loaded.jobs()[JOB]["rank"] == 1  # what the killed one left registered
+        with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2) as dp:
+            assert dp.host.jobs()[JOB]["rank"] == 0
+        assert JOB not in loaded.jobs()  # the dead one's registration is not put back
+    finally:
+        loaded.close()
+        host.unload(dev, ns)
