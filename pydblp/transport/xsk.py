@@ -339,12 +339,14 @@ class XskTransport(XskReceive, Transport):
         # addresses (_native_sources renews them); TOS table
         self._xtx_fixed = (self._umem.ctypes.data, self.frame_size, self._tx_free.ctypes.data, self.tx_frames)
         self._xtos = None if self._tos is None else self._tos.ctypes.data
+        self._xkeep: list = []  # the source arrays the C receive was pointed at
         self._native_sources()
 
     def _native_sources(self) -> None:
-        """Point the C receive at the current registered sources (after each ``add_peer``)."""
+        """Point the C receive at the current registered sources (after each ``add_peer``).  The
+        arrays it pointed at before stay alive with the transport (a few bytes a peer)."""
         if self._xlib is not None:
-            self._xkeep = xsk_native.set_sources(self._xrx, self._sources)
+            self._xkeep.append(xsk_native.set_sources(self._xrx, self._sources))
             tp = self._tmpl
             self._xtmpl = (tp.table.ctypes.data, tp.table.shape[1], tp.hlen.ctypes.data, tp.partial.ctypes.data)
 
@@ -396,16 +398,20 @@ class XskTransport(XskReceive, Transport):
 
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None, src=None) -> int:
         """Register ``addr`` (IPv4 or IPv6); the MAC comes from the kernel's ARP/ND
-        table (resolved on demand) unless given; ``src`` overrides the local address."""
+        table (resolved on demand) unless given; ``src`` overrides the local address.
+
+        Safe beside a ``send`` in another thread (the templates change under the transmit
+        lock); not beside a ``recv`` (one thread receives, as the collective's poll owner)."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
         src = parse_ip(src) if src is not None else addresses.local_addr(self.ifindex, self.ifname, dst, self.netns)
         dmac = (frames.mac_bytes(mac) if mac is not None
                 else addresses.resolve_mac(self.ifindex, self.ifname, dst, self.netns))
         t, partial = frames.template(self.mac, dmac, src, dst, self.port, port)
-        pid = self._tmpl.add(t, partial)
-        self._sources.add(dst)
-        self._native_sources()
+        with self._tx_lock:  # (a send in C reads the templates' addresses)
+            pid = self._tmpl.add(t, partial)
+            self._sources.add(dst)
+            self._native_sources()
         if self._ktx is not None:
             self._ktx.add_peer(dst, port)
         return pid
