@@ -34,6 +34,9 @@ setting, measured in the same run on the same testbed.
             tensor into the 1 Gbit/s queue to w0 at once.  Reported: queue drops (tail + early)
             and marks per round, round p50/p99 (last rank in -> last rank out) and the rounds'
             total time.  Acceptance: drops down >= 5x with cc=ecn at the same or shorter time.
+            ``--repeats K`` runs each setting K times, in alternating order (off, ecn; ecn,
+            off; ...), pairs the i-th runs and states both ratios as ratios of means with 90 %
+            t intervals; the verdict then needs the whole interval on the right side.
 
 ``sim-incast`` the incast in the simulator (``pydblp.sim``, virtual time, deterministic for a
             seed; no root): the same N senders, the port to rank 0 with ``--buffer`` KiB
@@ -61,6 +64,7 @@ Examples:
     .venv/bin/python bench/congestion.py --delay                              # a queue that delays
     .venv/bin/python bench/congestion.py --scenario tcp,jobs --seconds 30 --json tcp.json
     .venv/bin/python bench/congestion.py --scenario incast --senders 3,7 --rounds 30
+    .venv/bin/python bench/congestion.py --scenario incast --senders 7 --repeats 3   # paired, with intervals
     .venv/bin/python bench/congestion.py --scenario tcp --tcp-ecn --cc ecn   # TCP with ECN too
     .venv/bin/python bench/congestion.py --scenario tcp --delay --mark-drop  # an AQM: Not-ECT dropped at the mark
     .venv/bin/python bench/congestion.py --scenario sim-incast --rounds 10  # the simulator, no root
@@ -716,34 +720,59 @@ def print_incast(res: dict, args) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.senders:
         for cc in args.ccs:
-            r = res.get(str(n), {}).get(cc)
-            if not r or "error" in r:
-                print(f"| {n} | {cc} | FAILED: {(r or {}).get('error', 'not run')[:100]} |")
-                continue
-            rates = ", ".join("-" if v is None else ("unpaced" if v == 0 else f"{v:.0f}")
-                              for v in r["sender_rate_end_mbps"])
-            print(f"| {n} | {cc} | {r['total_s']:.2f} | {ms(r['p50'])} | {ms(r['p99'])} | {r['drops_per_round']:.0f} "
-                  f"| {fmt(r['drops_after_first'])} | {r['marks_per_round']:.0f} | {r['ce_received']} | {r['cuts']} "
-                  f"| {r['retx_per_round']:.0f} | {rates} |")
+            for i, r in enumerate(res.get(str(n), {}).get(cc) or [None]):
+                rep = f"{cc} #{i + 1}" if args.repeats > 1 else cc
+                if not r or "error" in r:
+                    print(f"| {n} | {rep} | FAILED: {(r or {}).get('error', 'not run')[:100]} |")
+                    continue
+                rates = ", ".join("-" if v is None else ("unpaced" if v == 0 else f"{v:.0f}")
+                                  for v in r["sender_rate_end_mbps"])
+                print(f"| {n} | {rep} | {r['total_s']:.2f} | {ms(r['p50'])} | {ms(r['p99'])} "
+                      f"| {r['drops_per_round']:.0f} | {fmt(r['drops_after_first'])} | {r['marks_per_round']:.0f} "
+                      f"| {r['ce_received']} | {r['cuts']} | {r['retx_per_round']:.0f} | {rates} |")
     for n in args.senders:
         for cc in args.ccs:
-            r = res.get(str(n), {}).get(cc)
-            if r and "error" not in r:
-                print(f"N={n} cc={cc} per round: ms " + " ".join(f"{v * 1e3:.0f}" for v in r["latency"])
-                      + "; drops " + " ".join(f"{v:.0f}" for v in r["drops"])
-                      + "; marks " + " ".join(f"{v:.0f}" for v in r["marks"]))
+            for i, r in enumerate(res.get(str(n), {}).get(cc) or []):
+                if r and "error" not in r:
+                    print(f"N={n} cc={cc}{f' #{i + 1}' if args.repeats > 1 else ''} per round: ms "
+                          + " ".join(f"{v * 1e3:.0f}" for v in r["latency"])
+                          + "; drops " + " ".join(f"{v:.0f}" for v in r["drops"])
+                          + "; marks " + " ".join(f"{v:.0f}" for v in r["marks"]))
     for n in args.senders:
-        o, e = res.get(str(n), {}).get("off"), res.get(str(n), {}).get("ecn")
-        if o and e and "error" not in o and "error" not in e:
-            tr = e["total_s"] / o["total_s"]
-            if e["drops_per_round"] * args.rounds < 1:  # none at all (totals are the counters' own)
-                down, says = float("inf"), f"none with ecn against {o['drops_per_round']:.0f} a round"
-            else:
-                down = o["drops_per_round"] / e["drops_per_round"]
-                says = f"off/ecn {down:.1f}x"
-            ok = down >= 5 and tr <= 1.0
-            print(f"N={n}: drops {says}, time ecn/off {tr:.2f}x -> acceptance (drops down >= 5x at the "
-                  f"same or shorter time): {'met' if ok else 'MISSED'}")
+        v = incast_verdict(res.get(str(n), {}), args.rounds)
+        if v is not None:
+            print(f"N={n}: {v['says']}")
+
+
+def incast_verdict(res: dict, rounds: int) -> dict | None:
+    """Issue 47's incast acceptance over the repeats that ran both settings (pairs ``i``: the
+    i-th ``off`` run with the i-th ``ecn`` run, made one after the other on one testbed):
+    time ecn/off and drops off/ecn as ratios of means with 90 % t intervals (one pair: none).
+    None without a complete pair."""
+    from pydblp.experiment.stats import ratio_interval
+
+    pairs = [(o, e) for o, e in zip(res.get("off") or [], res.get("ecn") or [])
+             if o and e and "error" not in o and "error" not in e]
+    if not pairs:
+        return None
+    time = ratio_interval([e["total_s"] for _, e in pairs], [o["total_s"] for o, _ in pairs])
+    off = [o["drops_per_round"] for o, _ in pairs]
+    ecn = [e["drops_per_round"] for _, e in pairs]
+
+    def span(r, spec=".2f"):
+        return f"{r['ratio']:{spec}}x" + (f" ({r['lo']:{spec}}-{r['hi']:{spec}})" if r["lo"] is not None else "")
+
+    if sum(ecn) * rounds < 1:  # none at all under ecn (the totals are the counters' own)
+        down, drops = float("inf"), f"none with ecn against {np.mean(off):.0f} a round"
+    else:
+        d = ratio_interval(off, ecn)
+        down, drops = (d["lo"] if d["lo"] is not None else d["ratio"]), f"off/ecn {span(d, '.1f')}"
+    slower = time["hi"] if time["hi"] is not None else time["ratio"]
+    ok = down >= 5 and slower <= 1.0
+    return {"pairs": len(pairs), "time": time, "drops_down": down, "met": ok,
+            "says": f"drops {drops}, time ecn/off {span(time)} over {len(pairs)} pair(s) -> acceptance (drops "
+                    f"down >= 5x at the same or shorter time{', the interval included' if len(pairs) > 1 else ''}): "
+                    f"{'met' if ok else 'MISSED'}"}
 
 
 # ---- main ------------------------------------------------------------------------
@@ -762,6 +791,9 @@ def main(argv=None) -> int:
                     help="incast: MiB per allreduce (default 2: a 7-sender round moves 14 MiB in and out of w0)")
     ap.add_argument("--rounds", type=int, default=30, help="incast: rounds per run (default 30)")
     ap.add_argument("--senders", default="3,7", help="incast: sender counts, one testbed each (default 3,7)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="incast: runs of each --cc setting, in alternating order; with 2 or more the verdict "
+                         "takes the ratios' 90%% intervals (default 1)")
     ap.add_argument("--incast-queue", default="tail", choices=("tail", "priority"),
                     help="incast: the queue drops at its tail (default) or early by DBLP priority (the fabric's "
                          "default thresholds, as dblp experiment --scenario incast)")
@@ -799,6 +831,8 @@ def main(argv=None) -> int:
         ap.error(f"--scenario: within {', '.join(SCENARIOS)}")
     if not args.ccs or not set(args.ccs) <= set(CCS):
         ap.error(f"--cc: within {', '.join(CCS)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: use 1 or more")
     if not all(1 <= n <= 15 for n in args.senders):
         ap.error("--senders: 1..15 each (a testbed of N+1 workers)")
     if not 1 <= args.mark <= args.buffer:
@@ -881,14 +915,16 @@ def main(argv=None) -> int:
                 with Testbed(workers=n + 1, name=f"ci{os.getpid() % 100000}") as tb:
                     procs = Procs(tb, tmp)
                     try:
-                        res[str(n)] = {}
-                        for cc in args.ccs:
-                            r = res[str(n)][cc] = attempt(f"incast N={n} cc={cc}",
-                                                          lambda: run_incast(procs, tb, args, cc, n, args.transport))
-                            if "error" not in r:
-                                print(f"  incast N={n} cc={cc}: {r['total_s']:.2f} s for {r['rounds']} rounds, p50 "
-                                      f"{ms(r['p50'])} ms, drops/round {r['drops_per_round']:.0f}, marks/round "
-                                      f"{r['marks_per_round']:.0f} ({r['wall_s']:.0f} s)", flush=True)
+                        runs = res[str(n)] = {cc: [] for cc in args.ccs}
+                        for i in range(args.repeats):  # (the order alternates: neither setting always first)
+                            for cc in (args.ccs if i % 2 == 0 else args.ccs[::-1]):
+                                r = attempt(f"incast N={n} cc={cc} #{i + 1}",
+                                            lambda: run_incast(procs, tb, args, cc, n, args.transport))
+                                runs[cc].append(r)
+                                if "error" not in r:
+                                    print(f"  incast N={n} cc={cc} #{i + 1}: {r['total_s']:.2f} s for {r['rounds']} "
+                                          f"rounds, p50 {ms(r['p50'])} ms, drops/round {r['drops_per_round']:.0f}, "
+                                          f"marks/round {r['marks_per_round']:.0f} ({r['wall_s']:.0f} s)", flush=True)
                     finally:
                         procs.stop()
     finally:
