@@ -33,15 +33,18 @@ finished (DATA counted ``late``; a probe for one gets a STOP, as a lost STOP
 does), so a replayed packet changes no result and ends no message it did
 not end the first time.
 
-Different keys: a rank whose packets all fail, from a registered peer address
-(``peer`` >= 0), without one that verified, at least ``FAIL_MIN`` of them in a
-streak (no gap of ``fail_after``) begun ``fail_after`` seconds ago, makes :meth:`AuthTransport.recv` raise
-:class:`~pydblp.transport.base.TransportError` naming the rank and the likely
-cause (another key, no key, another run), then on every later call: the round
-fails with one clear error instead of waiting out ``peer_timeout`` (a rank
-whose round failed first goes silent: its last failing packets still count).  Once a
-rank has sent one packet that verifies, it holds the key and the run's epoch,
-so later failures under its name are forgeries: counted, never raised.
+Different keys: while no packet has verified here yet, a rank whose packets
+all fail, from a registered peer address (``peer`` >= 0), at least ``FAIL_MIN``
+of them in a streak (no gap of ``fail_after``) begun ``fail_after`` seconds ago,
+makes :meth:`AuthTransport.recv` raise :class:`~pydblp.transport.base.TransportError`
+naming the rank and the likely cause (another key, no key, another run), then
+on every later call: the job fails with one clear error instead of waiting out
+``peer_timeout``.  Once any packet has verified, this rank shares the key and
+the run with a peer, and a header's ``src`` is not proof of who sent a packet
+that fails: a streak is then logged (a warning naming the rank and the likely
+cause, once a streak) and never raised, so forged packets cannot stop the job;
+a rank that truly holds another key goes silent to the collective, which fails
+the round at ``peer_timeout`` naming it.
 
 Cost: hashing, one BLAKE2b pass over each packet sent and each received, a
 whole batch per call (:class:`pydblp.mac.Macs`: C over SIMD lanes, or hashlib
@@ -52,6 +55,7 @@ compaction) is numpy on the whole batch.  Thread model as the inner transport's:
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -60,6 +64,8 @@ from pydblp import wire
 from pydblp.mac import Macs
 from pydblp.transport.base import DEFAULT_MAXLEN, Batch, Transport, TransportError
 from pydblp.wire import EPOCH_LEN, FLAG_TAG, TAG_LEN
+
+log = logging.getLogger(__name__)
 
 FAIL_AFTER = 1.0  # s of nothing but failing packets from a rank before recv raises
 FAIL_MIN = 8      # failing packets at least, too (a live rank sends more in its first round's burst or probes)
@@ -75,8 +81,8 @@ def authenticate(transport: Transport, key: bytes | None, epoch: int = 0,
         transport: an open transport; the result owns it (closing it closes ``transport``).
         key: the job key (:func:`pydblp.jobkey.load_key`), or None.
         epoch: this run's epoch, the same on every rank (:func:`pydblp.jobkey.new_epoch`).
-        fail_after: seconds of failing packets from a rank before ``recv`` raises; keep it
-            below the collective's ``peer_timeout``.
+        fail_after: seconds of failing packets from a rank, before any packet verified,
+            until ``recv`` raises; keep it below the collective's ``peer_timeout``.
     """
     if key is None:
         return transport
@@ -114,7 +120,8 @@ class AuthTransport(Transport):
         self._txh = wire.empty_batch(0)
         self._txp = np.empty((0, 0), np.uint8)
         self._good = np.zeros(1 << 16, bool)   # per claimed src rank: a packet of it has verified
-        self._failing: dict[int, list] = {}    # src -> [streak's first failure, count, reason, epoch, last]
+        self._failing: dict[int, list] = {}    # src -> [streak's first failure, count, reason, epoch, last,
+        #                                               logged]
         self._failed: str | None = None        # the error recv raises from now on
 
     # ---- the inner transport's ------------------------------------------
@@ -288,25 +295,33 @@ class AuthTransport(Transport):
             seen = int.from_bytes(trail[i, :EPOCH_LEN].tobytes(), "big") if why == "epoch" else None
             f = self._failing.get(s)
             if f is None or now - f[4] > self.fail_after:  # a new streak (a live peer never pauses that long)
-                f = self._failing[s] = [now, 0, why, seen, now]
+                f = self._failing[s] = [now, 0, why, seen, now, False]
             f[1] += 1
             f[2], f[3], f[4] = why, seen, now
         self._check_failing(now)
 
     def _check_failing(self, now: float) -> None:
-        """Raise (now and on every later call) once a rank that never verified has failed
-        ``FAIL_MIN`` times over ``fail_after`` seconds, the last failure within ``fail_after``."""
+        """Once a rank that never verified has failed ``FAIL_MIN`` times over ``fail_after``
+        seconds, the last failure within ``fail_after``: raise (now and on every later call)
+        while nothing has verified here; after that, log it once a streak (a forger can name
+        any rank)."""
         if self._failed is None:
+            anything = bool(self._good.any())
             for s, f in self._failing.items():
                 if (f[1] >= FAIL_MIN and now - f[0] >= self.fail_after and now - f[4] <= self.fail_after
                         and not self._good[s]):
-                    self._failed = self._fail_message(s, f, now)
-                    break
+                    if not anything:
+                        self._failed = self._fail_message(s, f, now)
+                        break
+                    if not f[5]:
+                        f[5] = True
+                        log.warning("%s (packets under a rank's name fail while others verify: forged, "
+                                    "or that rank's key differs; it is not raised)", self._fail_message(s, f, now))
         if self._failed is not None:
             raise TransportError(self._failed)
 
     def _fail_message(self, src: int, f: list, now: float) -> str:
-        first, count, why, seen, _ = f
+        first, count, why, seen = f[:4]
         head = f"rank {src}'s packets failed authentication for {now - first:.1f} s ({count} dropped, none verified): "
         if why == "untagged":
             return head + "they carry no tag: give every rank the job key (--key-file or DBLP_KEY_FILE)"

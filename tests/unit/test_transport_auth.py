@@ -332,6 +332,31 @@ def test_ranks_that_cannot_verify_each_other_fail_with_one_clear_error(pair, cas
         p.ts[0].recv(Batch.empty(4))
 
 
+def test_forged_failures_after_a_packet_verified_are_logged_never_raised(pair, caplog):
+    """Once a packet has verified, a header's ``src`` on a packet that fails proves nothing:
+    a forger spraying untagged packets under a rank that never sends here (this rank's own
+    number) from a peer's address, past ``fail_after``, does not stop the job; the streak is
+    logged once."""
+    import logging
+
+    p = pair(keys=(KEY, KEY), epochs=(EPOCH, EPOCH), fail_after=0.3, peer_timeout=5.0)
+    ones = lambda r, c: c.allreduce(np.full(10_000, r + 1.0, np.float32))  # noqa: E731
+    _, errs = p.run(ones)
+    assert not errs
+    forged = wire.encode(wire.Header(kind=wire.Kind.HELLO, job=999, round=0, src=0, dst=0, nchunks=1), b"")
+    s = raw_socket()
+    with caplog.at_level(logging.WARNING, logger="pydblp.transport.auth"):
+        for _ in range(12):  # 12 over ~0.7 s: a streak past FAIL_MIN and fail_after
+            s.sendto(forged, ("127.0.0.1", p.raw[0].port))
+            time.sleep(0.06)
+        assert _wait(lambda: p.ts[0].stats()["auth_untagged"] >= 12)
+        res, errs = p.run(ones)
+    s.close()
+    assert not errs, errs
+    np.testing.assert_allclose(res[0], 1.5)
+    assert caplog.text.count("rank 0's packets failed authentication") == 1, caplog.text
+
+
 def test_the_key_and_epoch_are_checked():
     t = UdpTransport(port=0)
     try:
