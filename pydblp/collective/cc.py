@@ -125,13 +125,18 @@ class Ledger:
         """A STOP from ``dst`` echoing its cumulative counts of this rank's DATA packets
         (``received``, of them ``marked`` CE): what is new since the latest echo, or None when
         nothing is (a first echo from a receiver whose counts began before this rank's: a
-        baseline; an older STOP overtaken by a newer one)."""
+        baseline; an older STOP overtaken by a newer one; counts past what this rank has sent
+        it: an old STOP replayed once the counts have moved on by 2**31, read modulo 2**32 as
+        news, ignored and the latest counts kept)."""
         prev = self.last[dst]
         got = (received - prev[0]) & MASK32
         if got >= 1 << 31 and self.heard[dst]:
             return None  # overtaken: nothing new, and not the latest counts
+        if self.heard[dst] and self.got[dst] + got > self.sent[dst]:
+            return None  # more arrived than was ever sent: not this run's latest counts
+        first = not self.heard[dst]
         self.last[dst], self.heard[dst] = (received & MASK32, marked & MASK32), True
-        if got >= 1 << 31:
+        if got >= 1 << 31 or (first and got > self.sent[dst]):
             return None
         if got == 0:
             return Echo(0, 0, 0)

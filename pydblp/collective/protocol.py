@@ -1020,11 +1020,11 @@ class Protocol:
             else:
                 self._bitmap(rnd, tensor, inn)
             return
-        echo = None
+        echo = est = None
         if kind == STOP and len(payload) >= 2:  # (within the bounds this rank holds its own to: a
             # peer's 0 would make the median 0, a probe at every timer)
             c = self.cfg
-            self.timeouts[src] = min(c.probe_max, max(c.probe_min, int.from_bytes(payload[:2].tobytes(), "big") / 1e4))
+            est = min(c.probe_max, max(c.probe_min, int.from_bytes(payload[:2].tobytes(), "big") / 1e4))
             if len(payload) >= STOP_PAYLOAD.size and self.ledger is not None:
                 echo = self._echo(src, *STOP_PAYLOAD.unpack(payload[: STOP_PAYLOAD.size].tobytes())[1:])
         if kind == BITMAP and f[F_FLAGS] & FINAL:  # what an owner's estimate used of my contribution
@@ -1045,6 +1045,8 @@ class Protocol:
             self.counters["stray"] += 1
             return
         if kind == STOP:
+            if est is not None:  # (only from a STOP that ends a live message: an old one, replayed,
+                self.timeouts[src] = est  # would set any estimate a peer ever sent)
             if echo is not None and self.cc is not None:
                 delay = now - o.t_sent_all if o.t_sent_all is not None and o.timeouts == 0 else None
                 self.cc.echo(src, echo, now, self._sent_rate(o, now), delay)

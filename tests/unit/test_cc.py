@@ -22,6 +22,10 @@ class Sender:
         self.rc, self.ledger = RateControl(4, Config(**kw), FRAME), Ledger(4)
 
     def echo(self, dst, received, marked, now, sent_rate, delay=None):
+        # what an echo counts was sent first (these tests give the echoes): spend up to it
+        behind = ((received - self.ledger.last[dst][0]) & MASK32) - (self.ledger.sent[dst] - self.ledger.got[dst])
+        if 0 < behind < 1 << 31:
+            self.spend(dst, behind)
         news = self.ledger.echo(dst, received, marked)
         if news is not None:
             self.rc.echo(dst, news, now, sent_rate, delay)
@@ -113,6 +117,34 @@ def test_the_ledger_sums_to_the_echoed_totals():
     assert led.echo(1, 300, 3) == Echo(150, 0, 100)  # 50 in flight arrived: -50 lost here
     assert led.echo(1, 250, 3) is None  # an overtaken STOP
     assert led.sent[1] == led.last[1][0] == 300  # all 300 arrived in the end
+
+
+def test_an_old_stop_replayed_past_half_the_counter_is_not_news():
+    """Echo counts are cumulative modulo 2**32: once they have moved on by 2**31, a STOP recorded
+    early reads as news of ~2**31 packets, more than this rank ever sent its receiver.  It is
+    ignored, the latest counts stay, and the next genuine echo is news as before."""
+    led = Ledger(2)
+    led.spend(1, 1000)
+    assert led.echo(1, 1000, 0) == Echo(1000, 0, 1000)
+    old = (1000, 0)
+    for _ in range(3):  # the run goes on: 3 x 10**9 packets sent and echoed
+        led.spend(1, 10**9)
+        assert led.echo(1, (led.last[1][0] + 10**9) & MASK32, 0) is not None
+    last = led.last[1]
+    assert led.echo(1, *old) is None  # read as news of (1000 - last) mod 2**32 > 2**31 packets
+    assert led.last[1] == last
+    led.spend(1, 500)
+    assert led.echo(1, (last[0] + 500) & MASK32, 5) == Echo(500, 5, 500)
+
+
+def test_a_first_echo_past_what_was_sent_is_a_baseline():
+    """A receiver whose counts began before this rank's (this rank restarted): its first echo
+    sets the baseline; the next one is news."""
+    led = Ledger(2)
+    led.spend(1, 10)
+    assert led.echo(1, 5000, 7) is None
+    led.spend(1, 100)
+    assert led.echo(1, 5090, 9) == Echo(90, 2, 110)
 
 
 def test_the_ledger_keeps_a_bounded_history_of_tiny_echoes():

@@ -433,11 +433,19 @@ def test_probe_timeout_is_agreed_across_ranks(ranks, slow_ranks, want, monkeypat
 def test_a_peers_estimate_is_taken_within_this_ranks_bounds(rank0, carried):
     """A STOP's estimate of 0 would make the median 0 (a probe at every timer); 6.5 s, probes
     as rare as ``probe_max`` allows only through the back-off's cap.  Both are held to the
-    bounds this rank's own estimate keeps."""
+    bounds this rank's own estimate keeps, and only a STOP that ends a live message sets it
+    (a replayed old STOP is stray)."""
     h = wire.empty_batch(1)[0]
     h["kind"], h["job"], h["src"], h["dst"], h["round"] = wire.Kind.STOP, 1, 1, 0, rank0.st.round
-    rank0.col.control(rank0.st, h.item(), np.frombuffer(STOP_PAYLOAD.pack(carried, 0, 0), np.uint8), 100.0,
-                      current=True)
+    h["tensor"] = rank0.st.tensor
+    pay = np.frombuffer(STOP_PAYLOAD.pack(carried, 0, 0), np.uint8)
+    before = rank0.col.timeouts[1]
+    old = h.copy()
+    old["round"] = (rank0.st.round - 3) & 0xFFFFFFFF
+    rank0.col.control(rank0.st, old.item(), pay, 100.0, current=False)  # ends no live message: ignored
+    assert rank0.col.timeouts[1] == before
+    rank0.col.control(rank0.st, h.item(), pay, 100.0, current=True)  # ends the reduce-scatter message
+    assert rank0.st.outs[(False, 1)].done
     cfg = rank0.col.cfg
     assert rank0.col.timeouts[1] == (cfg.probe_min if carried == 0 else cfg.probe_max)
     assert cfg.probe_min <= rank0.col.probe_timeout <= cfg.probe_max
