@@ -19,7 +19,8 @@ caller sees it.  One that fails is dropped and counted in :meth:`stats`:
 ``auth_epoch``      the tag names another run epoch: a packet of an earlier run
                     replayed, or a rank of another run
 ``auth_bad_tag``    the MAC does not verify: forged or altered, or made with another key
-``auth_truncated``  cut by the receive buffer, so its tag cannot be checked
+``auth_truncated``  cut by the receive buffer, so its tag cannot be checked (the inner
+                    transport counted the cut in ``rx_truncated``; here it stops)
 
 A packet that verifies is handed over as an untagged one would be (flag ``TAG``
 cleared, the tag left out of ``lengths``), so the layer above needs no change:
@@ -116,6 +117,7 @@ class AuthTransport(Transport):
         self._epb = np.frombuffer(epoch.to_bytes(EPOCH_LEN, "big"), np.uint8)
         self._c = {f"auth_{r}": 0 for r in ("tagged", "verified", *REASONS)}
         self._c["rx_errors"] = 0  # batches this layer dropped on an error (Transport.recv)
+        self._c["rx_truncated"] = 0  # verified packets cut to the caller's rows
         self._rx: Batch | None = None
         self._txh = wire.empty_batch(0)
         self._txp = np.empty((0, 0), np.uint8)
@@ -156,7 +158,8 @@ class AuthTransport(Transport):
     def stats(self) -> dict:
         """The inner transport's counters and ``auth_*`` (see the module docstring)."""
         inner = self.inner.stats()
-        return {**inner, **self._c, "rx_errors": inner.get("rx_errors", 0) + self._c["rx_errors"]}
+        return {**inner, **self._c, "rx_errors": inner.get("rx_errors", 0) + self._c["rx_errors"],
+                "rx_truncated": inner.get("rx_truncated", 0) + self._c["rx_truncated"]}
 
     # ---- tags -----------------------------------------------------------
     def send(self, batch: Batch, timeout: float | None = 1.0) -> int:
@@ -260,8 +263,8 @@ class AuthTransport(Transport):
             m = min(into.maxlen, pay.shape[1])
             into.payload[:k, :m] = pay[:, :m] if sel is None else pay[sel, :m]
             cut = b > m
-            if cut.any():
-                self._c["auth_truncated"] += int(np.count_nonzero(cut))
+            if cut.any():  # verified, then wider than the caller's rows: cut, as the inner transport cuts
+                self._c["rx_truncated"] += int(np.count_nonzero(cut))
                 b = np.minimum(b, m)
             out = into.payload
         else:

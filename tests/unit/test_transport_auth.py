@@ -357,6 +357,25 @@ def test_forged_failures_after_a_packet_verified_are_logged_never_raised(pair, c
     assert caplog.text.count("rank 0's packets failed authentication") == 1, caplog.text
 
 
+def test_a_cut_is_counted_where_it_happens_and_a_drop_where_it_stops():
+    """A tagged datagram cut by the receive buffer: ``rx_truncated`` (the cut) and
+    ``auth_truncated`` (it stops at the tag check).  A packet that verified and is wider than
+    the caller's rows is delivered cut: ``rx_truncated`` alone, as without a key."""
+    h = wire.Header(kind=wire.Kind.DATA, job=3, round=1, src=1, dst=0, nchunks=4)
+    with authenticate(UdpTransport(port=0), KEY, EPOCH) as t:
+        t.add_peer("127.0.0.1", 9)
+        for pay, width, want in ((3000, 1408, {"rx_truncated": 1, "auth_truncated": 1}),
+                                 (1408, 64, {"rx_truncated": 1, "auth_verified": 1})):
+            before = t.stats()
+            _spray(t.port, [wire.encode(h, b"x" * pay, key=KEY, epoch=EPOCH)])
+            got = t.recv(Batch.empty(8, width), timeout=1.0)
+            after = t.stats()
+            moved = {k: after[k] - before[k] for k in ("rx_truncated", "auth_truncated", "auth_verified")
+                     if after[k] != before[k]}
+            assert moved == want, (pay, width, moved)
+            assert got.n == want.get("auth_verified", 0) and (not got.n or got.lengths[0] == width)
+
+
 def test_the_key_and_epoch_are_checked():
     t = UdpTransport(port=0)
     try:
