@@ -279,7 +279,6 @@ class Matcher:
                 else:
                     stray += 1
             elif rnd == base:
-                st.heard[src] = now
                 if kind != DATA:
                     ctrl.append((f, i, True))
                 elif (f[F_TENSOR] == st.tensor and f[F_DTYPE] == F32 and f[F_LEN] == width
@@ -295,11 +294,8 @@ class Matcher:
                                                f"{', tagged' if f[F_FLAGS] & FLAG_TAG else ''} where this rank is in a "
                                                f"{mine} round at tensor {st.tensor} with {width}-byte float32 chunks")
             elif kind != DATA:  # of an earlier round: a late probe, a STOP or BITMAP for a trailing message
-                if rnd == prev:
-                    st.heard[src] = now
                 ctrl.append((f, i, False))
             elif rnd == prev:
-                st.heard[src] = now
                 late += 1
             else:  # DATA of a round long finished, or too far ahead to keep
                 stray += 1
@@ -488,6 +484,10 @@ class Matcher:
         self._credit(st, inn, tol8, got, count, hi, now)
 
     def _credit(self, st: Round, inn: InMessage, tol8: int, got: int, count: int, hi: int, now: float) -> None:
-        """:meth:`_arrived` with the bound of the first packet from ``inn``'s sender, ``tol8``."""
-        st.heard[inn.src] = now
-        self.counters["duplicate"] += inn.arrived(got, count, hi, now, tol8)
+        """:meth:`_arrived` with the bound of the first packet from ``inn``'s sender, ``tol8``.
+        Its sender is heard only when a chunk is new: a duplicate (or a replayed packet) of a
+        peer that has since died must not keep it alive past ``peer_timeout``."""
+        dup = inn.arrived(got, count, hi, now, tol8)
+        self.counters["duplicate"] += dup
+        if got > dup:
+            st.heard[inn.src] = now

@@ -1036,6 +1036,7 @@ class Protocol:
             if o.used is None:
                 o.used = np.ones(o.n, bool)
             o.used[f[F_CHUNK]: f[F_CHUNK] + len(bits)] = bits
+            st.heard[src] = now
             return
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)
@@ -1044,7 +1045,12 @@ class Protocol:
                 self.cc.echo(src, echo, now, self._sent_rate(o, now) if o is not None else None)
             self.counters["stray"] += 1
             return
+        # A peer is heard (alive, for peer_timeout) on news only: a STOP that ends a live message,
+        # a BITMAP that acknowledges a chunk for the first time.  Probes and repeated answers are
+        # not news; a replay of them would keep a dead peer alive.
         if kind == STOP:
+            if current:
+                st.heard[src] = now
             if est is not None:  # (only from a STOP that ends a live message: an old one, replayed,
                 self.timeouts[src] = est  # would set any estimate a peer ever sent)
             if echo is not None and self.cc is not None:
@@ -1052,10 +1058,14 @@ class Protocol:
                 self.cc.echo(src, echo, now, self._sent_rate(o, now), delay)
             self._out_done(o, now)
         elif kind == BITMAP:
+            acked = 0 if o.acked is None else int(np.count_nonzero(o.acked))
             if current:
                 st.repair = True
-            if o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
-                        self.probe_timeout):
+            done = o.bitmap(f[F_CHUNK], np.unpackbits(payload, bitorder="little").astype(bool), now,
+                            self.probe_timeout)
+            if current and (done or int(np.count_nonzero(o.acked)) > acked):
+                st.heard[src] = now
+            if done:
                 self._out_done(o, now)
             elif o.plans:
                 self._top_up(o)
@@ -1164,6 +1174,7 @@ class Protocol:
         needed = {o.dst for o in st.outs.values() if not o.done} | owing
         if not needed:
             needed = {i.src for i in waiting if i.ag}
+        needed -= st.misfit.keys()  # (it sends, what does not fit: judged below, with a clearer error)
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
             r = min(needed, key=lambda q: (st.heard[q], q))

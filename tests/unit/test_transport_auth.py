@@ -376,6 +376,45 @@ def test_a_cut_is_counted_where_it_happens_and_a_drop_where_it_stops():
             assert got.n == want.get("auth_verified", 0) and (not got.n or got.lengths[0] == width)
 
 
+def test_a_dead_peers_replayed_packets_do_not_keep_it_alive(pair):
+    """Rank 1 dies after a round; its genuine packets of that round (tagged, so they verify)
+    replayed to rank 0 during the next are not news: rank 0's round fails at ``peer_timeout``
+    naming rank 1 while the replay still goes on (before, each replay refreshed rank 1's
+    liveness and the round waited as long as the replay lasted)."""
+    import threading
+
+    p = pair(peer_timeout=1.0)
+    sent = _record(p.ts[1])
+    _, errs = p.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)))
+    assert not errs
+    last = max(wire.Header.unpack(d).round for d in sent)
+    replay = [d for d in sent if wire.Header.unpack(d).round == last]
+    assert any(wire.Header.unpack(d).kind != wire.Kind.DATA for d in replay)
+    p.cols[1].close()
+    stop = threading.Event()
+
+    def spray():
+        s = raw_socket()
+        end = time.monotonic() + 15.0  # 15 x peer_timeout
+        while not stop.is_set() and time.monotonic() < end:
+            for d in replay[:64]:
+                s.sendto(d, ("127.0.0.1", p.raw[0].port))
+            time.sleep(0.1)
+        s.close()
+        return stop.is_set()
+
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("stopped", spray()))
+    th.start()
+    try:
+        _, errs = p.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), ranks=(0,), timeout=30)
+    finally:
+        stop.set()
+        th.join()
+    assert got["stopped"], "the round outlasted the replay"
+    assert isinstance(errs.get(0), CollectiveError) and "rank 1 sent nothing" in str(errs[0]), errs
+
+
 def test_the_key_and_epoch_are_checked():
     t = UdpTransport(port=0)
     try:
