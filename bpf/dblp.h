@@ -55,6 +55,7 @@
 #define DBLP_REASON_TAG     11
 #define DBLP_REASON_SPOOF_IP  12  /* src rank bound to another source IP (peers map) */
 #define DBLP_REASON_SPOOF_MAC 13  /* src rank bound to another source MAC (peers map) */
+#define DBLP_REASON_VLAN      14  /* an xsk job's packet behind a VLAN tag: AF_XDP takes untagged frames */
 
 /* All multi-byte fields are big-endian on the wire. */
 struct dblp_hdr {
@@ -122,7 +123,6 @@ struct dblp_msg_key {
 struct dblp_host_cfg {
 	__u16 port;                 /* UDP destination port of DBLP traffic */
 	__u16 classify;             /* DBLP_CLASSIFY_* */
-	__u32 pressure;             /* 0..DBLP_PRESSURE_MAX, written by userspace */
 	__u32 rate_pps;             /* > 0: raise pressure from the arrival rate */
 	__u32 shed_at[DBLP_MAX_PRIO + 1]; /* shed prio p when pressure >= shed_at[p] */
 	__u8  dscp_prio[DBLP_NDSCP];      /* DSCP -> prio under DBLP_CLASSIFY_DSCP (0: never shed) */
@@ -221,7 +221,7 @@ static __always_inline int parse_iphdr(struct hdr_cursor *nh, void *data_end, st
 	struct iphdr *ip = nh->pos;
 	__u32 hdrsize;
 
-	if ((void *)(ip + 1) > data_end || ip->ihl < 5)
+	if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5)
 		return -1;
 	hdrsize = ip->ihl * 4;
 	if (nh->pos + hdrsize > data_end)
@@ -242,7 +242,7 @@ static __always_inline int parse_ip6hdr(struct hdr_cursor *nh, void *data_end, s
 {
 	struct ipv6hdr *ip6 = nh->pos;
 
-	if ((void *)(ip6 + 1) > data_end)
+	if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
 		return -1;
 	nh->pos = ip6 + 1;
 	*hdr = ip6;
@@ -264,8 +264,10 @@ static __always_inline int parse_udphdr(struct hdr_cursor *nh, void *data_end, s
 /* What the programs keep of an IP header. */
 struct l3_info {
 	__u32 saddr[4];  /* source address as big-endian words: IPv4 in saddr[0], the rest untouched */
+	__u32 l4len;     /* bytes the IP header says follow it (IPv4: total length - header; IPv6: payload) */
 	__u8 family;     /* 4 or 6 */
 	__u8 dscp;       /* 0..63 */
+	__u8 vlan;       /* 1: behind a VLAN tag */
 };
 
 /* The IPv4 or IPv6 header at the cursor, after EtherType `proto`: returns
@@ -280,6 +282,8 @@ static __always_inline int parse_ip(struct hdr_cursor *nh, void *data_end, int p
 		if (proto < 0 || ipv4_is_fragment(ip))
 			return -1;
 		info->saddr[0] = ip->saddr;
+		__u32 tot = bpf_ntohs(ip->tot_len), hl = ip->ihl * 4;
+		info->l4len = tot > hl ? tot - hl : 0;
 		info->family = 4;
 		info->dscp = ip->tos >> 2;
 		return proto;
@@ -291,6 +295,7 @@ static __always_inline int parse_ip(struct hdr_cursor *nh, void *data_end, int p
 		if (proto < 0)
 			return -1;
 		__builtin_memcpy(info->saddr, &ip6->saddr, sizeof(info->saddr));
+		info->l4len = bpf_ntohs(ip6->payload_len);
 		info->family = 6;
 		info->dscp = (ip6->priority << 2) | (ip6->flow_lbl[0] >> 6);
 		return proto;

@@ -9,6 +9,9 @@
 #include "dblp.h"  /* with the header parsing helpers (parse_ethhdr, parse_ip, ...) */
 
 BPF_ARRAY(config, struct dblp_host_cfg, 1);
+/* the pressure level userspace writes, 0..DBLP_PRESSURE_MAX: a map of its own, so the receiver's
+ * frequent writes never overwrite a `dblp config` made meanwhile */
+BPF_ARRAY(pressure, u32, 1);
 BPF_HASH(jobs, u32, struct dblp_job, DBLP_MAX_JOBS);
 BPF_XSKMAP(xsks, DBLP_MAX_QUEUES);
 /* packets shed per message (see shed_charge); u64 because the BPF backend of bcc's LLVM
@@ -39,16 +42,19 @@ static __always_inline int drop(u32 reason)
 	return XDP_DROP;
 }
 
-/* Pressure: the userspace level, raised by this CPU's arrival rate if enabled. */
-static __always_inline u32 pressure(struct dblp_host_cfg *cfg)
+/* The pressure a valid packet meets: the userspace level, raised by this CPU's arrival rate if
+ * rate_pps is set.  Every valid DBLP packet counts as an arrival.  Up to rate_pps the rate adds
+ * nothing; past it the pressure grows with the excess, full at twice the rate. */
+static __always_inline u32 pressure_now(struct dblp_host_cfg *cfg)
 {
-	u32 level = cfg->pressure;
-	u32 k0 = 0, k1 = 1;
+	u32 zero = 0, k1 = 1;
+	u32 *lvl = pressure.lookup(&zero);
+	u32 level = lvl ? *lvl : 0;
 	u64 *start, *n, now;
 
 	if (!cfg->rate_pps)
 		return level;
-	start = rate.lookup(&k0);
+	start = rate.lookup(&zero);
 	n = rate.lookup(&k1);
 	if (!start || !n)
 		return level;
@@ -58,11 +64,13 @@ static __always_inline u32 pressure(struct dblp_host_cfg *cfg)
 		*n = 0;
 	}
 	*n += 1;
-	/* arrivals this window vs what rate_pps allows in one window */
+	/* arrivals this window past what rate_pps allows in one (>= 1: userspace refuses 1..999) */
 	u64 allowed = (u64)cfg->rate_pps * RATE_WINDOW_NS / 1000000000ULL;
 	if (!allowed)
 		allowed = 1;
-	u64 est = *n * DBLP_PRESSURE_MAX / allowed;
+	if (*n <= allowed)
+		return level;
+	u64 est = (*n - allowed) * DBLP_PRESSURE_MAX / allowed;
 	if (est > DBLP_PRESSURE_MAX)
 		est = DBLP_PRESSURE_MAX;
 	return est > level ? est : level;
@@ -164,12 +172,12 @@ static __always_inline u32 check_ranks(const struct dblp_hdr *h, const struct db
 	return DBLP_REASON_OK;
 }
 
-/* The priority a valid packet is shed at under the present pressure, or 0 to keep it.
+/* The priority a valid packet is shed at under pressure `level`, or 0 to keep it.
  *
  * Shed least important data first, never past the message's own budget.  The
  * priority comes from the DBLP header, or from the IP header's DSCP (as a switch
  * would see it; the budget still from the DBLP header). */
-static __always_inline u32 shed_prio(struct dblp_host_cfg *cfg, const struct dblp_hdr *h, u8 dscp)
+static __always_inline u32 shed_prio(struct dblp_host_cfg *cfg, const struct dblp_hdr *h, u8 dscp, u32 level)
 {
 	u8 prio = h->prio & DBLP_MAX_PRIO;
 	u8 valid = h->prio <= DBLP_MAX_PRIO;
@@ -185,8 +193,7 @@ static __always_inline u32 shed_prio(struct dblp_host_cfg *cfg, const struct dbl
 		valid = 1;
 	}
 	if (valid && prio > 0 && h->kind == DBLP_KIND_DATA &&
-	    !(h->flags & DBLP_FLAG_RETX) && cfg->shed_at[prio] &&
-	    pressure(cfg) >= cfg->shed_at[prio]) {
+	    !(h->flags & DBLP_FLAG_RETX) && cfg->shed_at[prio] && level >= cfg->shed_at[prio]) {
 		u32 budget = (u64)bpf_ntohl(h->nchunks) * h->tol / DBLP_TOL_SCALE;
 		struct dblp_msg_key key = {
 			.job = bpf_ntohl(h->job),
@@ -243,8 +250,10 @@ int dblp_host(struct xdp_md *ctx)
 	proto = parse_ethhdr(&nh, data_end, &eth);
 	if (proto < 0)
 		goto pass;
-	if (proto_is_vlan(proto))
+	if (proto_is_vlan(proto)) {
 		proto = parse_vlanhdr(&nh, data_end);
+		l3.vlan = 1;
+	}
 	proto = parse_ip(&nh, data_end, proto, &l3);
 	if (proto != IPPROTO_UDP)
 		goto pass;
@@ -254,6 +263,9 @@ int dblp_host(struct xdp_md *ctx)
 
 	/* From here on the packet claims to be DBLP: malformed or not for us, it is dropped. */
 	h = nh.pos;
+	/* the UDP datagram within what the IP header says it carries, and that within the frame */
+	if ((u32)ulen > l3.l4len || (void *)udp - (void *)(long)ctx->data + l3.l4len > dblp_frame_len(ctx))
+		return drop(DBLP_REASON_SHORT);
 	why = check_header(ctx, h, data_end, ulen);
 	if (why)
 		return drop(why);
@@ -268,7 +280,10 @@ int dblp_host(struct xdp_md *ctx)
 	if (why)
 		return drop(why);
 
-	prio = shed_prio(cfg, h, l3.dscp);
+	if (l3.vlan && job->transport != DBLP_JOB_TRANSPORT_UDP)
+		return drop(DBLP_REASON_VLAN);  /* the AF_XDP receivers parse untagged frames only */
+
+	prio = shed_prio(cfg, h, l3.dscp, pressure_now(cfg));
 	if (prio) {
 		count(DBLP_CNT_SHED_BASE + prio);
 		return XDP_DROP;

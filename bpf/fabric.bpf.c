@@ -68,7 +68,8 @@ static __always_inline int chance(u64 p)
 	return p && (u64)bpf_get_prandom_u32() < p;
 }
 
-/* DBLP DATA header of the UDP/IPv4|IPv6 frame at data, or NULL; *dscp is then its IP header's DSCP. */
+/* DBLP DATA header of the UDP/IPv4|IPv6 frame at data (at most one VLAN tag), or NULL; *dscp is then
+ * its IP header's DSCP. */
 static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 *dscp)
 {
 	struct hdr_cursor nh = { .pos = data };
@@ -81,6 +82,8 @@ static __always_inline struct dblp_hdr *dblp_of(void *data, void *data_end, u32 
 	proto = parse_ethhdr(&nh, data_end, &eth);
 	if (proto < 0)
 		return NULL;
+	if (proto_is_vlan(proto))
+		proto = parse_vlanhdr(&nh, data_end);
 	proto = parse_ip(&nh, data_end, proto, &l3);
 	if (proto != IPPROTO_UDP || parse_udphdr(&nh, data_end, &udp) < 0)
 		return NULL;
@@ -239,7 +242,7 @@ static __always_inline int faults(struct ethhdr *eth, void *data_end, u64 len, u
 	}
 	else if (h && h->prio < FABRIC_NPRIO)
 		prio = h->prio;
-	if (h && prio > 0 && prio < FABRIC_NPRIO) {
+	if (h && prio > 0 && prio < FABRIC_NPRIO && !(h->flags & DBLP_FLAG_RETX)) {  /* a retransmission: never */
 		thresh = cfg->thresh[prio & (FABRIC_NPRIO - 1)];
 		bound = (u64)bpf_ntohl(h->nchunks) * h->tol / DBLP_TOL_SCALE;
 	}

@@ -41,7 +41,7 @@ CNT_MAX = 40
 STRUCTS = {
     "dblp_job": (("world_size", "H"), ("rank", "H"), ("transport", "B"), ("pad", "3x")),
     "dblp_msg_key": (("job", "I"), ("round", "I"), ("tensor", "H"), ("src", "H"), ("allgather", "H"), ("pad", "H")),
-    "dblp_host_cfg": (("port", "H"), ("classify", "H"), ("pressure", "I"), ("rate_pps", "I"), ("shed_at", "8I"),
+    "dblp_host_cfg": (("port", "H"), ("classify", "H"), ("rate_pps", "I"), ("shed_at", "8I"),
                       ("dscp_prio", "64B")),
     "dblp_peer_key": (("job", "I"), ("rank", "H"), ("pad", "H")),
     "dblp_peer": (("ip", "16s"), ("mac", "6s"), ("family", "B"), ("has_mac", "B")),
@@ -49,7 +49,7 @@ STRUCTS = {
 JOB, MSG_KEY, HOST_CFG, PEER_KEY, PEER = (struct.Struct("=" + "".join(code for _, code in STRUCTS[name]))
                                           for name in ("dblp_job", "dblp_msg_key", "dblp_host_cfg",
                                                        "dblp_peer_key", "dblp_peer"))
-MAPS = ("config", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen", "peers")
+MAPS = ("config", "pressure", "jobs", "xsks", "shed", "counters", "rate", "ctrl_seen", "peers")
 
 NDSCP = 64
 
@@ -96,6 +96,9 @@ def check_config(port: int | None = None, rate_pps: int | None = None, shed_at=N
         raise HostError(f"port {port} out of range 1..65535")
     if rate_pps is not None and not 0 <= rate_pps < 2**32:
         raise HostError(f"rate_pps {rate_pps} out of range 0..{2**32 - 1} (0: off)")
+    if rate_pps is not None and 0 < rate_pps < 1000:
+        raise HostError(f"rate_pps {rate_pps}: the estimate counts packets per 1 ms window; use 0 (off) "
+                        f"or 1000 and more")
     if shed_at is not None:
         n = wire.MAX_PRIO + 1
         if len(shed_at) != n or not all(0 <= x <= PRESSURE_MAX for x in shed_at):
@@ -141,27 +144,26 @@ class HostMaps:
         if port is not None:
             c[0] = port
         if rate_pps is not None:
-            c[3] = int(rate_pps)
+            c[2] = int(rate_pps)
         if shed_at is not None:
-            c[4:12] = [int(x) for x in shed_at]
+            c[3:11] = [int(x) for x in shed_at]
         if classify is not None:
             if classify not in CLASSIFY:
                 raise HostError(f"classify {classify!r}: use header or dscp")
             from pydblp import dscp as dscp_mod
 
             c[1] = Classify[classify.upper()]
-            c[12:] = dscp_mod.prio_table(dscp).tolist()
+            c[11:] = dscp_mod.prio_table(dscp).tolist()
         self._set_cfg(c)
 
     @property
     def pressure(self) -> int:
-        return self._cfg()[2]
+        return struct.unpack("=I", self.maps["pressure"].lookup(b"\0" * 4))[0]
 
     def set_pressure(self, level: int) -> None:
-        """Write the pressure level (0..1000) that shedding compares against."""
-        c = self._cfg()
-        c[2] = max(0, min(PRESSURE_MAX, int(level)))
-        self._set_cfg(c)
+        """Write the pressure level (0..1000) that shedding compares against (a map of its own:
+        the receiver writes it often, and never over a :meth:`configure` made meanwhile)."""
+        self.maps["pressure"].update(b"\0" * 4, struct.pack("=I", max(0, min(PRESSURE_MAX, int(level)))))
 
     # -- jobs --
     def register_job(self, job: int, world_size: int, rank: int,

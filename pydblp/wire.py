@@ -66,11 +66,12 @@ class Reason(enum.IntEnum):
 
     ``JOB`` and ``DST`` are only decided where the job table lives (the XDP
     program, or a receiver told its rank); ``SPOOF_IP`` and ``SPOOF_MAC`` only
-    in the XDP program (it holds the ranks' addresses); ``TAG`` only in userspace.
+    in the XDP program (it holds the ranks' addresses), ``VLAN`` only there too;
+    ``TAG`` only in userspace.
     """
 
     OK = 0
-    SHORT = 1     # shorter than the 32-byte header
+    SHORT = 1     # shorter than the 32-byte header (XDP: or than its IP and UDP lengths say)
     MAGIC = 2
     VERSION = 3
     KIND = 4
@@ -83,6 +84,7 @@ class Reason(enum.IntEnum):
     TAG = 11      # tag missing or does not verify
     SPOOF_IP = 12   # the src rank is bound to another source IP (host program's peers map)
     SPOOF_MAC = 13  # the src rank is bound to another source MAC (host program's peers map)
+    VLAN = 14       # an xsk job's packet behind a VLAN tag (host program: AF_XDP takes untagged frames)
 
 
 # Field name -> struct code, in wire order.  The single source for the

@@ -390,6 +390,32 @@ def test_tol_zero_is_never_early_dropped(fab):
     assert c.get("early7", 0) == 0 and c["bound"] > 0 and c["tail"] == 2
 
 
+def test_retransmissions_are_never_early_dropped(fab):
+    """A retransmission (flag RETX) carries its chunk's priority, but the queue early-drops
+    only first sends (as the host program sheds only them): past the threshold it is admitted
+    until the buffer is full, then tail-dropped."""
+    fab.queue(8, buffer=10_000, port="a")
+    retx = [bpf.test_run(fab.prog_fd, dblp_frame(7, tensor=5, nchunks=100, tol=255, chunk=i,
+                                                 flags=wire.Flag.RETX))[0] for i in range(12)]
+    assert retx == [FORWARD] * 10 + [XDP_DROP] * 2
+    c = counts(fab)
+    assert c.get("early7", 0) == 0 and c["tail"] == 2
+    fab.queue(8, buffer=10_000, port="a")
+    first = [bpf.test_run(fab.prog_fd, dblp_frame(7, tensor=6, nchunks=100, tol=255, chunk=i))[0]
+             for i in range(12)]
+    assert XDP_DROP in first[:10]  # (the same frames as first sends: early-dropped past the threshold)
+
+
+def test_a_vlan_tagged_dblp_frame_is_classified_as_an_untagged_one(fab):
+    """The queue finds DBLP behind one 802.1Q tag, as it finds IP there for ECN."""
+    fab.queue(8, buffer=10_000, port="a")
+    tagged = []
+    for i in range(12):
+        f = dblp_frame(7, tensor=9, nchunks=100, tol=255, chunk=i)
+        tagged.append(bpf.test_run(fab.prog_fd, f[:12] + b"\x81\x00\x00\x05" + f[12:])[0])
+    assert XDP_DROP in tagged[:10] and counts(fab).get("early7", 0) > 0
+
+
 def test_config_validation(fab):
     with pytest.raises(fb.FabricError):
         fab.loss(1.5)
