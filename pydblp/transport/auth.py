@@ -73,7 +73,7 @@ FAIL_MIN = 8      # failing packets at least, too (a live rank sends more in its
 REASONS = ("untagged", "epoch", "bad_tag", "truncated")
 
 
-def authenticate(transport: Transport, key: bytes | None, epoch: int = 0,
+def authenticate(transport: Transport, key: bytes | None, epoch: int | None,
                  fail_after: float = FAIL_AFTER) -> Transport:
     """``transport`` with every packet tagged and checked under ``key`` (``transport`` itself
     when ``key`` is None: a keyless job is unchanged).
@@ -81,9 +81,13 @@ def authenticate(transport: Transport, key: bytes | None, epoch: int = 0,
     Args:
         transport: an open transport; the result owns it (closing it closes ``transport``).
         key: the job key (:func:`pydblp.jobkey.load_key`), or None.
-        epoch: this run's epoch, the same on every rank (:func:`pydblp.jobkey.new_epoch`).
+        epoch: this run's epoch, the same on every rank (:func:`pydblp.jobkey.new_epoch`):
+            required with a key (a fixed one would let packets of one run pass in the next).
         fail_after: seconds of failing packets from a rank, before any packet verified,
             until ``recv`` raises; keep it below the collective's ``peer_timeout``.
+
+    Raises:
+        ValueError: a key without an epoch, a key of the wrong length, an epoch out of range.
     """
     if key is None:
         return transport
@@ -105,7 +109,10 @@ class AuthTransport(Transport):
 
     kind = "auth"
 
-    def __init__(self, inner: Transport, key: bytes, epoch: int = 0, fail_after: float = FAIL_AFTER):
+    def __init__(self, inner: Transport, key: bytes, epoch: int, fail_after: float = FAIL_AFTER):
+        if epoch is None:
+            raise ValueError("a job key needs the run's epoch: one rank draws it (pydblp.jobkey.new_epoch) "
+                             "and gives it to all")
         key = bytes(key)
         if not wire.KEY_MIN <= len(key) <= wire.KEY_MAX:
             raise ValueError(f"job key of {len(key)} bytes: use {wire.KEY_MIN}..{wire.KEY_MAX} "

@@ -216,7 +216,7 @@ def test_only_a_kernel_transmit_reports_its_queue(pair):
         assert ta.reports_tx_queue and not tb.reports_tx_queue
         assert tb.tx_queued() == 0
         key = bytes(range(wire.KEY_MIN))
-        assert AuthTransport(ta, key).reports_tx_queue and not AuthTransport(tb, key).reports_tx_queue
+        assert AuthTransport(ta, key, 1).reports_tx_queue and not AuthTransport(tb, key, 1).reports_tx_queue
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=NEEDS_CC)], ids=["python", "c"])

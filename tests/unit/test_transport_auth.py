@@ -422,6 +422,8 @@ def test_the_key_and_epoch_are_checked():
             AuthTransport(t, b"short", 0)
         with pytest.raises(ValueError, match="epoch"):
             AuthTransport(t, KEY, 1 << 32)
+        with pytest.raises(ValueError, match="needs the run's epoch"):
+            authenticate(t, KEY, None)
     finally:
         t.close()
     assert 0 <= new_epoch() < 1 << 32 and len({new_epoch() for _ in range(8)}) > 1
