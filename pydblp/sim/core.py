@@ -201,7 +201,9 @@ class Sim:
         """When a rank waiting for packets that arrive at ``at`` wakes (``tick``)."""
         if not self.tick or at == math.inf:
             return at
-        return math.ceil(at / self.tick) * self.tick
+        w = math.ceil(at / self.tick) * self.tick
+        return w if w >= at else w + self.tick  # (the product can land a float step below at: then
+        # the rank would wake before its packets, find none, and wait again at the same instant forever)
 
     def _schedule(self, node: Node, at: float) -> None:
         node.token += 1

@@ -199,6 +199,30 @@ def test_a_tick_coalesces_wake_ups_and_changes_no_result():
         Sim(2, tick=-1)
 
 
+def test_a_tick_never_wakes_a_rank_before_its_packets():
+    """ceil(at / tick) * tick can land a float step below ``at`` (tick 20 us, at 1.84 ms plus a
+    step): the rank woke before its packets, found none and waited again at the same instant,
+    forever.  The wake-up is at or after the arrival."""
+    sim = Sim(2, Config(job=1, phase="static:0"), link=Link(0, latency=20e-6), tick=20e-6, limit=1.0)
+    assert sim._coalesce(0.0018400000000000003) >= 0.0018400000000000003
+    turns = [0]
+    turn = sim._turn
+
+    def counted(node):
+        turns[0] += 1
+        assert turns[0] < 10_000, f"virtual time stuck at {sim.now!r}"
+        turn(node)
+
+    sim._turn = counted
+
+    def program(node):
+        node.compute(18 * 1e-4)
+        return node.collective.allreduce(np.ones(1000, np.float32))
+
+    nodes = sim.run(program)
+    assert all(np.array_equal(n.result, np.ones(1000, np.float32)) for n in nodes)
+
+
 def test_a_broadcast_allgather_reaches_every_rank_through_the_switch():
     sim = Sim(4, Config(job=4, mode="ps", allgather="broadcast"), seed=0)
     xs = [np.full(30_000, r + 1, np.float32) for r in range(4)]
