@@ -129,8 +129,10 @@ class Sim:
         self.world, self.cost, self.limit, self.tick = world, cost, limit, tick
         self.now = 0.0
         self.network = Network(world, link, seed)
+        self._hop = min(lk.latency for lk in self.network.links)  # the shortest hop (s)
         self._addr = {rank_addr(r): r for r in range(world)}
-        self._heap: list = []
+        self._heap: list = []   # ranks' turns and kills: (time, seq, rank, token)
+        self._ports: list = []  # sends on their way to the switch: (time of the next, seq, hops)
         self._seq = itertools.count()
         self._back = _baton()
         self._kills: list[tuple[float, int]] = []
@@ -186,8 +188,59 @@ class Sim:
         elif self.nodes[rank].killed:
             raise _Killed
 
+    def in_flight(self, h) -> None:
+        """Packets of a send on their way to the switch (a :class:`~pydblp.sim.transport._Hops`):
+        each is admitted at its port when the clock reaches the moment it gets there
+        (:meth:`_admit`), in time order with every other send's and before any rank's turn
+        due later."""
+        heapq.heappush(self._ports, (float(h.times[0]), next(self._seq), h))
+
+    def _admit(self, horizon: float) -> None:
+        """Admit packets at their ports in the order they reach the switch, from the earliest on
+        its way, up to ``horizon`` (the next rank's turn) and while none of them could meet a
+        packet sent in reaction to one already admitted (those reach the switch a hop's latency
+        after the first arrival at the soonest); then queue what passed at its receivers, in
+        the order it passed (runs of one send each)."""
+        ports, net = self._ports, self.network
+        first = math.inf  # the first arrival, plus the shortest hop
+        got: dict[int, list] = {}  # receiver -> runs [hops, [index], [arrival], [CE]], in admission order
+        started = False
+        while ports:
+            t0, _, h = ports[0]
+            if t0 > horizon or (started and t0 >= first):
+                break
+            heapq.heappop(ports)
+            until = min(horizon, ports[0][0] if ports else math.inf)
+            times, dst, size, ect = h.times, h.dst, h.size, bool(h.ecn)
+            k, n = h.k, len(times)
+            while k < n:
+                tk = float(times[k])
+                if tk > until or (started and tk >= first):
+                    break
+                started = True
+                self.now = tk
+                d = int(dst[k])
+                passed = net.admit(d, tk, int(size[k]), ect)
+                if passed is not None:
+                    runs = got.setdefault(d, [])
+                    if not runs or runs[-1][0] is not h:
+                        runs.append((h, [], [], []))
+                    _, idx, at, ce = runs[-1]
+                    idx.append(k)
+                    at.append(passed[0])
+                    ce.append(passed[1])
+                    first = min(first, passed[0] + self._hop)
+                k += 1
+            h.k = k
+            if k < n:
+                heapq.heappush(ports, (float(times[k]), next(self._seq), h))
+        for d, runs in got.items():
+            for h, idx, at, ce in runs:
+                self.arrive(d, self.nodes[d].collective.t.arrivals(h, idx, at, ce))
+
     def arrive(self, rank: int, a: _Arrivals) -> None:
-        """Queue packets at ``rank`` (the sending rank's thread calls it); wake it if it waits for them."""
+        """Queue packets at ``rank`` (the scheduler calls it, as a port passes them); wake it if it
+        waits for them."""
         node = self.nodes[rank]
         if node.killed:
             return
@@ -240,8 +293,11 @@ class Sim:
         return self.nodes
 
     def _loop(self) -> None:
-        heap, nodes = self._heap, self.nodes
+        heap, ports, nodes = self._heap, self._ports, self.nodes
         while True:
+            if ports and (not heap or ports[0][0] <= heap[0][0]):  # packets reach the switch first
+                self._admit(heap[0][0] if heap else math.inf)
+                continue
             if not heap:
                 waiting = [n.rank for n in nodes if n.state == "program"]
                 if waiting:
@@ -268,6 +324,8 @@ class Sim:
 
     def _quiet(self) -> bool:
         """No packet on its way to a live rank, no trailing message waiting."""
+        if self._ports:  # (some on their way to the switch)
+            return False
         for n in self.nodes:
             if n.state == "done":
                 continue

@@ -6,14 +6,17 @@ at most ``Link.queue`` bytes: a sender blocks when it is full, as a UDP socket d
 the switch ``Link.latency`` after it left, meets the port's faults (:class:`Faults`, the
 testbed fabric's: microburst windows, Bernoulli loss, Gilbert-Elliott) and the port's queue
 (``Link.rate``, drop-tail at ``Link.queue`` bytes: incast loss), and arrives ``Link.latency``
-after it left the port.  Everything is decided when the packet is sent: arrival times, drops,
-causes; the receiver takes packets whose arrival time has come.
+after it left the port.
 
-A port's queue is served in the order senders hand packets in (the order the simulation runs
-them, which is virtual-time order): two senders' packets interleave by send, not by the
-instant each reaches the switch (an error of at most one uplink's queueing delay).  So each
-rank receives its packets in the order they were sent to it, at non-decreasing times (with no
-rate limit too: a port then serves in no time, but in that order).
+Two steps, so that a port sees packets in the order they reach the switch: :meth:`Network.send`
+puts a sender's packets on its uplink and says when each reaches the switch (a *hop*);
+:meth:`Network.admit` decides a hop at the port when the simulation's clock reaches that
+moment (the scheduler, :class:`~pydblp.sim.core.Sim`, keeps the hops in time order with the
+ranks' turns): faults, drop-tail, the CE mark, and the arrival time.  Two senders' packets
+then interleave at a port as they would on a switch, and a port's backlog holds only what has
+reached it.  A port serves in order, so each rank receives the packets of one sender in the
+order they were sent, at non-decreasing times (with no rate limit too: a port then serves in
+no time, but in that order).
 """
 
 from __future__ import annotations
@@ -199,34 +202,32 @@ class Network:
                                  "bytes): a packet would be dropped before it is marked; use a smaller one")
             self.mark_at[k] = int(threshold)
 
-    def send(self, src: int, now: float, sizes: np.ndarray, dsts: np.ndarray,
-             ect: bool = False) -> tuple[int, list, float]:
+    def send(self, src: int, now: float, sizes: np.ndarray, dsts: np.ndarray) -> tuple[int, list, float]:
         """Hand rank ``src``'s packets (bytes on the wire, and each one's destination rank; -1:
-        every other rank) to its uplink at ``now``; ``ect``: they are ECN-capable.
+        every other rank) to its uplink at ``now``.
 
-        Returns ``(taken, arrivals, retry)``: how many were taken (a prefix: the send queue was
-        full for the next); ``(packet, rank, arrival time, marked CE)`` of each copy that
-        arrives (the rest are dropped and counted in :attr:`drops`); when the next would fit
-        (inf when all were taken).
+        Returns ``(taken, hops, retry)``: how many were taken (a prefix: the send queue was
+        full for the next); ``(packet, rank, time)`` of each copy, the moment it reaches the
+        switch's port to that rank, in non-decreasing time (each is then :meth:`admit`-ted
+        there, at that moment); when the next would fit (inf when all were taken).
         """
         q, lk = self.up[src], self.links[src]
-        arrivals = []
+        hops = []
         for i in range(len(sizes)):
             size, dst = int(sizes[i]), int(dsts[i])
             left = q.put(now, size)
             if left is None:
-                return i, arrivals, max(now, q.free - (q.cap - size) * 8 / q.rate)
+                return i, hops, max(now, q.free - (q.cap - size) * 8 / q.rate)
             at_switch = left + lk.latency
             for d in (range(self.world) if dst < 0 else (dst,)):
                 if d != src or dst >= 0:
-                    t = self._port(d, at_switch, size, ect)
-                    if t is not None:
-                        arrivals.append((i, d, *t))
-        return len(sizes), arrivals, math.inf
+                    hops.append((i, d, at_switch))
+        return len(sizes), hops, math.inf
 
-    def _port(self, d: int, t: float, size: int, ect: bool = False) -> tuple[float, bool] | None:
-        """A packet reaching the switch's port to rank ``d`` at ``t``: its arrival time and whether
-        it was marked CE, or None (dropped)."""
+    def admit(self, d: int, t: float, size: int, ect: bool = False) -> tuple[float, bool] | None:
+        """A ``size``-byte packet reaching the switch's port to rank ``d`` at ``t`` (no earlier than
+        any packet admitted there before; ``ect``: ECN-capable): its arrival time and whether it
+        was marked CE, or None (dropped, counted in :attr:`drops`)."""
         if self.dead[d]:
             self.drops["dead"] += 1
             return None

@@ -39,6 +39,19 @@ class _Arrivals:
         self.ctrl = np.flatnonzero(headers["kind"] != wire.Kind.DATA)  # the control packets, by index
 
 
+class _Hops:
+    """Copies of one send's packets on their way to the switch, in the order they reach it
+    (``times``, non-decreasing): each to its port ``dst``, ``size`` bytes on the wire; ``k``:
+    the first not admitted yet (:meth:`pydblp.sim.core.Sim.admit`)."""
+
+    __slots__ = ("src", "times", "dst", "size", "headers", "payload", "lengths", "ecn", "k")
+
+    def __init__(self, src, times, dst, size, headers, payload, lengths, ecn):
+        self.src, self.times, self.dst, self.size = src, times, dst, size
+        self.headers, self.payload, self.lengths, self.ecn = headers, payload, lengths, ecn
+        self.k = 0
+
+
 class SimTransport(Transport):
     """One rank's transport in a :class:`~pydblp.sim.core.Sim` (made by it).
 
@@ -89,9 +102,9 @@ class SimTransport(Transport):
         end = math.inf if timeout is None else sim.now + timeout
         done = 0
         while True:
-            taken, arrivals, retry = sim.network.send(self.rank, sim.now, sizes[done:], dsts[done:], self.ect)
-            if arrivals:
-                self._hand(batch, done, arrivals)
+            taken, hops, retry = sim.network.send(self.rank, sim.now, sizes[done:], dsts[done:])
+            if hops:
+                self._hand(batch, done, hops, sizes)
             done += taken
             if done == k or retry > end:
                 break
@@ -139,19 +152,24 @@ class SimTransport(Transport):
         self._rx.clear()
 
     # ---- arrivals --------------------------------------------------------
-    def _hand(self, batch: Batch, base: int, arrivals: list) -> None:
-        """Give each receiver its copies of packets ``base + i`` (``arrivals``: (i, rank, time))."""
-        by = collections.defaultdict(list)
-        for i, d, t, ce in arrivals:
-            by[d].append((base + i, t, ce))
-        sent = ECT0 if self.ect else 0
-        for d, got in by.items():
-            rows = np.fromiter((i for i, _, _ in got), np.int64, len(got))
-            times = np.fromiter((t for _, t, _ in got), np.float64, len(got))
-            ecn = np.fromiter((CE if ce else sent for _, _, ce in got), np.uint8, len(got))
-            w = int(batch.lengths[rows].max())
-            self.sim.arrive(d, _Arrivals(times, batch.headers[rows].copy(), batch.payload[rows, :w].copy(),
-                                         batch.lengths[rows].copy(), self.rank, ecn))
+    def _hand(self, batch: Batch, base: int, hops: list, sizes: np.ndarray) -> None:
+        """Put copies of packets ``base + i`` on their way to the switch (``hops``: (i, rank,
+        time it reaches the port to that rank)); the scheduler admits each at its port then."""
+        n = len(hops)
+        rows = base + np.fromiter((i for i, _, _ in hops), np.int64, n)
+        dst = np.fromiter((d for _, d, _ in hops), np.int64, n)
+        times = np.fromiter((t for _, _, t in hops), np.float64, n)
+        w = int(batch.lengths[rows].max())
+        self.sim.in_flight(_Hops(self.rank, times, dst, sizes[rows], batch.headers[rows].copy(),
+                                 batch.payload[rows, :w].copy(), batch.lengths[rows].copy(),
+                                 ECT0 if self.ect else 0))
+
+    def arrivals(self, h: _Hops, idx: list, times: list, ce: list) -> _Arrivals:
+        """The packets ``idx`` of ``h`` that a port passed, arriving at ``times`` (``ce``: marked),
+        as what their receiver queues."""
+        rows = np.asarray(idx, np.int64)
+        ecn = np.where(np.asarray(ce, bool), CE, h.ecn).astype(np.uint8)
+        return _Arrivals(np.asarray(times, np.float64), h.headers[rows], h.payload[rows], h.lengths[rows], h.src, ecn)
 
     def queue_arrivals(self, a: _Arrivals) -> None:
         """Packets from the network (the scheduler calls it); nothing once closed."""
