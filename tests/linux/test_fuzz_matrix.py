@@ -6,7 +6,7 @@ each, two ranks on workers 0 and 1 of a three-worker testbed run rounds while wo
 of the job's network that is no rank, sprays rank 0's data port with every category of
 :mod:`pydblp.testbed.hostile` (bit flips, truncation at every length, bad length and count
 fields, unknown kinds, random flags, wrong-key tags, replays of an earlier run, oversized
-frames, IPv6, lying UDP and IP lengths, far rounds, other jobs).  Expected: exact results, no
+frames, IPv6, lying UDP and IP lengths, IP versions that lie, VLAN tags, far rounds, other jobs).  Expected: exact results, no
 error, no hang, no batch the receive path had to drop on an exception (``rx_errors`` 0), and
 counters that say what was dropped and why.
 
@@ -167,7 +167,7 @@ def test_spray_changes_nothing(tb, hosts, kind, keyed, round_kind):
             assert st["rx_invalid"] > 0, (sorted(st.items()), ctr)
         else:  # the host program drops what is malformed before AF_XDP sees it
             d = h0.counters()["drop"]
-            assert d["length"] > 0 and d["kind"] > 0 and in_xdp > 0
+            assert d["length"] > 0 and d["kind"] > 0 and d["vlan"] > 0 and in_xdp > 0
         if keyed:  # well-formed forgeries reach the tag check and fail it, each for its reason
             assert st["auth_untagged"] > 0 and st["auth_epoch"] > 0 and st["auth_bad_tag"] > 0, st
             assert ctr["bad_payload"] == 0

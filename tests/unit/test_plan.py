@@ -87,9 +87,11 @@ def test_a_bad_plan_is_refused_in_one_line():
     assert str(e.value) == "plan 'always': use auto, on, off"
 
 
-def relaxed(plan: str, rate: str = "1gbit", loss: float = 0.1, worse_at: int | None = None, steps: int = 12):
+def relaxed(plan: str, rate: str = "1gbit", loss: float = 0.1, worse_at: int | None = None, steps: int = 12,
+            after_step=None):
     """Four ranks' allreduces at a 40 % bound over ``rate`` links losing ``loss``, the all-gather
-    tolerant too; with ``worse_at`` the loss becomes 30 % from that step on."""
+    tolerant too; with ``worse_at`` the loss becomes 30 % from that step on; ``after_step(node)``
+    after each of a rank's allreduces."""
     sim = Sim(4, Config(job=1, phase="static:0.4", plan=plan, consistent=False),
               link=Link(rate, latency=20e-6), seed=1)
     sim.network.loss(loss)
@@ -101,6 +103,8 @@ def relaxed(plan: str, rate: str = "1gbit", loss: float = 0.1, worse_at: int | N
             if step == worse_at and node.rank == 0:
                 sim.network.loss(0.3)
             out = node.collective.allreduce(x)
+            if after_step is not None:
+                after_step(node)
             node.compute(0.002)
         return out
 
@@ -126,16 +130,22 @@ def test_plans_send_less_and_every_round_meets_its_bound():
 
 def test_a_plan_that_falls_short_is_made_up_and_every_round_meets_its_bound():
     # clean for six rounds (plans of need + 1), then 30 % loss: the next plans fall short
-    _, nodes = relaxed("on", loss=0.0, worse_at=6)
+    peak = [0.0] * 4
+
+    def kept(node):
+        peak[node.rank] = max(peak[node.rank], *node.collective.protocol._short)
+
+    _, nodes = relaxed("on", loss=0.0, worse_at=6, after_step=kept)
     for n in nodes:
         p = n.collective.protocol
         before, after = n.records[:6], n.records[6:]
         assert sum(r.retransmits for r in before) == 0
         assert sum(r.retransmits for r in after) > 0 and p.counters["plans_short"] > 0
         assert not any(r.below_bound for r in n.records)
-        # the loss a short plan saw counts for the next plans to that rank until the path's
-        # estimate catches up (PLAN_SHORT_KEEP)
-        assert max(p._short) > 0.2
+        # the loss a short plan saw (about the path's new 30 %: 0.33-0.42 over five seeds) counts
+        # for the next plans to that rank, decaying by PLAN_SHORT_KEEP a plan, until the path's
+        # estimate catches up
+        assert peak[n.rank] > 0.25 and max(p._short) > 0
 
 
 def test_auto_plans_only_where_the_link_is_the_bottleneck():

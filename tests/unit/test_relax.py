@@ -121,8 +121,10 @@ def test_rotation_without_loss_is_exact_and_spreads_a_loss_over_its_block():
     err_plain = np.abs(np.array(plain[0]) - np.array(exact))
     err_rot = np.abs(np.array(rot[0]) - np.array(exact))
     assert 0.8 < (err_rot ** 2).sum() / (err_plain ** 2).sum() < 1.25
-    assert err_rot.max() < 0.7 * err_plain.max()
-    assert np.count_nonzero(err_rot > 1e-4) > 2 * np.count_nonzero(err_plain > 1e-4)
+    # (over five seeds of the loss: the far tail's ratio 0.62-0.75, the maximum's 0.58-0.94, the
+    # count's 1.9-2.1x: the tail, not the one largest error, and with margins)
+    assert np.quantile(err_rot, 0.9999) < 0.85 * np.quantile(err_plain, 0.9999)
+    assert np.count_nonzero(err_rot > 1e-4) > 1.5 * np.count_nonzero(err_plain > 1e-4)
 
 
 def test_what_error_feedback_holds_back_is_part_of_a_collective_s_state():
