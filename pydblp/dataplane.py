@@ -29,7 +29,7 @@ removes the job registration it made and detaches the host program it
 attached; a program ``dblp load`` attached stays.  If assembly fails, what
 was opened so far is released before the error propagates.
 
-On a pinned program a data plane holds its job as a claim (:class:`JobClaim`,
+On a pinned program a data plane holds its job as a claim (:class:`pydblp.host.JobClaim`,
 a lock the kernel releases when the process ends): a second data plane of the
 same job on that interface is refused while the first is open, and a
 registration a data plane made before it died is replaced, not put back, when
@@ -40,76 +40,15 @@ is put back as it was.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
-import os
-from pathlib import Path
 
 from pydblp import net, wire
 from pydblp.transport.base import Transport, check_port
 
 KINDS = ("udp", "xsk", "xsk-ktx")
-CLAIM_DIR = Path(os.environ.get("DBLP_JOBS_DIR", "/run/dblp/jobs"))
 
 log = logging.getLogger(__name__)
 
-
-class JobClaim:
-    """This process's hold on ``job`` of the program pinned on ``ifname`` (in ``netns``): an
-    exclusive lock on ``CLAIM_DIR/<netns or ->/<ifname>/<job>``, a file holding the holder's pid.
-
-    The kernel drops the lock when the holder ends, however it ends. :meth:`release` removes
-    the file, so a file found unlocked was left by a holder that died (:attr:`stale`): the
-    registration it made is not someone else's to put back.
-
-    Raises:
-        HostError: another open data plane (this process's or another's) holds the job here.
-    """
-
-    def __init__(self, ifname: str, netns: str | None, job: int):
-        from pydblp.host import HostError
-
-        self.dir = CLAIM_DIR / (netns or "-") / ifname
-        self.path = self.dir / str(job)
-        while True:  # (until the file locked is the one at the path: a release may unlink it meanwhile)
-            self.dir.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                where = f" --netns {netns}" if netns else ""
-                raise HostError(f"job {job} is open on {ifname}{where} by pid {holder}: one data plane per "
-                                f"job and interface; close that one first, or use another job id") from None
-            try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        self.stale = bool(os.pread(fd, 32, 0).strip())
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        """Remove the file (and the directories it leaves empty), then drop the lock; idempotent."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            self.path.unlink(missing_ok=True)
-            for d in (self.dir, self.dir.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    break  # (not empty: another claim's)
-        finally:
-            os.close(fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +83,7 @@ class DataPlane:
 
     def __init__(self, kind: str, transport: Transport, endpoint: Endpoint, host=None,
                  job: int | None = None, prior_job: dict | None = None, owns_host: bool = False,
-                 queues=None, steered: tuple | None = None, claim: JobClaim | None = None):
+                 queues=None, steered: tuple | None = None, claim=None):
         self.kind = kind
         self.transport = transport
         self.endpoint = endpoint
@@ -292,7 +231,7 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
     steered = claim = None
     try:
         if not owns and job is not None:
-            claim = JobClaim(iface, netns, job)
+            claim = hostprog.JobClaim(iface, netns, job)
         if steer is not None:
             steered = (iface, xsk_queues.steer_port(iface, port, steer, netns), netns)
         prior = None if claim is not None and claim.stale else maps.jobs().get(job)

@@ -14,10 +14,12 @@ checks them against the C side.
 from __future__ import annotations
 
 import enum
+import fcntl
 import mmap
 import os
 import struct
 import weakref
+from pathlib import Path
 
 from pydblp import bpf, net, wire
 from pydblp.net import Mode
@@ -28,6 +30,7 @@ MAX_JOBS = 256
 SHED_ENTRIES = 65536
 PRESSURE_MAX = 1000
 MAX_PEERS = 4096
+CLAIM_DIR = Path(os.environ.get("DBLP_JOBS_DIR", "/run/dblp/jobs"))  # job claims (JobClaim)
 
 CNT_PASS = 0
 CNT_DBLP_PASS = 1
@@ -477,6 +480,7 @@ def unload(ifname: str, netns: str | None = None) -> bool:
         pins = bpf.pin_dir("host", ifname, netns)
         had_pins = pins.exists()
         bpf.unpin(pins)
+        _forget_claims(ifname, netns)
         return had_pins
     current = attached_program(ifname, netns)
     detached = False
@@ -488,6 +492,7 @@ def unload(ifname: str, netns: str | None = None) -> bool:
     pins = bpf.pin_dir("host", ifname, netns)
     had_pins = pins.exists()
     bpf.unpin(pins)
+    _forget_claims(ifname, netns)
     return detached or had_pins
 
 
@@ -520,3 +525,84 @@ def loaded() -> list[dict]:
                     out.append({"netns": ns, "ifname": ifdir.name, "mode": None, "prog_id": None,
                                 "pinned": True, "stale": True})
     return out
+
+
+class JobClaim:
+    """This process's hold on ``job`` of the program pinned on ``ifname`` (in ``netns``): an
+    exclusive lock on ``CLAIM_DIR/<netns or ->/<ifname>/<job>``, a file holding the holder's pid.
+
+    The kernel drops the lock when the holder ends, however it ends. :meth:`release` removes
+    the file, so a file found unlocked was left by a holder that died (:attr:`stale`): the
+    registration it made is not someone else's to put back.
+
+    Raises:
+        HostError: another open data plane (this process's or another's) holds the job here.
+    """
+
+    def __init__(self, ifname: str, netns: str | None, job: int):
+        self.dir = CLAIM_DIR / (netns or "-") / ifname
+        self.path = self.dir / str(job)
+        while True:  # (until the file locked is the one at the path: a release may unlink it meanwhile)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                where = f" --netns {netns}" if netns else ""
+                raise HostError(f"job {job} is open on {ifname}{where} by pid {holder}: one data plane per "
+                                f"job and interface; close that one first, or use another job id") from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self.stale = bool(os.pread(fd, 32, 0).strip())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the file (and the directories it leaves empty), then drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink(missing_ok=True)
+            for d in (self.dir, self.dir.parent):
+                try:
+                    d.rmdir()
+                except OSError:
+                    break  # (not empty: another claim's)
+        finally:
+            os.close(fd)
+
+
+def _forget_claims(ifname: str, netns: str | None) -> None:
+    """Remove the job claims on ``ifname``'s program that no live data plane holds (a killed
+    one's): its program is gone, and with it what they claimed."""
+    d = CLAIM_DIR / (netns or "-") / ifname
+    if not d.is_dir():
+        return
+    for f in d.iterdir():
+        try:
+            fd = os.open(f, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.unlink(missing_ok=True)
+        except OSError:
+            pass  # (held: a live data plane's)
+        finally:
+            os.close(fd)
+    for p in (d, d.parent):
+        try:
+            p.rmdir()
+        except OSError:
+            break

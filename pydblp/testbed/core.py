@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from pydblp import bpf, net
+from pydblp import bpf, host, net
 from pydblp._libc import libc, pid_alive
 from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
@@ -346,10 +346,8 @@ def teardown(name: str) -> dict:
                     gone.append(ns)
             except (OSError, net.NetError) as e:
                 failed.append(f"namespace {ns}: {e}")
-        from pydblp.dataplane import CLAIM_DIR
-
         for ns in spaces:  # (job claims a killed data plane left on a program pinned inside)
-            shutil.rmtree(CLAIM_DIR / ns, ignore_errors=True)
+            shutil.rmtree(host.CLAIM_DIR / ns, ignore_errors=True)
         pin = Path(state.get("pin_dir") or PIN_BASE / name)
         had_pins = pin.exists()
         for p in [pin, *(bpf.PIN_ROOT / "host" / ns for ns in spaces)]:  # (and host programs loaded inside)

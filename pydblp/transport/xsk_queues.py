@@ -254,6 +254,9 @@ def published(root: Path | None = None) -> list[dict]:
         if not pid_alive(int(rec.get("pid", 0))):
             with contextlib.suppress(OSError):
                 p.unlink()
+            for d in (p.parent, p.parent.parent):  # (its directories, once nothing else is in them)
+                with contextlib.suppress(OSError):
+                    d.rmdir()
             continue
         out.append(rec)
     return sorted(out, key=lambda r: (r.get("netns") or "", r["ifname"], r["pid"]))

@@ -126,9 +126,7 @@ def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, 
     import subprocess
     import sys
 
-    import pydblp.dataplane as dpmod
-
-    monkeypatch.setattr(dpmod, "CLAIM_DIR", tmp_path / "jobs")
+    monkeypatch.setattr(host, "CLAIM_DIR", tmp_path / "jobs")
     monkeypatch.setenv("DBLP_JOBS_DIR", str(tmp_path / "jobs"))  # (the child's claims go there too)
     (ns, dev), _ = pair
     loaded = host.HostProgram(dev, netns=ns, pin=True, keep=True)
@@ -150,6 +148,15 @@ def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, 
         with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2) as dp:
             assert dp.host.jobs()[JOB]["rank"] == 0
         assert JOB not in loaded.jobs()  # the dead one's registration is not put back
+        child = subprocess.Popen([sys.executable, "-c", DIES, ns, dev, str(JOB)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
+        try:
+            assert child.stdout.readline().strip() == "open"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        assert (tmp_path / "jobs" / ns / dev / str(JOB)).exists()  # what the killed one left
     finally:
         loaded.close()
         host.unload(dev, ns)
+    assert not (tmp_path / "jobs" / ns).exists()  # unload took the claims its program no longer has
