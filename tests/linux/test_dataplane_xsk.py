@@ -117,14 +117,28 @@ sys.stdin.read()
 """
 
 
+def _open_and_die(ns: str, dev: str) -> None:
+    """A process that opens a data plane for JOB on ``dev`` and is killed (SIGKILL) holding it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", DIES, ns, dev, str(JOB)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert child.stdout.readline().strip() == "open"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
 def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, tmp_path):
     """A second data plane of the job on the interface is refused while the first is open (its
     registration would be overwritten, then removed under it when either closed); the job's
     registration that a killed data plane left is replaced and not put back."""
     import os
-    import signal
-    import subprocess
-    import sys
 
     monkeypatch.setattr(host, "CLAIM_DIR", tmp_path / "jobs")
     monkeypatch.setenv("DBLP_JOBS_DIR", str(tmp_path / "jobs"))  # (the child's claims go there too)
@@ -136,25 +150,12 @@ def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, 
                 open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2)
             assert loaded.jobs()[JOB]["rank"] == 1  # (the refused one changed nothing)
         assert JOB not in loaded.jobs()
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        child = subprocess.Popen([sys.executable, "-c", DIES, ns, dev, str(JOB)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
-        try:
-            assert child.stdout.readline().strip() == "open"
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
+        _open_and_die(ns, dev)
         assert loaded.jobs()[JOB]["rank"] == 1  # what the killed one left registered
         with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2) as dp:
             assert dp.host.jobs()[JOB]["rank"] == 0
         assert JOB not in loaded.jobs()  # the dead one's registration is not put back
-        child = subprocess.Popen([sys.executable, "-c", DIES, ns, dev, str(JOB)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
-        try:
-            assert child.stdout.readline().strip() == "open"
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
+        _open_and_die(ns, dev)
         assert (tmp_path / "jobs" / ns / dev / str(JOB)).exists()  # what the killed one left
     finally:
         loaded.close()
