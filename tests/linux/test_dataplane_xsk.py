@@ -15,7 +15,7 @@ import pytest
 
 from pydblp import host, net, wire
 from pydblp.dataplane import open_dataplane
-from pydblp.transport import Batch
+from pydblp.transport import Batch, xsk_queues
 from pydblp.transport.xsk import XskTransport
 from pydblp.transport.xsk_queues import XskQueues
 
@@ -132,6 +132,7 @@ def _open_and_die(ns: str, dev: str) -> None:
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+        xsk_queues.published()  # (as `dblp status` does: a dead transport's status files go)
 
 
 def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, tmp_path):
