@@ -20,7 +20,6 @@ Categories (:data:`CATEGORIES`):
 ``oversize``    a DATA packet filling the MTU, longer than any chunk the job sends
 ``ipv6``        a well-formed packet over IPv6 (the rank's host may not speak it)
 ``udp_length``  the UDP or IPv4 length field lies about the datagram
-``ip_version``  EtherType IPv4, but the IP header's version nibble is not 4
 ``vlan``        a packet behind an 802.1Q tag (AF_XDP receivers take untagged frames)
 ``far_round``   a well-formed packet of a round far ahead of or behind the job's
 ``foreign_job`` a well-formed packet of another job id
@@ -45,7 +44,7 @@ from pydblp import net, wire
 from pydblp.transport import frames
 
 CATEGORIES = ("bitflip", "truncate", "length", "count", "kind", "flags", "wrong_key", "replay", "untagged",
-              "oversize", "ipv6", "udp_length", "ip_version", "vlan", "far_round", "foreign_job")
+              "oversize", "ipv6", "udp_length", "vlan", "far_round", "foreign_job")
 OTHER_KEY = bytes(range(100, 132))  # a key no job holds
 FAR = 1 << 20                        # keyless rounds start this far from 0: never one a test job runs
 ETH_P_ALL = 0x0003
@@ -167,7 +166,7 @@ def _mutant(t: Target, cat: str, rng, i: int) -> tuple[bytes, bool]:
         b[_KIND_OFF] = int(rng.choice([0, *range(6, 256)]))
     elif cat == "flags":
         b[_FLAGS_OFF] = int(rng.integers(0, 256))
-    elif cat not in ("udp_length", "ip_version", "vlan"):  # (those change the frame: mutants)
+    elif cat not in ("udp_length", "vlan"):  # (those change the frame: mutants)
         raise ValueError(f"unknown category {cat!r}: one of {', '.join(CATEGORIES)}")
     return bytes(b), False
 
@@ -210,10 +209,6 @@ def mutants(t: Target, n: int, seed: int, categories=CATEGORIES) -> list[tuple[s
                 f[u + 4: u + 6] = int(rng.choice([0, 7, len(dblp) + 9, 0xFFFF])).to_bytes(2, "big")
             else:
                 f[16:18] = int(rng.choice([0, 20, 27, len(f) - 13, 0xFFFF])).to_bytes(2, "big")
-            f = bytes(f)
-        elif cat == "ip_version":
-            f = bytearray(f)
-            f[frames.ETH_LEN] = (int(rng.choice([0, 5, 6, 15])) << 4) | (f[frames.ETH_LEN] & 0x0F)
             f = bytes(f)
         elif cat == "vlan":  # (802.1Q, a random VLAN id, before the EtherType)
             f = f[:12] + b"\x81\x00" + int(rng.integers(1, 4095)).to_bytes(2, "big") + f[12:]

@@ -6,7 +6,7 @@ each, two ranks on workers 0 and 1 of a three-worker testbed run rounds while wo
 of the job's network that is no rank, sprays rank 0's data port with every category of
 :mod:`pydblp.testbed.hostile` (bit flips, truncation at every length, bad length and count
 fields, unknown kinds, random flags, wrong-key tags, replays of an earlier run, oversized
-frames, IPv6, lying UDP and IP lengths, IP versions that lie, VLAN tags, far rounds, other jobs).  Expected: exact results, no
+frames, IPv6, lying UDP and IP lengths, VLAN tags, far rounds, other jobs).  Expected: exact results, no
 error, no hang, no batch the receive path had to drop on an exception (``rx_errors`` 0), and
 counters that say what was dropped and why.
 
