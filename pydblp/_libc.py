@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -34,3 +35,21 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def unlink_pruned(path: Path, parents: int) -> None:
+    """Remove file ``path`` (gone already is fine), then up to ``parents`` directories above it,
+    nearest first, as long as each is left empty; never raises.
+
+    The run-state trees under ``/run/dblp`` (job claims, AF_XDP status files) are one file per
+    holder in per-namespace and per-interface directories: the last holder out removes them.
+    """
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        return
+    for d in list(path.parents)[:parents]:
+        try:
+            d.rmdir()
+        except OSError:
+            return  # (not empty: another holder's)

@@ -22,6 +22,7 @@ import weakref
 from pathlib import Path
 
 from pydblp import bpf, net, wire
+from pydblp._libc import unlink_pruned
 from pydblp.net import Mode
 
 PROG_NAME = "dblp_host"
@@ -573,12 +574,7 @@ class JobClaim:
             return
         fd, self._fd = self._fd, None
         try:
-            self.path.unlink(missing_ok=True)
-            for d in (self.dir, self.dir.parent):
-                try:
-                    d.rmdir()
-                except OSError:
-                    break  # (not empty: another claim's)
+            unlink_pruned(self.path, 2)
         finally:
             os.close(fd)
 
@@ -596,13 +592,9 @@ def _forget_claims(ifname: str, netns: str | None) -> None:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            f.unlink(missing_ok=True)
         except OSError:
-            pass  # (held: a live data plane's)
+            continue  # (held: a live data plane's)
+        else:
+            unlink_pruned(f, 2)
         finally:
             os.close(fd)
-    for p in (d, d.parent):
-        try:
-            p.rmdir()
-        except OSError:
-            break

@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 
 from pydblp import net, wire
-from pydblp._libc import pid_alive
+from pydblp._libc import pid_alive, unlink_pruned
 from pydblp.host import MAX_QUEUES, PRESSURE_MAX
 from pydblp.transport import addresses, frames
 from pydblp.transport.base import Batch, Transport, TransportError, check_port, parse_ip
@@ -252,11 +252,7 @@ def published(root: Path | None = None) -> list[dict]:
         except (OSError, ValueError):
             continue
         if not pid_alive(int(rec.get("pid", 0))):
-            with contextlib.suppress(OSError):
-                p.unlink()
-            for d in (p.parent, p.parent.parent):  # (its directories, once nothing else is in them)
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+            unlink_pruned(p, 2)
             continue
         out.append(rec)
     return sorted(out, key=lambda r: (r.get("netns") or "", r["ifname"], r["pid"]))
@@ -571,9 +567,5 @@ class XskQueues(Transport):
             self._ctrl.close()
             self._ctrl = None
         if self._status_path is not None:
-            with contextlib.suppress(OSError):
-                self._status_path.unlink()
-            for d in (self._status_path.parent, self._status_path.parent.parent):  # the last one out: no dirs
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+            unlink_pruned(self._status_path, 2)
             self._status_path = None
