@@ -9,7 +9,9 @@ is the control plane, used here only for rendezvous)::
     state.warm_up(ddp)  # the data path's first rounds, before the first step's
 
 Rendezvous: each rank publishes its data-plane address, port, MAC and queue
-in the default store under ``pydblp/<job>/<rank>`` and reads everyone else's.
+in the default store under ``pydblp/<job>/<world>/<n>/<rank>`` (``n``: the
+how-many-th open of the job on that store, so a store that outlives a run
+never answers with the last run's) and reads everyone else's.
 
 Failure semantics (the collective's, see docs/protocol.md):
 
@@ -138,11 +140,12 @@ class State:
         cfg.check_group(group)
         check_kind(transport, iface)
         key = load_key(key_file)  # (KeyLoadError, one line, before anything opens)
+        here = _rendezvous(store, cfg.job, world)
         # every rank learns the run's epoch, keyed or not, so a rank without the key fails on its
         # packets' missing tags instead of waiting here
         if rank == 0:
-            store.set(f"pydblp/{cfg.job}/epoch", str(new_epoch()))
-        epoch = int(store.get(f"pydblp/{cfg.job}/epoch"))
+            store.set(f"{here}/epoch", str(new_epoch()))
+        epoch = int(store.get(f"{here}/epoch"))
         # the widest chunk this rank may be given: AF_XDP frames must hold it with its headers
         mtu = net.iface_mtu(iface, netns) if iface and by_link else None
         widest = (link_chunk_bytes(mtu) if mtu else DEFAULT_CHUNK) if by_link else cfg.chunk_bytes
@@ -151,8 +154,8 @@ class State:
                             epoch=epoch if key is not None else None, dscp=cfg.dscp)
         log.info("rank %d: data plane %s", rank, dp.describe())  # which queues, copy or zero-copy
         try:
-            store.set(f"pydblp/{cfg.job}/{rank}", json.dumps(dp.endpoint.as_dict()))
-            recs = [json.loads(store.get(f"pydblp/{cfg.job}/{r}")) for r in range(world)]
+            store.set(f"{here}/{rank}", json.dumps(dp.endpoint.as_dict()))
+            recs = [json.loads(store.get(f"{here}/{r}")) for r in range(world)]
             peers = [(p["addr"], p["port"], p["mac"]) for p in recs]
             if dp.host is not None:  # anti-spoofing: a peer's rank only from its own address
                 for r, p in enumerate(recs):
@@ -166,7 +169,7 @@ class State:
         except BaseException:  # nothing this call opened outlives it
             dp.close()
             raise
-        return cls(col, owned=[col, dp], closing=(store, f"pydblp/{cfg.job}/{epoch}/close"))
+        return cls(col, owned=[col, dp], closing=(store, f"{here}/close"))
 
     def register_model(self, module: torch.nn.Module) -> None:
         """Describe ``module``'s layers for ``Config(priority="layer")``: a layer is a module
@@ -327,6 +330,21 @@ class State:
         except (RuntimeError, dist.DistError) as e:  # (a rank never closed, or the store's host is gone)
             log.warning("rank %d: closing before every rank did (%s); a peer still finishing the last "
                         "round may wait for this rank until its peer_timeout", col.rank, e)
+
+
+def _rendezvous(store, job: int, world: int) -> str:
+    """The store prefix of this open of ``job``'s ``world`` ranks: ``pydblp/<job>/<world>/<n>``,
+    the ``n``-th open of them on ``store``.
+
+    A store can outlive a run (a torchrun agent's store serves every process group the script
+    creates, and a group re-created after ``destroy_process_group`` has the same name): read
+    under a fixed key, the last run's epoch and endpoints would answer at once.  Each rank
+    counts itself in; every rank of one open counts in before any rank of the next can (a
+    rank leaves an open only with every rank's endpoint of it), so ``n`` is the count over
+    ``world``, the same on every rank.
+    """
+    n = store.add(f"pydblp/{job}/{world}/joined", 1)
+    return f"pydblp/{job}/{world}/{(n - 1) // world}"
 
 
 def _tensors(obj):
