@@ -8,6 +8,7 @@ linger, a send on a full queue) blocks the rank's thread in the scheduler
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 
@@ -30,13 +31,14 @@ def rank_addr(rank: int) -> str:
 class _Arrivals:
     """Packets on their way to one rank, in arrival order: ``times`` non-decreasing."""
 
-    __slots__ = ("times", "headers", "payload", "lengths", "src", "at", "ctrl", "ecn")
+    __slots__ = ("times", "headers", "payload", "lengths", "src", "at", "ctrl", "ecn", "base")
 
     def __init__(self, times, headers, payload, lengths, src, ecn=None):
         self.times, self.headers, self.payload, self.lengths, self.src = times, headers, payload, lengths, src
         self.ecn = np.zeros(len(times), np.uint8) if ecn is None else ecn  # each packet's ECN field
         self.at = 0  # the first not taken yet
         self.ctrl = np.flatnonzero(headers["kind"] != wire.Kind.DATA)  # the control packets, by index
+        self.base = 0  # its first packet's position among all queued to the receiver (queue_arrivals)
 
 
 class _Hops:
@@ -71,7 +73,12 @@ class SimTransport(Transport):
                                  "rx_dropped", "rx_errors", "tx_blocked", "tx_control"), 0)
         self._dst: list[int] = []                  # peer id -> rank (-1: every other rank)
         self._peer = np.full(sim.world, -1, np.int32)  # rank -> its peer id here (-1: not registered)
+        # on their way here, in the order they are taken: runs of packets, and every packet's
+        # position (queued() counts them) so a linger finds the want-th without a scan
         self._rx: collections.deque[_Arrivals] = collections.deque()
+        self._bases: collections.deque[int] = collections.deque()  # each run's base, as _rx
+        self._ctrl: collections.deque[int] = collections.deque()   # control packets' positions
+        self._queued = 0
         self._open = True
 
     # ---- the Transport interface -----------------------------------------
@@ -141,7 +148,7 @@ class SimTransport(Transport):
 
     def close(self) -> None:
         self._open = False
-        self._rx.clear()
+        self._forget()
 
     def set_ect(self, on: bool) -> None:
         """Send ECN-capable packets (a port that marks, ``Network.mark``, then sets CE on them)."""
@@ -149,7 +156,12 @@ class SimTransport(Transport):
 
     def drop_arrivals(self) -> None:
         """Forget what is on its way here (the rank died)."""
+        self._forget()
+
+    def _forget(self) -> None:
         self._rx.clear()
+        self._bases.clear()
+        self._ctrl.clear()
 
     # ---- arrivals --------------------------------------------------------
     def _hand(self, batch: Batch, base: int, hops: list, sizes: np.ndarray) -> None:
@@ -174,7 +186,12 @@ class SimTransport(Transport):
     def queue_arrivals(self, a: _Arrivals) -> None:
         """Packets from the network (the scheduler calls it); nothing once closed."""
         if self._open:
+            a.base = self._queued
+            self._queued += len(a.times)
             self._rx.append(a)
+            self._bases.append(a.base)
+            if len(a.ctrl):
+                self._ctrl.extend((a.ctrl + a.base).tolist())
 
     def _next(self) -> float:
         """When the next packet arrives (inf: none is on its way)."""
@@ -187,22 +204,34 @@ class SimTransport(Transport):
         return self._next() <= now
 
     def _linger(self, want: int) -> float:
-        """When ``want`` packets will have arrived, or the first control packet (inf: not yet known)."""
-        n = 0
-        for a in self._rx:
-            left = len(a.times) - a.at
-            c = a.ctrl
-            if len(c) and c[-1] >= a.at:  # the first control packet not taken yet
-                c = c[int(np.searchsorted(c, a.at))]
-            else:
-                c = -1
-            if n + left >= want:
-                first = a.times[a.at + want - n - 1]
-                return float(min(first, a.times[c])) if c >= 0 else float(first)
-            if c >= 0:
-                return float(a.times[c])
-            n += left
-        return math.inf
+        """When ``want`` packets will have arrived, or the first control packet (inf: not yet known).
+
+        Runs are taken in order, so the packets not taken yet are the positions from the first
+        run's next one on: the ``want``-th is found by its position, and so is the first control
+        packet; a control packet in a run before the ``want``-th packet's counts alone, one in
+        its run as the earlier of the two."""
+        if not self._rx:
+            return math.inf
+        a0 = self._rx[0]
+        taken = a0.base + a0.at
+        ctrl = self._ctrl
+        while ctrl and ctrl[0] < taken:
+            ctrl.popleft()
+        c = ctrl[0] if ctrl else -1
+        p = taken + want - 1
+        if p >= self._queued:  # fewer than want on their way
+            return self._time_at(c)[0] if c >= 0 else math.inf
+        first, run = self._time_at(p)
+        if c < 0:
+            return first
+        tc, crun = self._time_at(c)
+        return tc if crun < run else min(first, tc) if crun == run else first
+
+    def _time_at(self, pos: int) -> tuple[float, int]:
+        """The arrival time of the packet at position ``pos`` (queued, not taken) and its run's index."""
+        i = bisect.bisect_right(self._bases, pos) - 1
+        a = self._rx[i]
+        return float(a.times[pos - a.base]), i
 
     def _take(self, into: Batch, cap: int, now: float) -> int:
         """Move up to ``cap`` packets that have arrived by ``now`` into ``into``."""
@@ -228,6 +257,7 @@ class SimTransport(Transport):
             if a.at < len(a.times):
                 break
             self._rx.popleft()
+            self._bases.popleft()
         self._c["rx_packets"] += k
         into.n = k
         return k
