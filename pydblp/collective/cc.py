@@ -64,6 +64,7 @@ LOSS_SPAN = 4096      # the path's loss estimate: the worse of the latest echoes
 LOSS_SPANS = 4        # sent to it and of those spanning this many times as many (a steadier figure); known
 LOSS_SEEN = 512       # once they span this many
 LOSS_ECHOES = 1024    # and at most this many echoes kept per destination (tiny messages: one packet each)
+RESYNC = 3            # echoes in a row counting more than was sent before the latest is a baseline
 
 
 class Echo(NamedTuple):
@@ -93,6 +94,7 @@ class Ledger:
         self.sent = [0] * world               # DATA frames sent to it (sent) ...
         self.sent_echoed = [0] * world        # ... and as of its latest echo with news
         self.got = [0] * world                # DATA frames its echoes say arrived, in all
+        self.past = [0] * world               # echoes in a row counting more than was sent (resync)
         self.marks: list[collections.deque] = [collections.deque(maxlen=LOSS_ECHOES) for _ in range(world)]
         # per echo with news: (sent, got) then, over the latest LOSS_SPANS * LOSS_SPAN sent and the echo
         # before them, LOSS_ECHOES at most (echoes of a packet or two would otherwise keep 16,384)
@@ -127,13 +129,24 @@ class Ledger:
         nothing is (a first echo from a receiver whose counts began before this rank's: a
         baseline; an older STOP overtaken by a newer one; counts past what this rank has sent
         it: an old STOP replayed once the counts have moved on by 2**31, read modulo 2**32 as
-        news, ignored and the latest counts kept)."""
+        news, ignored and the latest counts kept).
+
+        A receiver counts every DATA packet from this rank, duplicates and replays too, so its
+        counts can also run ahead of what was sent for good: after ``RESYNC`` such echoes in a
+        row (a replayed STOP comes between genuine ones, which break the row) the latest is
+        taken as a baseline, and later echoes are news from it."""
         prev = self.last[dst]
         got = (received - prev[0]) & MASK32
         if got >= 1 << 31 and self.heard[dst]:
             return None  # overtaken: nothing new, and not the latest counts
         if self.heard[dst] and self.got[dst] + got > self.sent[dst]:
-            return None  # more arrived than was ever sent: not this run's latest counts
+            self.past[dst] += 1  # more arrived than was ever sent: not this run's latest counts,
+            if self.past[dst] < RESYNC:  # or counts that extra packets moved on
+                return None
+            self.past[dst] = 0
+            self.last[dst] = (received & MASK32, marked & MASK32)
+            return None
+        self.past[dst] = 0
         first = not self.heard[dst]
         self.last[dst], self.heard[dst] = (received & MASK32, marked & MASK32), True
         if got >= 1 << 31 or (first and got > self.sent[dst]):

@@ -91,6 +91,7 @@ class OutMessage:
         self.retransmits = 0
         self.used = None       # reduce-scatter, error feedback: the chunks the owner's estimate used
                                # (its FINAL BITMAP); None: not heard
+        self.finals = None     # the chunks a FINAL BITMAP covered so far (the first cover is news)
 
     def set_plan(self, m: int) -> None:
         """Make at most ``m`` first sends (``Config.plan``).  The rest go only if a BITMAP shows

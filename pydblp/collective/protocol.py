@@ -1033,10 +1033,13 @@ class Protocol:
                 self.counters["stray"] += 1
                 return
             bits = np.unpackbits(payload, bitorder="little").astype(bool)[: max(0, o.n - f[F_CHUNK])]
+            span = slice(f[F_CHUNK], f[F_CHUNK] + len(bits))
             if o.used is None:
-                o.used = np.ones(o.n, bool)
-            o.used[f[F_CHUNK]: f[F_CHUNK] + len(bits)] = bits
-            st.heard[src] = now
+                o.used, o.finals = np.ones(o.n, bool), np.zeros(o.n, bool)
+            if not o.finals[span].all():  # news the first time a FINAL covers a chunk; a repeat (or
+                o.finals[span] = True     # a replay) is not, as for a BITMAP
+                st.heard[src] = now
+            o.used[span] = bits
             return
         o = st.outs.get((ag, src)) if current else self.trail.get((rnd, ag, src))
         if o is None or o.done or o.flag != flag:  # (a STOP or BITMAP for no message still sending)

@@ -137,6 +137,26 @@ def test_an_old_stop_replayed_past_half_the_counter_is_not_news():
     assert led.echo(1, (last[0] + 500) & MASK32, 5) == Echo(500, 5, 500)
 
 
+def test_counts_that_extra_packets_moved_on_are_resynced():
+    """A receiver counts duplicates and replayed DATA too: once its counts run ahead of what this
+    rank sent, every later echo would read as more than was sent.  After RESYNC such echoes in
+    a row the latest is a baseline, and the echoes after it are news again (before, the
+    destination's echoes were ignored for good: rate and loss frozen)."""
+    from pydblp.collective.cc import RESYNC
+
+    led = Ledger(2)
+    led.spend(1, 1000)
+    assert led.echo(1, 990, 0) == Echo(990, 0, 1000)
+    extra, total = 30, 990
+    for i in range(RESYNC):  # 30 replayed packets counted; the next echoes all count them
+        led.spend(1, 1000)
+        total += 1000
+        assert led.echo(1, total + extra, 0) is None
+    led.spend(1, 1000)
+    assert led.echo(1, total + extra + 995, 4) == Echo(995, 4, 1000 * (RESYNC + 1))
+    assert led.loss(1) is not None
+
+
 def test_a_first_echo_past_what_was_sent_is_a_baseline():
     """A receiver whose counts began before this rank's (this rank restarted): its first echo
     sets the baseline; the next one is news."""
