@@ -217,8 +217,7 @@ class Sim:
                 tk = float(times[k])
                 if tk > until or (started and tk >= first):
                     break
-                started = True
-                self.now = tk
+                started = True  # (the clock stays: a receiver wakes when its packets arrive)
                 d = int(dst[k])
                 passed = net.admit(d, tk, int(size[k]), ect)
                 if passed is not None:

@@ -91,6 +91,27 @@ def test_a_port_admits_packets_in_the_order_they_reach_the_switch():
     assert sim.network.drops["tail"] == 0
 
 
+def test_a_receiver_is_woken_when_its_packets_arrive():
+    """Admitting a run of packets at the ports must not move the clock past the earliest of
+    them: a receiver waiting for packets that arrive at t wakes at t, not at the time a later
+    packet of the same run reached the switch (then it took packets late, up to a hop)."""
+    sim = Sim(4, Config(job=1, phase="static:0"), link=Link("1gbit", latency=20e-6), seed=1)
+    late, calls = [], [0]
+    arrive = sim.arrive
+
+    def watch(rank, a):
+        calls[0] += 1
+        if len(a.times) and sim.now > a.times[0]:
+            late.append((rank, sim.now - float(a.times[0])))
+        arrive(rank, a)
+
+    sim.arrive = watch
+    x = np.ones(300_000, np.float32)
+    nodes = sim.run(lambda n: [n.collective.allreduce(x) for _ in range(2)])
+    assert all(np.array_equal(n.result[-1], x) for n in nodes)
+    assert calls[0] > 10 and not late, late[:5]
+
+
 def test_a_full_send_queue_takes_a_prefix_and_says_when_the_next_fits():
     net = Network(2, Link("1gbit", queue=10_000))
     taken, _, retry = net.send(0, 0.0, np.full(20, 1000), np.ones(20, np.int64))
