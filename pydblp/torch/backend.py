@@ -48,6 +48,7 @@ import functools
 import logging
 import operator
 import os
+import re
 import sys
 import threading
 import weakref
@@ -81,6 +82,18 @@ _LOCAL = {
 }
 
 __all__ = ["BACKEND", "BackendOptions", "ProcessGroupDblp", "register"]
+
+
+_CFG = {}  # (marks the Config fields in ENV_OPTIONS)
+# variable, where its value goes (BackendOptions or Config), field, conversion
+ENV_OPTIONS = (
+    ("DBLP_TRANSPORT", None, "transport", str), ("DBLP_IFACE", None, "iface", str),
+    ("DBLP_ADDR", None, "addr", str), ("DBLP_TOLERATE", None, "tolerate", str),
+    ("DBLP_ALLGATHER", None, "allgather", str), ("DBLP_SURVIVE", None, "survive", "bool"),
+    ("DBLP_PORT", None, "port", int), ("DBLP_RATE", None, "rate", "rate"),
+    ("DBLP_PHASE", _CFG, "phase", str), ("DBLP_JOB", _CFG, "job", int),
+    ("DBLP_PEER_TIMEOUT", _CFG, "peer_timeout", float), ("DBLP_PLAN", _CFG, "plan", str),
+)
 
 
 @dataclasses.dataclass
@@ -136,38 +149,45 @@ class BackendOptions:
     @classmethod
     def from_env(cls, env: dict | None = None) -> "BackendOptions":
         """Options from ``DBLP_*`` environment variables (see the class's Args); unset ones keep
-        their defaults.  Raises ValueError naming the variable whose value is wrong."""
+        their defaults.  ``DBLP_ALLGATHER=tolerant`` also sets ``Config(consistent=False)``, which
+        it needs.  Raises ValueError in one line naming the variable whose value is wrong (or
+        the variables to set together, e.g. ``DBLP_IFACE`` with ``DBLP_TRANSPORT=xsk``)."""
         from pydblp import units
 
         env = os.environ if env is None else env
         kw: dict = {}
-        for var, name in (("DBLP_TRANSPORT", "transport"), ("DBLP_IFACE", "iface"), ("DBLP_ADDR", "addr"),
-                          ("DBLP_TOLERATE", "tolerate"), ("DBLP_ALLGATHER", "allgather")):
-            if env.get(var):
-                kw[name] = env[var]
         cfg: dict = {}
-        try:
-            if env.get("DBLP_SURVIVE"):
-                kw["survive"] = {"1": True, "0": False}[env["DBLP_SURVIVE"]]
-            if env.get("DBLP_PORT"):
-                kw["port"] = int(env["DBLP_PORT"])
-            if env.get("DBLP_RATE"):
-                kw["rate"] = units.parse_rate(env["DBLP_RATE"])
-            if env.get("DBLP_PHASE"):
-                cfg["phase"] = env["DBLP_PHASE"]
-            if env.get("DBLP_JOB"):
-                cfg["job"] = int(env["DBLP_JOB"])
-            if env.get("DBLP_PEER_TIMEOUT"):
-                cfg["peer_timeout"] = float(env["DBLP_PEER_TIMEOUT"])
-            if env.get("DBLP_PLAN"):
-                cfg["plan"] = env["DBLP_PLAN"]
-        except KeyError:
-            raise ValueError(f"DBLP_SURVIVE={env['DBLP_SURVIVE']!r}: use 1 or 0") from None
-        except ValueError as e:
-            raise ValueError(f"DBLP_* environment: {e}") from None
+        survive = {"1": True, "0": False}
+        for var, dest, name, conv in ENV_OPTIONS:
+            text = env.get(var)
+            if not text:
+                continue
+            try:
+                if conv in (int, float):
+                    try:
+                        value = conv(text)
+                    except ValueError:
+                        raise ValueError("use an integer" if conv is int else "use a number") from None
+                else:
+                    value = (units.rate(text) if conv == "rate" else survive[text] if conv == "bool"
+                             else conv(text))
+                if dest is _CFG:
+                    Config(**{name: value}).check()  # (each value alone: the error is its variable's)
+            except (ValueError, KeyError) as e:
+                why = "use 1 or 0" if isinstance(e, KeyError) else str(e)
+                raise ValueError(f"{var}={text!r}: {why}") from None
+            (cfg if dest is _CFG else kw)[name] = value
+        if kw.get("allgather") == "tolerant":
+            cfg["consistent"] = False
         if cfg:
             kw["config"] = Config(**cfg)
-        return cls(**kw)
+        opts = cls(**kw)
+        try:
+            opts.check()
+        except ValueError as e:
+            named = [v for v, _, n, _ in ENV_OPTIONS if re.search(rf"\b{n}\b", str(e))]
+            raise ValueError(f"DBLP_* environment: {e}" + (f" (set {', '.join(named)})" if named else "")) from None
+        return opts
 
     def check(self) -> None:
         """Raise ValueError naming the first option that is wrong and how to fix it."""

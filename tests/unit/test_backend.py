@@ -233,8 +233,11 @@ def test_a_dead_rank(tmp_path, survive):
     (pydblp.torch.BackendOptions(tolerate="some"), {}, "tolerate 'some': use backward or none"),
     (pydblp.torch.BackendOptions(config=Config(phase="static:2")), {}, "tolerance"),
     (None, {"DBLP_SURVIVE": "yes"}, "DBLP_SURVIVE='yes': use 1 or 0"),
-    (None, {"DBLP_ALLGATHER": "tolerant"}, "allgather 'tolerant' needs Config(consistent=False)"),
-    (None, {"DBLP_PHASE": "fast"}, "phase"),
+    (None, {"DBLP_ALLGATHER": "some"}, "allgather 'some': use exact or tolerant (set DBLP_ALLGATHER)"),
+    (None, {"DBLP_PHASE": "fast"}, "DBLP_PHASE='fast': "),
+    (None, {"DBLP_RATE": "10g"}, "DBLP_RATE='10g': bad rate"),
+    (None, {"DBLP_PORT": "abc"}, "DBLP_PORT='abc': use an integer"),
+    (None, {"DBLP_TRANSPORT": "xsk"}, "needs iface= (set DBLP_TRANSPORT, DBLP_IFACE)"),
     (None, {"DBLP_KEY_FILE": "/nonexistent/key"}, "/nonexistent/key"),
     ("gloo-options", {}, "pg_options str: give pydblp.torch.BackendOptions(...)"),
 ])
@@ -249,6 +252,17 @@ def test_a_bad_option_is_refused_at_init_in_one_line(tmp_path, monkeypatch, opti
     assert says in msg and "\n" not in msg, msg
     assert not dist.is_initialized()
     assert {t.name for t in threading.enumerate()} <= before  # nothing was left running
+
+
+def test_options_from_the_environment():
+    """Every documented variable reaches its option (DBLP_RATE with units, as tc writes them);
+    a tolerant all-gather brings the inconsistent collective it needs."""
+    o = pydblp.torch.BackendOptions.from_env({"DBLP_RATE": "10gbit", "DBLP_PORT": "47801", "DBLP_SURVIVE": "1",
+                                              "DBLP_ALLGATHER": "tolerant", "DBLP_PHASE": "static:0.1",
+                                              "DBLP_JOB": "9", "DBLP_PEER_TIMEOUT": "3.5"})
+    assert (o.rate, o.port, o.survive, o.allgather) == (10**10, 47801, True, "tolerant")
+    assert (o.config.consistent, o.config.job, o.config.peer_timeout) == (False, 9, 3.5)
+    assert pydblp.torch.BackendOptions.from_env({}) == pydblp.torch.BackendOptions()
 
 
 @pytest.mark.parametrize("spec", ["dblp", "cpu:dblp,cuda:nccl"])
