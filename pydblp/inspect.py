@@ -347,6 +347,7 @@ def read_pcap(path: str, expr: str | None = None) -> Iterator[Packet]:
 
 
 ARPHRD_LOOPBACK = 772
+SOL_PACKET, PACKET_ADD_MEMBERSHIP, PACKET_MR_PROMISC = 263, 1, 1  # <linux/if_packet.h>
 
 
 def _listen_class():
@@ -403,10 +404,21 @@ def sniff_live(iface: str, prn: Callable[[Packet], None], expr: str, count: int 
         seen += 1
         prn(pkt)
 
+    from scapy.config import conf
+
     where = f" in netns {netns}" if netns else ""
     with in_netns(netns):
         try:
-            sock = _ListenSocket(iface=_netns_iface(iface), filter=expr)
+            # promiscuous mode by this namespace's index: scapy's would look the name up in the
+            # table of the namespace it was loaded in (a testbed worker's eth0 is not the host's)
+            sock = _ListenSocket(iface=_netns_iface(iface), filter=expr, promisc=False)
+            if conf.sniff_promisc:
+                try:
+                    sock.ins.setsockopt(SOL_PACKET, PACKET_ADD_MEMBERSHIP,
+                                        struct.pack("IHH8s", socket.if_nametoindex(iface), PACKET_MR_PROMISC, 0, b""))
+                except BaseException:
+                    sock.close()
+                    raise
         except PermissionError:
             raise CaptureError(f"cannot capture on {iface!r}{where}: needs root (CAP_NET_RAW)") from None
         except OSError as e:

@@ -21,20 +21,23 @@ VALID = re.compile(rf"^\d\d:\d\d:\d\d\.\d{{6}} {A_ADDR}:\d+ > {B_ADDR}:47800 DAT
 MALFORMED = re.compile(rf"^\d\d:\d\d:\d\d\.\d{{6}} {A_ADDR}:\d+ > {B_ADDR}:47800 malformed \(magic\) 40 bytes$")
 
 
-@pytest.fixture
-def veth_pair(netns):
-    """Two namespaces joined by a veth pair: (ns_a, ns_b, ifname in b)."""
+@pytest.fixture(params=["dvb", "eth0"])
+def veth_pair(netns, request):
+    """Two namespaces joined by a veth pair: (ns_a, ns_b, ifname in b).  Also named eth0 in b,
+    as a testbed worker's NIC is: a name the host may use for another interface (another
+    index), which the capture must not confuse with it."""
     a, b = netns("a"), netns("b")
+    name = request.param
     with net.ipr(a) as ip:
-        ip.link("add", ifname="dva", kind="veth", peer={"ifname": "dvb", "net_ns_fd": b})
+        ip.link("add", ifname="dva", kind="veth", peer={"ifname": name, "net_ns_fd": b})
         idx = ip.link_lookup(ifname="dva")[0]
         ip.addr("add", index=idx, address=A_ADDR, prefixlen=30)
         ip.link("set", index=idx, state="up")
     with net.ipr(b) as ip:
-        idx = ip.link_lookup(ifname="dvb")[0]
+        idx = ip.link_lookup(ifname=name)[0]
         ip.addr("add", index=idx, address=B_ADDR, prefixlen=30)
         ip.link("set", index=idx, state="up")
-    return a, b, "dvb"
+    return a, b, name
 
 
 @pytest.mark.vm
