@@ -267,6 +267,20 @@ def _add_job(sub):
     p.set_defaults(func=_cmd_job)
 
 
+def _mbit(text: str) -> float:
+    """``--rate``: Mbit/s as a bare number, or a rate with its unit (``10gbit``)."""
+    from pydblp import units
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return units.rate(text) / 1e6
+    except ValueError as e:
+        raise UsageError(f"--rate {text}: {e}") from None
+
+
 def _peer_arg(text: str) -> tuple[int, str | None, str | None]:
     """``RANK=IP[,MAC]`` (IP '-': none) -> (rank, ip, mac); UsageError in one line."""
     rank, eq, addrs = text.partition("=")
@@ -291,13 +305,7 @@ def _cmd_job(args) -> int:
         host.check_job(args.job, 1, 0)
     with host.open_pinned(args.ifname, args.netns) as m:
         if args.action == "add":
-            m.register_job(args.job, args.world, args.rank, args.transport)
-            try:
-                for rank, ip, mac in binds:
-                    m.bind_peer(args.job, rank, ip, mac)
-            except host.HostError:
-                m.unregister_job(args.job)  # all or nothing
-                raise
+            m.set_job(args.job, args.world, args.rank, args.transport, binds)  # (all or nothing)
         elif args.action == "peers":
             _table(["JOB", "RANK", "IP", "MAC"],
                    [[j, r, v["ip"] or "-", v["mac"] or "-"] for (j, r), v in sorted(m.peers().items())])
@@ -574,8 +582,9 @@ def _add_experiment(sub):
                         "first seed runs them in this order, the next in reverse, and so on")
     p.add_argument("--net", choices=["xsk", "xsk-ktx", "udp"],
                    help="pydblp data plane (default AF_XDP; xsk-ktx: AF_XDP receive, kernel transmit)")
-    p.add_argument("--rate", type=float, metavar="MBIT",
-                   help="each worker link's rate in Mbit/s (default 1000; 0: no limit)")
+    p.add_argument("--rate", metavar="MBIT",
+                   help="each worker link's rate in Mbit/s, or with a unit, e.g. 10gbit (default 1000; "
+                        "0: no limit)")
     p.add_argument("--bursts", type=int, help="microbursts over the run (0: none; demo 15, paper 30)")
     p.add_argument("--burst-ratio", metavar="LO,HI", help="a burst drops a ratio uniform in [LO, HI] (0.6,0.9)")
     p.add_argument("--burst-ms", type=float, help="burst length in ms (default 8: part of a round)")
@@ -778,6 +787,8 @@ def _option(dest: str) -> str:
 
 def _cmd_experiment(args) -> int:
     given = _given(args)
+    if args.rate is not None:
+        args.rate = _mbit(args.rate)
     if args.algo == "diloco":
         other = [d for d in given if d not in DILOCO_SHARED + DILOCO_OWN]
         if other:

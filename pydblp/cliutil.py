@@ -25,3 +25,19 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def unit_rate(text: str | None, flag: str = "--rate") -> str | None:
+    """``text`` unchanged if it names a rate with its unit (``1gbit``, ``100mbit``), ``0`` or
+    ``none``; UsageError for a bare number, which tc would read as bytes/s and ``pydblp.units``
+    as bits/s (neither what a user typing ``--rate 1000`` means)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    try:
+        bare = float(t)
+    except ValueError:
+        return text
+    if bare == 0:
+        return text
+    raise UsageError(f"{flag} {t}: give the unit, e.g. {flag} {t}mbit or {flag} 1gbit")

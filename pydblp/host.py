@@ -209,29 +209,50 @@ class HostMaps:
         Raises:
             HostError: an argument out of range or unparsable (one line, with the fix); the map full.
         """
-        import ipaddress
-
-        if not 0 < job < 2**32:
-            raise HostError(f"job id {job} must be in 1..2^32-1")
-        if not 0 <= rank <= 0xFFFF:
-            raise HostError(f"rank {rank} must be in 0..65535")
-        if ip is None and mac is None:
-            raise HostError(f"rank {rank}: give its IP address, MAC address or both")
+        key, value = peer_entry(job, rank, ip, mac)
         try:
-            addr = None if ip is None else ipaddress.ip_address(ip)
-        except ValueError:
-            raise HostError(f"rank {rank}: {ip!r} is not an IP address (e.g. 198.18.0.2 or 2001:db8::2)") from None
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
-            addr = addr.ipv4_mapped  # the wire carries an IPv4 header for it
-        raw_mac = b"\0" * 6 if mac is None else _mac_bytes(mac, rank)
-        family = 0 if addr is None else addr.version
-        packed = b"" if addr is None else addr.packed
-        try:
-            self.maps["peers"].update(PEER_KEY.pack(job, rank, 0),
-                                      PEER.pack(packed.ljust(16, b"\0"), raw_mac, family, int(mac is not None)))
+            self.maps["peers"].update(key, value)
         except OSError as e:
             raise HostError(f"cannot bind rank {rank} of job {job}: {e.strerror or e} "
                             f"(at most {MAX_PEERS} bindings; `dblp job del` unused jobs)") from None
+
+    def set_job(self, job: int, world_size: int, rank: int, transport: JobTransport | str,
+                peers=()) -> None:
+        """Admit ``job`` (:meth:`register_job`) and bind ``peers`` ((rank, ip, mac) each,
+        :meth:`bind_peer`), all or nothing: every binding is checked before a map is touched,
+        bindings of ranks the new ``world_size`` no longer has are removed, and if a map
+        refuses an entry the job's previous entry and bindings come back.
+
+        Raises:
+            HostError: a bad argument (nothing changed), or a map full (restored).
+        """
+        entries = [peer_entry(job, r, ip, mac) for r, ip, mac in peers]
+        for r, _, _ in peers:
+            if r >= world_size:
+                raise HostError(f"peer rank {r}: use 0..{world_size - 1} (world {world_size})")
+        jkey = struct.pack("=I", job)
+        old_job = self.maps["jobs"].lookup(jkey)
+        old_peers = {k: v for k, v in self.maps["peers"].items() if PEER_KEY.unpack(k)[0] == job}
+        try:
+            self.register_job(job, world_size, rank, transport)
+            for k in old_peers:
+                if PEER_KEY.unpack(k)[1] >= world_size:
+                    self.maps["peers"].delete(k)
+            for k, v in entries:
+                self.maps["peers"].update(k, v)
+        except (OSError, HostError) as e:
+            for k in [k for k in self.maps["peers"].keys() if PEER_KEY.unpack(k)[0] == job]:
+                self.maps["peers"].delete(k)
+            for k, v in old_peers.items():
+                self.maps["peers"].update(k, v)
+            if old_job is None:
+                self.maps["jobs"].delete(jkey)
+            else:
+                self.maps["jobs"].update(jkey, old_job)
+            if isinstance(e, HostError):
+                raise
+            raise HostError(f"cannot admit job {job}: {e.strerror or e} (at most {MAX_PEERS} bindings; "
+                            f"`dblp job del` unused jobs); nothing changed") from None
 
     def unbind_peer(self, job: int, rank: int) -> bool:
         return self.maps["peers"].delete(PEER_KEY.pack(job, rank, 0))
@@ -526,6 +547,30 @@ def loaded() -> list[dict]:
                     out.append({"netns": ns, "ifname": ifdir.name, "mode": None, "prog_id": None,
                                 "pinned": True, "stale": True})
     return out
+
+
+def peer_entry(job: int, rank: int, ip=None, mac: str | bytes | None = None) -> tuple[bytes, bytes]:
+    """The ``peers`` map's key and value binding ``rank`` of ``job`` to ``ip`` and ``mac``
+    (:meth:`HostMaps.bind_peer`'s arguments); HostError in one line for a bad one."""
+    import ipaddress
+
+    if not 0 < job < 2**32:
+        raise HostError(f"job id {job} must be in 1..2^32-1")
+    if not 0 <= rank <= 0xFFFF:
+        raise HostError(f"rank {rank} must be in 0..65535")
+    if ip is None and mac is None:
+        raise HostError(f"rank {rank}: give its IP address, MAC address or both")
+    try:
+        addr = None if ip is None else ipaddress.ip_address(ip)
+    except ValueError:
+        raise HostError(f"rank {rank}: {ip!r} is not an IP address (e.g. 198.18.0.2 or 2001:db8::2)") from None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        addr = addr.ipv4_mapped  # the wire carries an IPv4 header for it
+    raw_mac = b"\0" * 6 if mac is None else _mac_bytes(mac, rank)
+    family = 0 if addr is None else addr.version
+    packed = b"" if addr is None else addr.packed
+    return (PEER_KEY.pack(job, rank, 0),
+            PEER.pack(packed.ljust(16, b"\0"), raw_mac, family, int(mac is not None)))
 
 
 class JobClaim:

@@ -28,6 +28,16 @@ def rate(text: str | int | float | None) -> int:
     return int(bits)
 
 
+def rate_text(bits: float) -> str:
+    """bits/s as tc writes a rate: 1gbit, 100mbit, 2.5gbit, 1kbit; 0: none."""
+    if not bits:
+        return "none"
+    for suffix in ("tbit", "gbit", "mbit", "kbit"):
+        if bits >= RATE_UNITS[suffix]:
+            return f"{bits / RATE_UNITS[suffix]:g}{suffix}"
+    return f"{bits:g}bit"
+
+
 def size(text: str | int) -> int:
     """'256k', '1m', '64kb', '1500' -> bytes."""
     if isinstance(text, int):

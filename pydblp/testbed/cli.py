@@ -8,7 +8,8 @@ import os
 import signal
 import sys
 
-from pydblp.cliutil import UsageError, formatter
+from pydblp import units
+from pydblp.cliutil import UsageError, formatter, unit_rate
 
 TESTBED_EPILOG = """\
 examples:
@@ -68,7 +69,7 @@ def add_testbed(sub) -> None:
 
     down = ts.add_parser("down", help="remove a testbed", formatter_class=formatter, epilog=TESTBED_EPILOG)
     g = down.add_mutually_exclusive_group()
-    g.add_argument("--name", help="testbed to remove (default: the only one)")
+    g.add_argument("--name", "--testbed", dest="name", help="testbed to remove (default: the only one)")
     g.add_argument("--all", action="store_true", help="every testbed, also those of crashed runs")
     down.set_defaults(func=cmd_down)
 
@@ -78,7 +79,7 @@ def add_testbed(sub) -> None:
 
     ex = ts.add_parser("exec", help="run a command inside a worker", formatter_class=formatter,
                        epilog=TESTBED_EPILOG, usage="dblp testbed exec [--name N] WORKER -- CMD...")
-    ex.add_argument("--name", help="testbed (default: the only one)")
+    ex.add_argument("--name", "--testbed", dest="name", help="testbed (default: the only one)")
     ex.add_argument("worker", help="w0, w1, ... (or an index)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="command and arguments, after --")
     ex.set_defaults(func=cmd_exec)
@@ -87,7 +88,7 @@ def add_testbed(sub) -> None:
 def cmd_up(args) -> int:
     from pydblp.testbed import Testbed
 
-    tb = Testbed(workers=args.workers, name=args.name, mtu=args.mtu, rate=args.rate,
+    tb = Testbed(workers=args.workers, name=args.name, mtu=args.mtu, rate=unit_rate(args.rate),
                  fabric=not args.no_fabric, mode=args.mode)
     old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -98,7 +99,7 @@ def cmd_up(args) -> int:
     if args.json:
         print(json.dumps(tb.state, indent=1))
     else:
-        rate = f"{tb.rate_bps / 1e9:g} Gbit/s" if tb.rate_bps else "no limit"
+        rate = units.rate_text(tb.rate_bps) if tb.rate_bps else "no limit"
         print(f"testbed {tb.name}: {tb.n} workers, mtu {tb.mtu}, NIC rate {rate}, "
               f"fabric prog {tb.prog_id or '-'}")
         for w in tb.workers:
@@ -141,10 +142,10 @@ def cmd_status(args) -> int:
     for e in entries:
         health = e.get("status", "?")
         if not e.get("present"):
-            health = "broken (namespaces missing: `dblp testbed down --all`)"
+            health = f"broken (namespaces missing: `dblp testbed down --name {e['name']}`)"
         elif health == "creating" and not e.get("creator_alive"):
-            health = "stale (creator died while building: `dblp testbed down --all`)"
-        rate = f"{e['rate_bps'] / 1e9:g}gbit" if e.get("rate_bps") else "none"
+            health = f"stale (creator died while building: `dblp testbed down --name {e['name']}`)"
+        rate = units.rate_text(e.get("rate_bps") or 0)
         print(f"{e['name']}: {health}; {e['workers']} workers, mtu {e['mtu']}, rate {rate}, "
               f"fabric prog {e.get('prog_id') or '-'}")
         for w, a in e.get("addrs", {}).items():
@@ -234,7 +235,7 @@ def cmd_fault(args) -> int:
     # every value is checked before the testbed is looked up: one line for the first bad one
     mark = thr = None
     if args.action == "queue":
-        parse_rate(args.rate)
+        parse_rate(unit_rate(args.rate))
         if args.mark is not None:
             mark = parse_mark(args.mark, parse_size(args.buffer))
         if args.mark_drop and not mark:
@@ -277,7 +278,10 @@ def cmd_fault(args) -> int:
                      delay=args.delay)
             ecn = f" ECN mark {args.mark}{' (Not-ECT dropped)' if args.mark_drop else ''}" if mark else ""
             kind = "delaying queue" if args.delay else "virtual queue"
-            print(f"{tb.name}: {kind} rate {args.rate} buffer {args.buffer}{ecn} on {where}")
+            if parse_rate(args.rate):
+                print(f"{tb.name}: {kind} rate {args.rate} buffer {args.buffer}{ecn} on {where}")
+            else:
+                print(f"{tb.name}: virtual queue removed on {where}")
         elif args.action == "clear":
             tb.clear(port=port)
             print(f"{tb.name}: faults cleared on {where}")

@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from pydblp import bpf, cli, host, net, wire
+from tests.helpers import poll_until
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -167,6 +168,10 @@ def test_malformed_flood_is_counted_and_harmless(pair):
                 buf = good[:28] + struct.pack("!H", rng.randrange(1, 65536)) + good[30:]
             tx.sendto(buf, (B, PORT))
             sent += 1
+            if sent % 100 == 0:
+                # the program has taken in what was sent before more follows: a longer burst can
+                # overflow the veth's 256-slot ring when its softirq is starved (drops it cannot count)
+                assert poll_until(lambda: sum(p.counters()["drop"].values()) >= sent, timeout=5.0), sent
         for i in range(10):
             tx.sendto(good, (B, PORT))
         for i in range(10):
@@ -205,6 +210,16 @@ def test_cli_peer_binding_drops_a_spoofed_source_on_a_real_veth(pair, capsys):
     capsys.readouterr()
     assert cli.main(["job", "peers", "vb", "--netns", b]) == 0
     assert ["7", "0", A, mac] in [line.split() for line in capsys.readouterr().out.splitlines()]
+    # a mistake in re-adding the job leaves it as it was (it used to remove the job)
+    assert cli.main(["job", "add", "vb", "--netns", b, "--job", "7", "--world", "2", "--rank", "1",
+                     "--transport", "udp", "--peer", "0=bogus"]) == 2
+    assert "is not an IP address" in capsys.readouterr().err
+    with host.open_pinned("vb", b) as m:
+        assert m.jobs()[7]["world_size"] == 2 and m.peers()[(7, 0)]["mac"] == mac
+        m.set_job(8, 4, 1, "udp", [(3, "198.18.7.9", None), (2, "198.18.7.8", None)])
+        m.set_job(8, 3, 1, "udp")  # a smaller world: rank 3's binding goes, rank 2's stays
+        assert sorted(r for j, r in m.peers() if j == 8) == [2]
+        assert m.unregister_job(8)
     rx = udp_socket(b, (B, PORT))
     rx.settimeout(2)
     good, spoof = udp_socket(a, (A, 0)), udp_socket(a, ("198.18.7.3", 0))
