@@ -7,7 +7,9 @@ for one thread per rank of this process; and the two-namespace
 veth pair the transport tests send through (:func:`make_pair`,
 :func:`host_pair`), with :func:`packets` whose every field is a function of
 the chunk id, checked on receipt by :class:`Checker` (:func:`transfer`,
-:func:`both_ways`); :func:`skip_without` for a kernel feature a probe found missing.
+:func:`both_ways`); :func:`skip_without` for a kernel feature a probe found missing;
+:func:`poll_until`, :func:`settled` and :func:`all_queued` to wait on counters and queues
+with a deadline.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ KERNEL_FEATURES = {
     "xdp_frags": ((5, 18), "multi-buffer XDP (BPF_F_XDP_HAS_FRAGS)"),
     "xsk_sg": ((6, 6), "multi-buffer AF_XDP (XDP_USE_SG)"),
     "busy_poll": ((5, 11), "socket busy polling (SO_PREFER_BUSY_POLL, SO_BUSY_POLL_BUDGET)"),
+    # (raised from 64 in 6.9, and in some stable releases before it)
+    "udp_gso_128": ((6, 9), "UDP GSO messages of 128 datagrams (UDP_MAX_SEGMENTS 128)"),
 }
 # The reason's prefix of a skip that DBLP_REQUIRE_PRIVILEGED=1 accepts (tests/conftest.py).
 KERNEL_FEATURE_SKIP = "kernel feature missing:"
@@ -392,3 +396,44 @@ def seeded_loss(t, p: float, seed: int) -> list[tuple[int, int, int, int, int]]:
 
     t.send = lossy
     return lost
+
+
+# ---- waiting on conditions ----
+
+def poll_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Call ``pred()`` until it is true or ``timeout`` seconds pass; whether it became true.
+
+    For counters and queues that a loaded machine's softirqs update late: the caller asserts
+    on the result (or on the state itself), so a condition that never comes still fails.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return bool(pred())
+        time.sleep(interval)
+    return True
+
+
+def settled(read, quiet: float = 0.2, timeout: float = 10.0, interval: float = 0.01):
+    """``read()`` once it has returned the same value for ``quiet`` seconds (or at ``timeout``).
+
+    For counters whose final value is what the test checks but is not known in advance
+    (drops counted by the kernel as it works through a backlog).
+    """
+    deadline = time.monotonic() + timeout
+    last, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(interval)
+        if (v := read()) != last:
+            last, since = v, time.monotonic()
+    return last
+
+
+def all_queued(t, timeout: float = 5.0) -> None:
+    """Wait until what was just sent to the UDP transport ``t`` over loopback is in its socket,
+    so that one receive finds all of it: queued bytes present and unchanged for 50 ms.
+
+    Loopback delivers in the sender's softirq, which a loaded machine can defer to ksoftirqd.
+    """
+    assert poll_until(lambda: t.stats()["rx_queued_bytes"] > 0, timeout=timeout), "nothing arrived"
+    settled(lambda: t.stats()["rx_queued_bytes"], quiet=0.05, timeout=timeout)

@@ -61,12 +61,12 @@ def _dblp(*argv, **kw):
 
 
 def test_cpu_starved_receiver_sheds_by_priority_within_budgets():
-    a, b = make_pair()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    loaded = _dblp("load", "vb", "--netns", b, env=env)
-    assert loaded.returncode == 0, loaded.stderr
-    recv = stats = cap = None
+    a = b = recv = stats = cap = None
     try:
+        a, b = make_pair()
+        loaded = _dblp("load", "vb", "--netns", b, env=env)
+        assert loaded.returncode == 0, loaded.stderr
         recv = subprocess.Popen([sys.executable, "-c", RECEIVER, b, "vb", str(JOB), str(MESSAGES)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert recv.stdout.readline().strip() == "ready"
@@ -74,8 +74,13 @@ def test_cpu_starved_receiver_sheds_by_priority_within_budgets():
             cap = CpuCap(recv.pid, 0.05)
         except CpuCapError as e:
             pytest.skip(f"the kernel has no CPU bandwidth control here: {e}")
+        # unbuffered: its header line, printed once it has read the baseline counters, arrives
+        # at once; the flood starts only then, so every shed falls within its samples
         stats = subprocess.Popen([sys.executable, "-m", "pydblp.cli", "stats", "vb", "--netns", b, "0.5", "8"],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        header = stats.stdout.readline()
+        assert header.startswith("TIME"), (header, stats.stderr.read() if stats.poll() is not None else "")
         with UdpTransport("va", netns=a) as tx:
             peer = tx.add_peer(ADDR[4][1])
             for r in range(MESSAGES):
@@ -87,7 +92,8 @@ def test_cpu_starved_receiver_sheds_by_priority_within_budgets():
                 sent = 0
                 while sent < NCHUNKS:  # (a full socket buffer takes what it can: send the rest)
                     sent += tx.send(bt.view(sent), timeout=1.0)
-        stats_out, _ = stats.communicate(timeout=30)
+        stats.wait(timeout=30)  # (8 short lines: it never blocks on the pipe)
+        stats_out = header + stats.stdout.read()  # (through the reader that holds what readline took)
         assert cap.throttled() > 0  # the cap really held the receiver back
         cap.close()  # lift it: reading the counters and closing at 5 % of a core can take a minute
         out, _ = recv.communicate("stop\n", timeout=60)
@@ -99,11 +105,13 @@ def test_cpu_starved_receiver_sheds_by_priority_within_budgets():
                 p.wait()
         if cap is not None:
             cap.close()
-        _dblp("unload", "vb", "--netns", b, env=env)
         from pydblp import net
 
-        net.netns_del(a)
-        net.netns_del(b)
+        if b is not None:
+            _dblp("unload", "vb", "--netns", b, env=env)  # also after a failed load: its pins, if any
+        for ns in (a, b):
+            if ns is not None:
+                net.netns_del(ns)
     shed = rep["counters"]["shed"]
     budget = NCHUNKS * TOL // 255
     print(f"sheds by priority {shed}, most in one message {max(rep['sheds'])} of {budget}, "

@@ -24,11 +24,12 @@ import pytest
 from pydblp import bpf, net, wire
 from pydblp.testbed import Testbed, TestbedError, core
 from pydblp.testbed import fabric as fb
-from tests.helpers import run_in_workers, unique_name
+from tests.helpers import poll_until, run_in_workers, unique_name
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
 ROOT = Path(__file__).resolve().parents[2]
+SO_RCVBUFFORCE = 33  # SO_RCVBUF past net.core.rmem_max (CAP_NET_ADMIN); Python's socket lacks the name
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -116,15 +117,23 @@ def test_tcp_and_udp(clean):
 
 # ---- faults with real traffic --------------------------------------------------------
 
-def collect(rx: socket.socket, on_datagram) -> threading.Thread:
-    """Hand each datagram arriving on ``rx`` to ``on_datagram`` in a thread; it ends after 0.3 s of quiet."""
+def collect(rx: socket.socket, on_datagram, done: threading.Event | None = None) -> threading.Thread:
+    """Hand each datagram arriving on ``rx`` to ``on_datagram`` in a thread.
+
+    Without ``done`` it ends after 0.3 s of quiet; with it, only after ``done`` is set and the
+    socket has then been quiet for 0.3 s (a sender descheduled for a while does not end it).
+    """
     rx.settimeout(0.3)
 
     def run():
         while True:
             try:
                 d = rx.recv(2048)
-            except (TimeoutError, OSError):
+            except TimeoutError:
+                if done is None or done.is_set():
+                    return
+                continue
+            except OSError:
                 return
             on_datagram(d)
 
@@ -133,29 +142,54 @@ def collect(rx: socket.socket, on_datagram) -> threading.Thread:
     return th
 
 
+def dropped(tb, port: str, *causes: str):
+    """A function reading how many frames to ``port`` the fabric dropped for ``causes``."""
+    def read() -> int:
+        s = tb.stats()[port]
+        return sum(s.get(c, {}).get("packets", 0) for c in causes)
+    return read
+
+
 def udp_blast(tb, src: str, dst: str, n: int, gap: float = 0.0, seconds: float = 5.0,
-              payload: int = 200) -> tuple[list[tuple[int, int]], set[int]]:
-    """Send ``n`` numbered datagrams (seq, send time); return (sent, received seqs)."""
+              payload: int = 200, drops=None) -> tuple[list[tuple[int, int, int]], set[int]]:
+    """Send ``n`` numbered datagrams; return (sent, received seqs), sent as (seq, ns before
+    sendto, ns after it).
+
+    ``drops`` (a function: the fabric's drop count on the way) waits, up to 10 s, until every
+    datagram is either received or counted dropped before the receiver stops.
+    """
     rx, tx = sock(tb.ns(dst)), sock(tb.ns(src))
-    rx.bind((tb.addr(dst), 0))
-    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    got: set[int] = set()
-    th = collect(rx, lambda d: got.add(struct.unpack_from("!I", d)[0]))
-    sent = []
-    pad = b"\0" * (payload - 12)
-    end = time.monotonic() + seconds
-    for i in range(n):
-        if time.monotonic() > end:
-            break
-        t = time.monotonic_ns()
-        tx.sendto(struct.pack("!IQ", i, t) + pad, rx.getsockname())
-        sent.append((i, t))
-        if gap:
-            time.sleep(gap)
-        elif i % 200 == 199:
-            time.sleep(0.002)  # stay under the 1 Gbit/s NIC limit and the receive buffer
-    th.join(10)
-    rx.close(), tx.close()
+    try:
+        rx.bind((tb.addr(dst), 0))
+        # forced past rmem_max (we are root): the receiving socket never drops a datagram
+        rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
+        got: set[int] = set()
+        done = threading.Event()
+        th = collect(rx, lambda d: got.add(struct.unpack_from("!I", d)[0]), done)
+        sent = []
+        pad = b"\0" * (payload - 12)
+        end = time.monotonic() + seconds
+        try:
+            for i in range(n):
+                if time.monotonic() > end:
+                    break
+                t0 = time.monotonic_ns()
+                tx.sendto(struct.pack("!IQ", i, t0) + pad, rx.getsockname())
+                sent.append((i, t0, time.monotonic_ns()))
+                if gap:
+                    time.sleep(gap)
+                elif i % 100 == 99:
+                    # stay under the 1 Gbit/s NIC limit and well under the 256-slot ring of a veth
+                    # with XDP, which drops before the fabric counts when its softirq is starved
+                    time.sleep(0.001)
+            if drops is not None:
+                poll_until(lambda: len(got) + drops() >= len(sent), timeout=10.0, interval=0.02)
+        finally:
+            done.set()
+            th.join(10)
+        assert not th.is_alive(), "the receiving thread did not end"
+    finally:
+        rx.close(), tx.close()
     return sent, got
 
 
@@ -164,7 +198,7 @@ def test_random_loss_udp_matches_p(clean):
     failed a CI run at 3.08 sigma)."""
     tb, p = clean, 0.2
     tb.loss(p, port="w1")
-    sent, got = udp_blast(tb, "w0", "w1", 10000)
+    sent, got = udp_blast(tb, "w0", "w1", 10000, drops=dropped(tb, "w1", "loss"))
     n = len(sent)
     assert n == 10000
     s = tb.stats()["w1"]
@@ -176,17 +210,35 @@ def test_random_loss_udp_matches_p(clean):
 
 
 def test_burst_window_udp_timestamps(clean):
+    """Every datagram that surely met the fabric inside a 100 ms window is dropped, every one
+    that surely met it outside is delivered, and the fabric counts each drop.
+
+    A frame meets the fabric after its sendto began (it cannot be earlier) and, on a loaded
+    machine, possibly well after sendto returned (softirq deferred to ksoftirqd): inside means
+    sent wholly after the start and returned ``SLACK`` before the end; before means returned
+    ``SLACK`` before the start; after means begun after the end.  A sender descheduled across
+    the window leaves too few samples: the window is armed again (at most 4 attempts).
+    """
     tb = clean
-    start = tb.burst(ratio=1.0, duration=0.1, delay=0.1, port="w1")
-    s_ns, e_ns = int(start * 1e9), int(start * 1e9) + 100_000_000
-    sent, got = udp_blast(tb, "w0", "w1", 600, gap=0.0005)
-    slack = 2_000_000  # send-to-switch transit
-    assert sent[-1][1] > e_ns + 10 * slack, "the blast outlasts the window"
-    inside = [i for i, t in sent if s_ns + slack <= t < e_ns - slack]
-    outside = [i for i, t in sent if t < s_ns - slack or t >= e_ns + slack]
-    assert len(inside) > 20 and not (set(inside) & got), "everything inside the window is dropped"
-    assert set(outside) <= got, "nothing outside the window is dropped"
-    assert tb.stats()["w1"]["burst"]["packets"] == len(sent) - len(got)
+    slack = 10_000_000  # ns from sendto's return to the switch's XDP, at most, on a loaded machine
+    for _ in range(4):
+        tb.clear()
+        tb.stats(reset=True)
+        start = tb.burst(ratio=1.0, duration=0.1, delay=0.1, port="w1")
+        s_ns = round(start * 1e9)
+        e_ns = s_ns + 100_000_000
+        sent, got = udp_blast(tb, "w0", "w1", 600, gap=0.0005, drops=dropped(tb, "w1", "burst"))
+        inside = [i for i, t0, t1 in sent if t0 >= s_ns and t1 + slack < e_ns]
+        before = [i for i, t0, t1 in sent if t1 + slack < s_ns]
+        after = [i for i, t0, t1 in sent if t0 >= e_ns]
+        assert not (set(inside) & got), "everything inside the window is dropped"
+        assert set(before) <= got and set(after) <= got, "nothing outside the window is dropped"
+        assert dropped(tb, "w1", "burst")() == len(sent) - len(got), "every loss is the window's"
+        if len(inside) > 20 and before and after:
+            break
+    assert len(inside) > 20 and before and after, (
+        f"too few samples clearly inside ({len(inside)}), before ({len(before)}) and after "
+        f"({len(after)}) the window in 4 attempts")
 
 
 def test_broadcast_dblp_is_replicated_with_each_ports_faults(clean):
@@ -249,7 +301,9 @@ def test_broadcast_copies_have_an_early_drop_budget_each(clean):
         h["kind"], h["job"], h["src"], h["dst"], h["flags"] = wire.Kind.DATA, 7, 0, wire.DST_ALL, wire.Flag.ALLGATHER
         h["chunk"], h["nchunks"], h["tol"], h["prio"], h["len"] = range(n), n, tol, 7, 1000
         assert t.send(Batch(h, np.zeros((n, 1000), np.uint8), np.full(n, 1000), np.full(n, pid), n)) == n
-        time.sleep(0.2)
+        # each port's copy of every frame meets its queue: forwarded, early- or tail-dropped
+        causes = ("pass", "tail", *(f"early{p}" for p in range(8)))
+        poll_until(lambda: all(dropped(tb, w, *causes)() >= n for w in ("w1", "w2", "w3")), timeout=10.0)
     finally:
         t.close()
     s = tb.stats()
@@ -300,14 +354,16 @@ def test_priority_queue_real_traffic(clean):
     bound = nchunks * tol // 255
     rx = sock(tb.ns("w2"))
     rx.bind((tb.addr("w2"), wire.DEFAULT_PORT))
-    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    # forced past rmem_max (we are root): the receiving socket never drops a datagram
+    rx.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
     got: dict[tuple[int, int], int] = {}
 
     def count(d: bytes) -> None:
         h = wire.Header.unpack(d)
         got[(h.src, h.prio)] = got.get((h.src, h.prio), 0) + 1
 
-    th = collect(rx, count)
+    done = threading.Event()
+    th = collect(rx, count, done)
 
     def send(w: str, src: int):
         tx = sock(tb.ns(w))
@@ -324,10 +380,18 @@ def test_priority_queue_real_traffic(clean):
     senders = [threading.Thread(target=send, args=(w, i)) for i, w in ((0, 0), (1, 1))]
     for s in senders:
         s.start()
-    for s in senders:
-        s.join()
-    th.join(10)
-    rx.close()
+    total = 2 * 8 * nchunks
+    try:
+        for s in senders:
+            s.join()
+        # until every frame is received or counted dropped (the softirq may still be working)
+        poll_until(lambda: sum(got.values()) + dropped(tb, "w2", "tail", *(f"early{p}" for p in range(8)))()
+                   >= total, timeout=10.0, interval=0.02)
+    finally:
+        done.set()
+        th.join(10)
+        rx.close()
+    assert not th.is_alive(), "the receiving thread did not end"
     st = tb.stats()["w2"]
     early = {p: st.get(f"early{p}", {}).get("packets", 0) for p in range(8)}
     assert early[0] == 0, "prio 0 is never early-dropped"
@@ -339,7 +403,7 @@ def test_priority_queue_real_traffic(clean):
     assert early[7] > early[1], "low priority goes first"
     # what arrived: every loss is a fabric drop, and prio 0 lost only to tail drop
     received = sum(got.values())
-    assert received + sum(early.values()) + st.get("tail", {}).get("packets", 0) == 2 * 8 * nchunks
+    assert received + sum(early.values()) + st.get("tail", {}).get("packets", 0) == total
     # kernel counters: no message (job, round, tensor, src, dst) beyond its bound
     spent = [struct.unpack("=I", v)[0] for _, v in tb.fabric.maps["msgs"].items()]
     assert spent and max(spent) <= bound

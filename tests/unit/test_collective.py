@@ -23,7 +23,7 @@ from pydblp.collective import Collective, CollectiveError, Config, Dblp, Schedul
 from pydblp.collective.protocol import STOP_PAYLOAD, Protocol
 from pydblp.transport.base import Batch
 from pydblp.transport.udp import UdpTransport
-from tests.helpers import Ranks, lose_sent, require_native, run_threads
+from tests.helpers import Ranks, lose_sent, require_native, run_threads, settled
 
 
 def inputs(world, n, rounds=1, seed=0):
@@ -1001,10 +1001,15 @@ def test_the_idle_responder_sleeps_while_nothing_arrives(ranks):
     xs = inputs(2, 5000)
     _, errs = rk.run(lambda r, c: c.allreduce(xs[0][r]))
     assert not errs
-    time.sleep(0.05)  # the last STOPs are in; the responders serve the transports
+    # until the last STOPs are in and served (on a loaded machine they may take a while): then
+    # the responders sleep; one that polls never settles and fails below, after 5 s
+    for r in range(2):
+        settled(lambda: _switches(_responder(r)), quiet=0.1, timeout=5.0)
     before = [_switches(_responder(r)) for r in range(2)]
     time.sleep(0.2)
-    assert [_switches(_responder(r)) - b for r, b in enumerate(before)] == [0, 0]
+    woke = [_switches(_responder(r)) - b for r, b in enumerate(before)]
+    # a stray wake-up or two (a late duplicate, the GIL) is not the polling, which wakes ~200 times
+    assert max(woke) <= 3, woke
 
 
 def test_a_round_after_a_pause_never_waits_for_the_idle_responder(ranks):

@@ -32,11 +32,13 @@ def run_ranks(path, barriers, delay):
         except BaseException as e:  # (reported by the test, not lost in the thread)
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    # daemon: a rank stuck in a broken barrier fails the test below, not the interpreter's exit
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(WORLD)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung in the barrier"
     assert not errors, errors
     return times
 
