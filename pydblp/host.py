@@ -588,6 +588,20 @@ class JobClaim:
     def __init__(self, ifname: str, netns: str | None, job: int):
         self.dir = CLAIM_DIR / (netns or "-") / ifname
         self.path = self.dir / str(job)
+        self._fd = None
+        try:
+            self._fd = self._lock(ifname, netns, job)
+            self.stale = bool(os.pread(self._fd, 32, 0).strip())
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        except OSError as e:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            raise HostError(f"cannot claim job {job} on {ifname}: {self.path}: {e.strerror or e} "
+                            f"(run as root, or set DBLP_JOBS_DIR to a writable directory)") from None
+
+    def _lock(self, ifname: str, netns: str | None, job: int) -> int:
         while True:  # (until the file locked is the one at the path: a release may unlink it meanwhile)
             self.dir.mkdir(parents=True, exist_ok=True)
             try:
@@ -596,22 +610,20 @@ class JobClaim:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 where = f" --netns {netns}" if netns else ""
                 raise HostError(f"job {job} is open on {ifname}{where} by pid {holder}: one data plane per "
                                 f"job and interface; close that one first, or use another job id") from None
-            try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    break
             except FileNotFoundError:
                 pass
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
-        self.stale = bool(os.pread(fd, 32, 0).strip())
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd = fd
 
     def release(self) -> None:
         """Remove the file (and the directories it leaves empty), then drop the lock; idempotent."""
@@ -628,9 +640,11 @@ def _forget_claims(ifname: str, netns: str | None) -> None:
     """Remove the job claims on ``ifname``'s program that no live data plane holds (a killed
     one's): its program is gone, and with it what they claimed."""
     d = CLAIM_DIR / (netns or "-") / ifname
-    if not d.is_dir():
-        return
-    for f in d.iterdir():
+    try:
+        claims = list(d.iterdir())
+    except OSError:
+        return  # (none, or the last holder out removed the directory meanwhile)
+    for f in claims:
         try:
             fd = os.open(f, os.O_RDWR | os.O_CLOEXEC)
         except OSError:

@@ -328,7 +328,7 @@ def teardown(name: str) -> dict:
             state = {"name": name, "pin_dir": str(PIN_BASE / name),
                      "namespaces": [n for n in net.netns_list() if n.startswith(name + "-")] if damaged else []}
         maker = state.get("creator_pid") or 0
-        if state.get("status") == "creating" and maker != os.getpid() and pid_alive(maker):
+        if state.get("status") == "creating" and maker > 0 and maker != os.getpid() and pid_alive(maker):
             raise TestbedError(f"testbed {name!r} is still being created by pid {maker}: run `dblp testbed "
                                f"down --name {name}` once it is up (or once that process has ended)")
         spaces = state.get("namespaces", [])
@@ -819,7 +819,7 @@ def status() -> list[dict]:
             continue
         present = [s for s in st.get("namespaces", []) if net.netns_exists(s)]
         st["present"] = len(present) == len(st.get("namespaces", [])) and bool(present)
-        st["creator_alive"] = pid_alive(st.get("creator_pid", 0) or 0)
+        st["creator_alive"] = (st.get("creator_pid") or 0) > 0 and pid_alive(st["creator_pid"])
         if st.get("prog_id"):
             st["fabric_loaded"] = _fabric.prog_exists(st["prog_id"])
         out.append(st)

@@ -81,7 +81,10 @@ class CpuCap:
         self._home = root / _own_cgroup(pid, self._v2)
         if not self._home.is_dir():
             self._home = root
-        self._sweep()
+        try:
+            self._sweep()
+        except OSError as e:
+            raise CpuCapError(f"cannot clear a dead owner's cap in {self._home}: {e.strerror or e}") from None
         self.path = self._home / f"dblp-cap-{os.getpid()}-{pid}"
         quota = max(1000, int(PERIOD_US * share))
         try:

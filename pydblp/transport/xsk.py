@@ -339,14 +339,17 @@ class XskTransport(XskReceive, Transport):
         # addresses (_native_sources renews them); TOS table
         self._xtx_fixed = (self._umem.ctypes.data, self.frame_size, self._tx_free.ctypes.data, self.tx_frames)
         self._xtos = None if self._tos is None else self._tos.ctypes.data
-        self._xkeep: list = []  # the source arrays the C receive was pointed at
+        self._xkeep: tuple = ()  # the source arrays the C receive is pointed at, and the ones before
         self._native_sources()
 
     def _native_sources(self) -> None:
         """Point the C receive at the current registered sources (after each ``add_peer``).  The
-        arrays it pointed at before stay alive with the transport (a few bytes a peer)."""
+        arrays it pointed at just before stay alive too (a batch being read as they change may
+        still hold them: microseconds, against the milliseconds an ``add_peer`` takes); older
+        ones are freed (keeping them all grew with the square of the peers)."""
         if self._xlib is not None:
-            self._xkeep.append(xsk_native.set_sources(self._xrx, self._sources))
+            self._xkeep = (self._xkeep[-1:] if self._xkeep else ()) + (
+                xsk_native.set_sources(self._xrx, self._sources),)
             tp = self._tmpl
             self._xtmpl = (tp.table.ctypes.data, tp.table.shape[1], tp.hlen.ctypes.data, tp.partial.ctypes.data)
 

@@ -538,8 +538,10 @@ class XskQueues(Transport):
         try:
             if self._status_path is None:
                 d = STATUS_DIR / (self.netns or "-") / self.ifname
-                d.mkdir(parents=True, exist_ok=True)
                 self._status_path = d / f"{os.getpid()}-{self._socks[0].fileno()}.json"
+            # (each time: `dblp status` removes a directory a dead transport left empty, and this
+            # one's may be that, between its mkdir and its first write)
+            self._status_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._status_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(rec))
             os.replace(tmp, self._status_path)

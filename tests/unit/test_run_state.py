@@ -68,3 +68,11 @@ def test_a_claim_found_unlocked_is_stale(claims):
     c = host.JobClaim("eth1", None, 3)
     assert c.stale
     c.release()
+
+
+def test_a_claim_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    blocker = tmp_path / "jobs"
+    blocker.write_text("a file where the directory should be")
+    monkeypatch.setattr(host, "CLAIM_DIR", blocker)
+    with pytest.raises(host.HostError, match="cannot claim job 4 on eth0: .*DBLP_JOBS_DIR"):
+        host.JobClaim("eth0", None, 4)
