@@ -9,6 +9,7 @@ as one line, exit code 2; no tracebacks for user mistakes.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import signal
@@ -338,7 +339,10 @@ def _cmd_config(args) -> int:
             shed_at = tuple(int(x) for x in args.shed_at.split(","))
         except ValueError:
             raise UsageError(f"--shed-at {args.shed_at!r}: give 8 comma-separated levels, {example}") from None
-    host.check_config(rate_pps=args.rate_pps, shed_at=shed_at)
+    try:
+        host.check_config(rate_pps=args.rate_pps, shed_at=shed_at)
+    except host.HostError as e:  # (the library's argument names, as this command's options)
+        raise UsageError(str(e).replace("rate_pps", "--rate-pps").replace("shed_at", "--shed-at")) from None
     if args.pressure is not None and not 0 <= args.pressure <= host.PRESSURE_MAX:  # (the library clamps a
         raise UsageError(f"--pressure {args.pressure}: give a level in 0..{host.PRESSURE_MAX}")  # receiver's)
     with host.open_pinned(args.ifname, args.netns) as m:
@@ -953,7 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError, MissingExtra) as e:
-        print(f"dblp {args.command}: {e}", file=sys.stderr)
+        denied = isinstance(e, OSError) and e.errno in (errno.EPERM, errno.EACCES) and os.geteuid() != 0
+        print(f"dblp {args.command}: {e}" + (": needs root (BPF maps, namespaces, /run/dblp): run it with sudo"
+                                             if denied else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -359,6 +359,8 @@ def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     """Maps of a program that ``dblp load`` (or a pinning HostProgram) attached."""
     d = bpf.pin_dir("host", ifname, netns)
     if not (d / "config").exists():
+        if netns is not None and not net.netns_exists(netns):
+            raise HostError(f"network namespace {netns!r} does not exist (see `ip netns list`)")
         where = f" --netns {netns}" if netns else ""
         raise HostError(f"pydblp is not loaded on {ifname}{where}: run `dblp load {ifname}{where}`")
     missing = [name for name in MAPS if not (d / name).exists()]

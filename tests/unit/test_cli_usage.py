@@ -4,6 +4,11 @@ exist: a check made after the lookup would answer "not loaded" or "no testbed" i
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from pydblp import cli
@@ -17,9 +22,9 @@ from pydblp import cli
     (["stats", "nosuch0", "--netns", "ns", "1", "2.5"], "count '2.5': give a whole number"),
     (["config", "nosuch0", "--pressure", "5000"], "--pressure 5000: give a level in 0..1000"),
     (["config", "nosuch0", "--shed-at", "5,900,800,700,600,500,400,300"], "priority 0's, which is never shed: give 0, got 5"),
-    (["config", "nosuch0", "--shed-at", "0,9"], "shed_at needs 8 levels in 0..1000"),
+    (["config", "nosuch0", "--shed-at", "0,9"], "--shed-at needs 8 levels in 0..1000"),
     (["config", "nosuch0", "--shed-at", "0,a"], "give 8 comma-separated levels"),
-    (["config", "nosuch0", "--rate-pps", "-1"], "rate_pps -1 out of range 0..4294967295"),
+    (["config", "nosuch0", "--rate-pps", "-1"], "--rate-pps -1 out of range 0..4294967295"),
     (["job", "add", "nosuch0", "--job", "0", "--world", "4", "--rank", "1"], "job id 0 must be in 1..2^32-1"),
     (["job", "add", "nosuch0", "--job", "7", "--world", "0", "--rank", "0"], "world size 0 must be in 1..65535"),
     (["job", "add", "nosuch0", "--job", "7", "--world", "4", "--rank", "4"], "rank 4 must be in 0..3 (world size 4)"),
@@ -33,6 +38,10 @@ from pydblp import cli
     (["fault", "burst", "--duration", "5xs"], "bad duration '5xs'"),
     (["fault", "burst", "--count", "3"], "give its period too, e.g. --every 1s"),
     (["fault", "queue", "--rate", "fast"], "bad rate 'fast'"),
+    (["config", "nosuch0", "--rate-pps", "500"], "--rate-pps 500: the estimate counts packets per 1 ms"),
+    (["config", "nosuch0", "--shed-at", "1,2,3"], "--shed-at needs 8 levels"),
+    (["config", "nosuch0", "--netns", "dblp-no-such-ns", "--pressure", "5"],
+     "network namespace 'dblp-no-such-ns' does not exist"),
     (["fault", "queue", "--rate", "1000"], "--rate 1000: give the unit, e.g. --rate 1000mbit"),
     (["testbed", "up", "--rate", "1000"], "--rate 1000: give the unit"),
     (["experiment", "--rate", "fast"], "bad rate 'fast'"),
@@ -51,3 +60,15 @@ def test_a_mistake_is_one_line_naming_the_fix(argv, says, capsys):
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and lines[0].startswith(f"dblp {argv[0]}: ") and says in lines[0], err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops root with setpriv")
+def test_a_user_without_root_is_told_to_use_sudo(tmp_path):
+    """An unprivileged user's EACCES is one line saying what to do, not a bare errno."""
+    tmp_path.chmod(0o700)  # (root's: the testbed's state directory below cannot be made)
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                        sys.executable, "-m", "pydblp.cli", "testbed", "up"],
+                       capture_output=True, text=True, timeout=60, cwd="/",
+                       env={**os.environ, "DBLP_TESTBED_DIR": str(tmp_path / "testbed")})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].endswith("run it with sudo"), r.stderr
