@@ -270,7 +270,10 @@ class RateControl:
         if not rate:
             return 0.0
         want = min(self.quantum(left) * self.frame, self._bucket(dst))
-        return max(0.0, (want - self.tokens[dst]) * 8 / rate)
+        short = want - self.tokens[dst]
+        # (a microsecond more: at now + wait the clock's rounding must not leave the tokens a
+        # hair short of the quantum, which would wake the caller for nothing)
+        return short * 8 / rate + 1e-6 if short > 0 else 0.0
 
     def state(self) -> dict:
         """Per destination rank: ``rate`` (bits/s; 0 not paced) and ``alpha``; and the counters."""
