@@ -64,6 +64,8 @@ LOSS_SPAN = 4096      # the path's loss estimate: the worse of the latest echoes
 LOSS_SPANS = 4        # sent to it and of those spanning this many times as many (a steadier figure); known
 LOSS_SEEN = 512       # once they span this many
 LOSS_ECHOES = 1024    # and at most this many echoes kept per destination (tiny messages: one packet each)
+WAIT_MARGIN = 1e-6    # s a paced wait adds: at now + wait the clock's rounding must not leave the
+                      # tokens a hair short of the quantum, which would wake the caller for nothing
 RESYNC = 3            # echoes in a row counting more than was sent before the latest is a baseline
 
 
@@ -271,9 +273,7 @@ class RateControl:
             return 0.0
         want = min(self.quantum(left) * self.frame, self._bucket(dst))
         short = want - self.tokens[dst]
-        # (a microsecond more: at now + wait the clock's rounding must not leave the tokens a
-        # hair short of the quantum, which would wake the caller for nothing)
-        return short * 8 / rate + 1e-6 if short > 0 else 0.0
+        return short * 8 / rate + WAIT_MARGIN if short > 0 else 0.0
 
     def state(self) -> dict:
         """Per destination rank: ``rate`` (bits/s; 0 not paced) and ``alpha``; and the counters."""
