@@ -530,15 +530,17 @@ def _g(x) -> str:
 
 
 def _ports(text: str, workers: int, option: str = "--burst-port"):
-    """'all' -> 'all'; '1' or '0,2' -> (1,) / (0, 2); raises UsageError for anything else."""
+    """'all' -> 'all'; '1' or 'w0,w2' -> (1,) / (0, 2) (a worker as w1 or 1, as everywhere);
+    raises UsageError for anything else."""
     if text == "all":
         return "all"
     try:
-        ports = tuple(sorted({int(x) for x in text.split(",")}))
+        ports = tuple(sorted({int(x.strip().removeprefix("w")) for x in text.split(",")}))
     except ValueError:
         ports = ()
     if not ports or not all(0 <= p < workers for p in ports):
-        raise UsageError(f"{option} {text}: use all, or worker indices 0..{workers - 1} separated by commas")
+        raise UsageError(f"{option} {text}: use all, or workers w0..w{workers - 1} (or 0..{workers - 1}) "
+                         f"separated by commas")
     return ports
 
 

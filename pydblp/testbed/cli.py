@@ -53,7 +53,7 @@ def add_testbed(sub) -> None:
                        description="Bring up, inspect and remove emulated clusters (network "
                                    "namespaces, a Linux bridge, the fabric XDP program).")
     ts = p.add_subparsers(dest="action", metavar="ACTION")
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    p.set_defaults(func=_no_fault_action)
 
     up = ts.add_parser("up", help="create a testbed", formatter_class=formatter, epilog=TESTBED_EPILOG)
     up.add_argument("--name", help="testbed name (default: tb + random hex)")
@@ -157,6 +157,9 @@ def cmd_status(args) -> int:
 def cmd_exec(args) -> int:
     from pydblp.testbed import Testbed
 
+    if args.cmd[:1] in (["--name"], ["--testbed"]):  # (argparse takes what follows WORKER as the command)
+        raise UsageError(f"{args.cmd[0]} comes before the worker: dblp testbed exec {args.cmd[0]} NAME "
+                         f"{args.worker} -- CMD [ARGS...]")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("no command: dblp testbed exec w0 -- CMD [ARGS...]")
@@ -171,13 +174,17 @@ def cmd_exec(args) -> int:
 
 # ---- dblp fault ----------------------------------------------------------------
 
+def _no_fault_action(args) -> int:
+    raise UsageError("no action: dblp fault loss|ge|burst|queue|clear|stats ... (see dblp fault --help)")
+
+
 def add_fault(sub) -> None:
     p = sub.add_parser("fault", help="set or clear testbed faults at run time, show counters",
                        formatter_class=formatter, epilog=FAULT_EPILOG,
                        description="Loss, Gilbert-Elliott loss, microbursts and a priority-aware "
                                    "virtual queue on the testbed switch (bpf/fabric.bpf.c).")
     fs = p.add_subparsers(dest="action", metavar="ACTION")
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    p.set_defaults(func=_no_fault_action)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--testbed", "--name", dest="testbed", help="testbed (default: the only one)")
     common.add_argument("--port", action="append",

@@ -216,7 +216,7 @@ class Fabric:
         names = [port] if isinstance(port, (str, int)) else list(port)
         out = []
         for p in names:
-            key = f"w{p}" if isinstance(p, int) else p
+            key = f"w{p}" if isinstance(p, int) or str(p).isdigit() else p  # (w1 or 1, as everywhere)
             if key not in self.ports:
                 raise FabricError(f"no port {p!r}: the testbed has {', '.join(self.ports)}")
             out.append(self.ports[key])

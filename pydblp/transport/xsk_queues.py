@@ -66,7 +66,7 @@ import struct
 import time
 from pathlib import Path
 
-from pydblp import net, wire
+from pydblp import bpf, net, wire
 from pydblp._libc import pid_alive, unlink_pruned
 from pydblp.host import MAX_QUEUES, PRESSURE_MAX
 from pydblp.transport import addresses, frames
@@ -323,6 +323,7 @@ class XskQueues(Transport):
                  tx_frames: int = 4096, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
                  dscp="off", spin: float = 200e-6, **kw):
         self.ifname, self.netns, self.port, self.spin = ifname, netns, check_port(port), spin
+        self._status_ns = None  # the namespace `dblp status` shows (publish: named or found)
         self._socks: list[_Socket] = []
         self._ep = None
         self._ctrl = None
@@ -528,7 +529,10 @@ class XskQueues(Transport):
         if self.closed:
             return
         per = per if per is not None else {q: t.stats() for q, t in zip(self.queues, self._socks)}
-        rec = {"pid": os.getpid(), "netns": self.netns, "ifname": self.ifname, "port": self.port, "tx": self.tx,
+        if self._status_ns is None:  # (a process started inside a namespace, nsenter: its name)
+            self._status_ns = self.netns or bpf.current_netns() or "-"
+        ns = None if self._status_ns == "-" else self._status_ns
+        rec = {"pid": os.getpid(), "netns": ns, "ifname": self.ifname, "port": self.port, "tx": self.tx,
                "updated": time.time(),
                "queues": [{"queue": q, "mode": "zerocopy" if t.zerocopy else "copy", "busy_poll": t.busy_poll,
                            "umem_bytes": len(t._umem_mm), "rx_frames": t.rx_frames, "tx_frames": t.tx_frames,
@@ -537,7 +541,7 @@ class XskQueues(Transport):
                           for q, t in zip(self.queues, self._socks)]}
         try:
             if self._status_path is None:
-                d = STATUS_DIR / (self.netns or "-") / self.ifname
+                d = STATUS_DIR / self._status_ns / self.ifname
                 self._status_path = d / f"{os.getpid()}-{self._socks[0].fileno()}.json"
             # (each time: `dblp status` removes a directory a dead transport left empty, and this
             # one's may be that, between its mkdir and its first write)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import os
 import socket
 import time
 
@@ -174,6 +175,18 @@ def test_stats_and_dblp_status_show_each_queues_socket(pair):
         assert sorted(int(r[2]) for r in rows if r[1] == dev and len(r) > 5 and r[5] == "copy") == list(range(QUEUES))
     assert not [r for r in xsk_queues.published() if r["netns"] == b]  # the status file went with it,
     assert not (xsk_queues.STATUS_DIR / b).exists()  # and its directories
+
+
+def test_status_names_the_namespace_of_a_process_started_inside_it(pair):
+    """A job started inside a worker's namespace (``dblp testbed exec``, nsenter) names none;
+    ``dblp status`` still shows which namespace its sockets are in."""
+    (_, _), (b, dev) = pair
+    with net.in_netns(b):
+        with open_dataplane("xsk-ktx", dev, job=JOB, rank=1, world=2) as dp:
+            assert dp.transport.netns is None
+            mine = [r for r in xsk_queues.published() if r["ifname"] == dev and r["pid"] == os.getpid()]
+            assert [r["netns"] for r in mine] == [b]
+    assert not (xsk_queues.STATUS_DIR / b).exists()
 
 
 def test_a_queue_the_device_lacks_is_refused_before_anything_attaches(pair):

@@ -38,6 +38,8 @@ from pydblp import cli
     (["fault", "burst", "--duration", "5xs"], "bad duration '5xs'"),
     (["fault", "burst", "--count", "3"], "give its period too, e.g. --every 1s"),
     (["fault", "queue", "--rate", "fast"], "bad rate 'fast'"),
+    (["fault"], "no action: dblp fault loss|ge|burst|queue|clear|stats"),
+    (["testbed", "exec", "w0", "--name", "x", "--", "true"], "--name comes before the worker"),
     (["config", "nosuch0", "--rate-pps", "500"], "--rate-pps 500: the estimate counts packets per 1 ms"),
     (["config", "nosuch0", "--shed-at", "1,2,3"], "--shed-at needs 8 levels"),
     (["config", "nosuch0", "--netns", "dblp-no-such-ns", "--pressure", "5"],

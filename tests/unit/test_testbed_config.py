@@ -149,3 +149,18 @@ def test_cli_fault_queue_refuses_a_bad_mark_in_one_line(argv, msg, capsys, tmp_p
     assert out == "" and len(err.splitlines()) == 1 and err.startswith("dblp fault: ") and msg in err, err
     a = cli.build_parser().parse_args(["fault", "queue", "--rate", "1mbit", "--mark", "32k"])
     assert a.mark == "32k"
+
+
+def test_a_worker_is_w1_or_1_everywhere():
+    """`fault --port`, `experiment --burst-port/--queue-port` and `testbed exec` name a worker
+    the same ways: w1 or 1."""
+    from pydblp import cli
+    from pydblp.testbed.fabric import Fabric, FabricError
+
+    assert cli._ports("w0,w2", 4) == cli._ports("0,2", 4) == (0, 2)
+    assert cli._ports("all", 4) == "all"
+    f = Fabric.__new__(Fabric)
+    f.ports = {"w0": 5, "w1": 6}
+    assert f._ifindexes("1") == f._ifindexes("w1") == f._ifindexes(1) == [6]
+    with pytest.raises(FabricError, match="no port 'w2'"):
+        f._ifindexes("w2")
