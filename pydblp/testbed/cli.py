@@ -145,6 +145,9 @@ def cmd_status(args) -> int:
             health = f"broken (namespaces missing: `dblp testbed down --name {e['name']}`)"
         elif health == "creating" and not e.get("creator_alive"):
             health = f"stale (creator died while building: `dblp testbed down --name {e['name']}`)"
+        elif e.get("fabric_detached"):
+            health = (f"fabric detached from {', '.join(e['fabric_detached'])} (faults change nothing "
+                      f"there: `dblp testbed down --name {e['name']}` and up again)")
         rate = units.rate_text(e.get("rate_bps") or 0)
         print(f"{e['name']}: {health}; {e['workers']} workers, mtu {e['mtu']}, rate {rate}, "
               f"fabric prog {e.get('prog_id') or '-'}")

@@ -653,6 +653,12 @@ class Testbed:
         if not self.state.get("fabric", self.use_fabric):
             raise TestbedError(f"testbed {self.name} runs without the fabric: no faults")
         if self._fab is None:
+            gone = _fabric_detached(self.state)
+            if gone:
+                raise TestbedError(f"testbed {self.name}: its fabric program is not attached on "
+                                   f"{', '.join(gone)} (replaced, e.g. by `dblp load --force`): faults "
+                                   f"would change nothing there; `dblp testbed down --name {self.name}` "
+                                   f"and up again")
             self._fab = Fabric(Path(self.state["pin_dir"]), self.ports)
         return self._fab
 
@@ -822,5 +828,20 @@ def status() -> list[dict]:
         st["creator_alive"] = (st.get("creator_pid") or 0) > 0 and pid_alive(st["creator_pid"])
         if st.get("prog_id"):
             st["fabric_loaded"] = _fabric.prog_exists(st["prog_id"])
+            st["fabric_detached"] = st["present"] and _fabric_detached(st)
         out.append(st)
+    return out
+
+
+def _fabric_detached(state: dict) -> list[str]:
+    """The switch ports of a testbed (its state) where its fabric program is not the one
+    attached (another program replaced it, ``dblp load --force``, or none is there)."""
+    out = []
+    for port in state.get("ports", {}):
+        try:
+            got = net.xdp_query(port, state.get("switch_ns"))
+        except (net.NetError, OSError, IndexError):
+            got = None
+        if not got or got.get("prog_id") != state.get("prog_id"):
+            out.append(port)
     return out

@@ -489,6 +489,16 @@ def test_cli_up_exec_down_leaves_nothing(private_dir, bpf_xdp):
     assert r.returncode == 0, r.stderr
     r = dblp("fault", "loss", "2", env=env)
     assert r.returncode == 2 and "P must be within [0, 1], got 2.0" in r.stderr and len(r.stderr.splitlines()) == 1
+    # the fabric replaced on a switch port: a fault there would change nothing, so it is refused
+    sw = state["switch_ns"]
+    r = dblp("load", "w0", "--netns", sw, "--force", env=env)
+    assert r.returncode == 0, r.stderr
+    r = dblp("fault", "loss", "0.1", "--port", "w0", env=env)
+    assert r.returncode == 2 and "not attached on w0" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    r = dblp("testbed", "status", env=env)
+    assert "fabric detached from w0" in r.stdout, r.stdout
+    r = dblp("unload", "w0", "--netns", sw, env=env)
+    assert r.returncode == 0, r.stderr
     r = dblp("testbed", "down", "--name", name, env=env)
     assert r.returncode == 0, r.stderr
     assert leftovers(name, state_dir, state["prog_id"]) == []
