@@ -44,6 +44,7 @@ IDLE_GRACE = 0.002  # s without a round before the idle responder serves the tra
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
 LINGER_MIN = 16  # fewer data packets due than this: a receive takes what is there
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
+TIMEOUT_MAX = 86400.0  # s: the longest peer_timeout, probe_min or deadline (a day; waits are sums of them)
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 TXQ_REPAIR = 512 << 10  # bytes in the kernel's send queue past which a round that repairs hands it no more
@@ -218,8 +219,8 @@ class Config:
             raise ValueError(f"job {self.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
         for name, value in (("peer_timeout", self.peer_timeout), ("probe_min", self.probe_min),
                             ("deadline", 1.0 if self.deadline is None else self.deadline)):
-            if not value > 0:
-                raise ValueError(f"{name} {value}: use a positive number of seconds")
+            if not 0 < value <= TIMEOUT_MAX:  # (inf and NaN too: a wait that long overflows the clock)
+                raise ValueError(f"{name} {value}: use a positive number of seconds, at most {TIMEOUT_MAX:g}")
         if self.probe_max < self.probe_min:
             raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
         if self.burst < 1:

@@ -476,6 +476,9 @@ class ProcessGroupDblp(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         raise ValueError(_UNSUPPORTED.format(op="all_to_all"))
 
+    def alltoall(self, output_tensors, input_tensors, opts=None):  # (dist.all_to_all, the list form)
+        raise ValueError(_UNSUPPORTED.format(op="all_to_all"))
+
     def send(self, tensors, dst: int, tag: int = 0):
         raise ValueError(_UNSUPPORTED.format(op="send"))
 
@@ -584,6 +587,9 @@ class ProcessGroupDblp(dist.ProcessGroup):
         cfg = dataclasses.replace(self._cfg, job=(self._cfg.job + gen * 0x10000 - 1) % 0xFFFFFFFF + 1)
         sub = dist.PrefixStore(f"pydblp/gen{gen}/", store)
         self.members, self.generation = alive, gen
+        if me not in alive:  # (this rank's own post is not readable: the store's host is gone)
+            raise CollectiveError(f"dblp: rank {me} cannot re-form the group: the rendezvous store is "
+                                  f"unreachable (its host, rank 0 under torchrun, died?)")
         self.state = self._open(sub, alive.index(me), len(alive), cfg)
         self._ids.clear()
         log.warning("dblp: rank %d goes on with %d of %d ranks (left out: %s)", me, len(alive), self.size(),

@@ -132,6 +132,7 @@ def ops() -> None:
                        ("band.float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
                        ("meta", lambda: dist.all_reduce(torch.ones(2, device="meta"))),
                        ("all_to_all", lambda: dist.all_to_all_single(torch.zeros(W), torch.ones(W))),
+                       ("all_to_all.list", lambda: dist.all_to_all([torch.zeros(1)] * W, [torch.ones(1)] * W)),
                        ("send", lambda: dist.send(torch.ones(2), (r + 1) % W))):
         try:
             call()

@@ -98,9 +98,9 @@ def test_every_collective_against_its_definition(tmp_path):
         assert res["objects"] == list(range(W)) and res["bobj"] == {"k": "v"}
         assert (res["sub"].tolist() == [3.0] * 4) if r < 2 else "sub" not in res
         errs = res["errors"]
-        assert set(errs) == {"premul", "avg.int", "band.float", "meta", "all_to_all", "send"}, errs
+        assert set(errs) == {"premul", "avg.int", "band.float", "meta", "all_to_all", "all_to_all.list", "send"}, errs
         assert all(e.startswith("ValueError: dblp: ") for e in errs.values()), errs
-        assert all("new_group(backend=" in errs[k] for k in ("all_to_all", "send")), errs
+        assert all("new_group(backend=" in errs[k] for k in ("all_to_all", "all_to_all.list", "send")), errs
         assert res["tols"] == [0.0]  # nothing outside backward tolerated loss
 
 
@@ -237,6 +237,7 @@ def test_a_dead_rank(tmp_path, survive):
     (None, {"DBLP_PHASE": "fast"}, "DBLP_PHASE='fast': "),
     (None, {"DBLP_RATE": "10g"}, "DBLP_RATE='10g': bad rate"),
     (None, {"DBLP_PORT": "abc"}, "DBLP_PORT='abc': use an integer"),
+    (None, {"DBLP_PEER_TIMEOUT": "inf"}, "DBLP_PEER_TIMEOUT='inf': peer_timeout inf: use a positive number"),
     (None, {"DBLP_TRANSPORT": "xsk"}, "needs iface= (set DBLP_TRANSPORT, DBLP_IFACE)"),
     (None, {"DBLP_KEY_FILE": "/nonexistent/key"}, "/nonexistent/key"),
     ("gloo-options", {}, "pg_options str: give pydblp.torch.BackendOptions(...)"),
