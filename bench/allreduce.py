@@ -469,6 +469,8 @@ def main(argv=None) -> int:
                          "...); ratios are taken within each repeat, then their median (default 1)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
+    # SIGTERM (timeout(1), a job scheduler) unwinds as Ctrl-C does: the testbed goes down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if not (args.rate == 0 or 1 <= args.rate <= 34000):
         ap.error(f"--rate {args.rate:g}: use 0 (no limit) or 1..34000 Mbit/s")
     sizes = [float(s) for s in args.sizes.split(",") if s]
@@ -700,7 +702,7 @@ def main(argv=None) -> int:
                "options": vars(args), "ncpu": os.cpu_count(), "kernel": os.uname().release, "python": PYTHON,
                "results": res, "ratios": ratios,
                "targets": {k: {"value": v, "met": ok, "per_repeat": each, **({"ceiling": c} if c else {})}
-                           for k, (v, ok, each, _, c) in targets.items()},
+                           for k, (v, ok, each, _, c, _failed) in targets.items()},
                **({"runs": runs} if len(runs) > 1 else {}),
                "failures": failures, "wall_s": wall}
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -258,6 +258,16 @@ def main(argv=None) -> int:
         queues = []
     if not queues or queues[0] < 1 or queues[-1] > 16:
         ap.error(f"--queues {args.queues!r}: counts 1..16, comma-separated, e.g. 1,2,4")
+    ncpu = os.cpu_count() or 1
+    for bad, what in ((not args.duration > 0, f"--duration {args.duration:g}: give seconds > 0"),
+                      (args.repeats < 1, f"--repeats {args.repeats}: give 1 or more"),
+                      (not 1 <= args.payload <= 3000, f"--payload {args.payload}: give 1..3000 bytes"),
+                      (args.batch < 1, f"--batch {args.batch}: give 1 or more"),
+                      (len(args.cpus) != 2 or len(set(args.cpus)) != 2 or not all(0 <= c < ncpu for c in args.cpus),
+                       f"--cpus {','.join(map(str, args.cpus))}: two different CPUs in 0..{ncpu - 1}, e.g. 0,1"),
+                      (args.spin is not None and args.spin < 0, f"--spin {args.spin}: give seconds >= 0")):
+        if bad:
+            ap.error(what)
     spin = args.spin if args.spin is not None else (0.0 if args.napi == "threaded" else 200e-6)
     if os.geteuid() != 0:
         print("bench/transport.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
@@ -275,7 +285,9 @@ def main(argv=None) -> int:
         drop = BPF(text=DROP_PROG)
         drop_fd = drop.load_func("xdp_count_drop", BPF.XDP).fd
         drop_map = bpf.Map(drop["cnt"].map_fd, owned=False)
-        host = HostProgram(VB, netns=ns_b, mode="native")
+        # kept (netlink, not a BPF link): the runs below swap XDP programs on VB by netlink, which a
+        # link refuses; deleting the namespaces at the end takes the attachment with them
+        host = HostProgram(VB, netns=ns_b, mode="native", keep=True)
         host.register_job(JOB_X, 2, 1, "xsk")
         host.register_job(JOB_U, 2, 1, "udp")
         os.sched_setaffinity(0, {args.cpus[1]})
@@ -318,14 +330,14 @@ def main(argv=None) -> int:
                 results[f"{kind}_tx"].append((counter(drop_map) - c0, sent, el))
             print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(
                 f"{k} {v[-1][0] / v[-1][2] / 1e6:.3f}" for k, v in results.items()) + " Mpps", flush=True)
-    finally:
-        if host is not None:
-            net.xdp_attach(VB, host.prog_fd, net.Mode.NATIVE, ns_b)
-            host.close()
-        if drop is not None:
-            drop.cleanup()
-        net.netns_del(ns_a)
-        net.netns_del(ns_b)
+    finally:  # (each step whatever the one before did: the namespaces always go)
+        for step in (host.close if host is not None else None, drop.cleanup if drop is not None else None,
+                     lambda: net.netns_del(ns_a), lambda: net.netns_del(ns_b)):
+            try:
+                if step is not None:
+                    step()
+            except Exception as e:
+                print(f"bench/transport.py: cleaning up: {e}", file=sys.stderr)
 
     def med(key, what):
         rows = results[key]
