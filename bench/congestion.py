@@ -675,7 +675,7 @@ def print_jobs(res: dict, args) -> None:
     print(f"\n## jobs: job A (w1 -> w0) and job B (w2 -> w0), {args.size:g} MiB allreduces each, sharing the port to "
           f"w0 ({args.queue_rate:g} Mbit/s, drop-tail {args.buffer} KiB, mark {args.mark} KiB), {args.seconds:g} s, "
           f"transport {res.get('transport')}\n")
-    print("| cc | A Mbit/s | B Mbit/s | Jain (run) | Jain, worst 10 s window | port Mbit/s | tail drops | marks "
+    print(f"| cc | A Mbit/s | B Mbit/s | Jain (run) | Jain, worst {args.window:g} s window | port Mbit/s | tail drops | marks "
           "| CE A, B | A p50/p99 ms | B p50/p99 ms | rounds A, B |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cc in args.ccs:

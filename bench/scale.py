@@ -143,7 +143,14 @@ def main() -> int:
     if bad or any(not 2 <= r <= 4096 for r in ranks):
         print(f"scale.py: use --kinds from {', '.join(sizes)} and --ranks in 2..4096", file=sys.stderr)
         return 2
-    rows = []
+    for wrong, what in ((a.rounds < 1, f"--rounds {a.rounds}: give 1 or more"),
+                        (not 0 <= a.loss < 1, f"--loss {a.loss}: give a probability in [0, 1)"),
+                        (min(a.chunks, a.ps_chunks, a.gossip_chunks) < 1, "--chunks, --ps-chunks and "
+                         "--gossip-chunks: give 1 or more")):
+        if wrong:
+            print(f"scale.py: {what}", file=sys.stderr)
+            return 2
+    rows, failed = [], 0
     print(f"{'kind':9} {'ranks':>5} {'time ms':>9} {'bound ms':>9} {'ratio':>6} {'ctrl/rank':>9} "
           f"{'data/rank':>9} {'ctrl/data':>9} {'repaired':>8} {'MiB/rank':>8} {'cpu s/round':>11}", flush=True)
     for kind in kinds:
@@ -154,6 +161,7 @@ def main() -> int:
             out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # (its progress: on stderr)
             if out.returncode:
                 print(f"{kind} {world}: failed (exit status {out.returncode}; its error is above)", flush=True)
+                failed += 1
                 continue
             r = json.loads(out.stdout)
             rows.append(r)
@@ -165,7 +173,7 @@ def main() -> int:
                "chunk_bytes": CHUNK, "link": "1gbit, 5 us per hop"}
         with open(a.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
