@@ -11,7 +11,8 @@ installed   ``pip install .`` compiles each source as an optional extension
             ``_<name>.<abi>.so``.  Python never imports it: it has no module
             init, ctypes loads it.  A copy built from another version of the
             source (an editable install whose C changed since) is passed over.
-first use   otherwise compiled with the system C compiler (``$CC``, else
+first use   otherwise (first, for a library loaded ``tuned``: ``mac``, whose
+            lanes are SIMD vectors) compiled with the system C compiler (``$CC``, else
             ``cc``; ``-O2 -march=native``, without ``-march=native`` if the
             compiler refuses it) into ``$XDG_CACHE_HOME/pydblp``
             (``~/.cache/pydblp``), named by a hash of the source, compiler and
@@ -161,7 +162,8 @@ def _installed(name: str) -> ctypes.CDLL | None:
 
 
 def load(name: str, declare: Callable[[ctypes.CDLL], None],
-         selftest: Callable[[ctypes.CDLL], bool] | None = None, what: str = "") -> ctypes.CDLL | None:
+         selftest: Callable[[ctypes.CDLL], bool] | None = None, what: str = "",
+         tuned: bool = False) -> ctypes.CDLL | None:
     """``csrc/<name>.c`` as a ctypes library, found or built once per process; None where unavailable.
 
     Args:
@@ -169,6 +171,10 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None],
         declare: sets the functions' argtypes and restype.
         selftest: checks the library against the pure-Python path; False: unusable.
         what: what the pure-Python fallback costs, for the one line logged when it is taken.
+        tuned: try the first-use build (``-march=native``) before the installed copy, which has
+            no CPU-specific flags: for a library whose loops are the CPU's vectors (``mac``: its
+            lanes run 3x slower built for the baseline CPU); the installed copy where no
+            compiler is.
 
     Raises:
         NativeUnavailable: ``DBLP_NATIVE=1`` and the library is unavailable.
@@ -180,7 +186,13 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None],
                 _why[name] = f"{ENV}=0"
             else:
                 try:
-                    lib = _installed(name) or ctypes.CDLL(str(build(name)))
+                    lib = None
+                    if tuned and shutil.which(os.environ.get("CC") or "cc"):
+                        try:
+                            lib = ctypes.CDLL(str(build(name)))
+                        except OSError as e:
+                            log.debug("pydblp: tuned %s not built (%s): the installed copy", name, e)
+                    lib = lib or _installed(name) or ctypes.CDLL(str(build(name)))
                     declare(lib)
                     if selftest is not None and not selftest(lib):
                         raise RuntimeError("its results differ from the pure-Python path's (a miscompiled build?)")
