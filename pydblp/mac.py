@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _load() -> ctypes.CDLL | None:
     """The native library, built and checked once per process; None (and one warning) if unavailable."""
-    return load("mac", _declare, _selftest, what="about 3x the CPU per packet", tuned=True)
+    return load("mac", _declare, _selftest, what="about 4x the CPU per packet", tuned=True)
 
 
 def _selftest(lib) -> bool:

@@ -173,7 +173,7 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None],
         what: what the pure-Python fallback costs, for the one line logged when it is taken.
         tuned: try the first-use build (``-march=native``) before the installed copy, which has
             no CPU-specific flags: for a library whose loops are the CPU's vectors (``mac``: its
-            lanes run 3x slower built for the baseline CPU); the installed copy where no
+            lanes ran about 4x slower built for the baseline CPU); the installed copy where no
             compiler is.
 
     Raises:
@@ -186,13 +186,15 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None],
                 _why[name] = f"{ENV}=0"
             else:
                 try:
-                    lib = None
-                    if tuned and shutil.which(os.environ.get("CC") or "cc"):
+                    if tuned:  # (this CPU's build; no compiler or a failed build: the installed copy)
                         try:
                             lib = ctypes.CDLL(str(build(name)))
-                        except OSError as e:
-                            log.debug("pydblp: tuned %s not built (%s): the installed copy", name, e)
-                    lib = lib or _installed(name) or ctypes.CDLL(str(build(name)))
+                        except OSError:
+                            lib = _installed(name)
+                            if lib is None:
+                                raise
+                    else:
+                        lib = _installed(name) or ctypes.CDLL(str(build(name)))
                     declare(lib)
                     if selftest is not None and not selftest(lib):
                         raise RuntimeError("its results differ from the pure-Python path's (a miscompiled build?)")

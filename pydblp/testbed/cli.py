@@ -243,9 +243,9 @@ def cmd_fault(args) -> int:
     from pydblp.testbed.fabric import parse_duration, parse_mark, parse_rate, parse_size, prob
 
     # every value is checked before the testbed is looked up: one line for the first bad one
-    mark = thr = None
+    mark = thr = qrate = None
     if args.action == "queue":
-        parse_rate(unit_rate(args.rate))
+        qrate = parse_rate(unit_rate(args.rate))
         if args.mark is not None:
             mark = parse_mark(args.mark, parse_size(args.buffer))
         if args.mark_drop and not mark:
@@ -288,7 +288,7 @@ def cmd_fault(args) -> int:
                      delay=args.delay)
             ecn = f" ECN mark {args.mark}{' (Not-ECT dropped)' if args.mark_drop else ''}" if mark else ""
             kind = "delaying queue" if args.delay else "virtual queue"
-            if parse_rate(args.rate):
+            if qrate:
                 print(f"{tb.name}: {kind} rate {args.rate} buffer {args.buffer}{ecn} on {where}")
             else:
                 print(f"{tb.name}: virtual queue removed on {where}")

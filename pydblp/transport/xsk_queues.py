@@ -323,7 +323,8 @@ class XskQueues(Transport):
                  tx_frames: int = 4096, rate: float = 0, rate_burst: int | None = None, tx: str = "xsk",
                  dscp="off", spin: float = 200e-6, **kw):
         self.ifname, self.netns, self.port, self.spin = ifname, netns, check_port(port), spin
-        self._status_ns = None  # the namespace `dblp status` shows (publish: named or found)
+        # the namespace `dblp status` shows: named, or found (a process started inside one, nsenter)
+        self._status_ns = netns or bpf.current_netns()
         self._socks: list[_Socket] = []
         self._ep = None
         self._ctrl = None
@@ -529,10 +530,7 @@ class XskQueues(Transport):
         if self.closed:
             return
         per = per if per is not None else {q: t.stats() for q, t in zip(self.queues, self._socks)}
-        if self._status_ns is None:  # (a process started inside a namespace, nsenter: its name)
-            self._status_ns = self.netns or bpf.current_netns() or "-"
-        ns = None if self._status_ns == "-" else self._status_ns
-        rec = {"pid": os.getpid(), "netns": ns, "ifname": self.ifname, "port": self.port, "tx": self.tx,
+        rec = {"pid": os.getpid(), "netns": self._status_ns, "ifname": self.ifname, "port": self.port, "tx": self.tx,
                "updated": time.time(),
                "queues": [{"queue": q, "mode": "zerocopy" if t.zerocopy else "copy", "busy_poll": t.busy_poll,
                            "umem_bytes": len(t._umem_mm), "rx_frames": t.rx_frames, "tx_frames": t.tx_frames,
@@ -541,7 +539,7 @@ class XskQueues(Transport):
                           for q, t in zip(self.queues, self._socks)]}
         try:
             if self._status_path is None:
-                d = STATUS_DIR / self._status_ns / self.ifname
+                d = STATUS_DIR / (self._status_ns or "-") / self.ifname
                 self._status_path = d / f"{os.getpid()}-{self._socks[0].fileno()}.json"
             # (each time: `dblp status` removes a directory a dead transport left empty, and this
             # one's may be that, between its mkdir and its first write)

@@ -170,7 +170,7 @@ def test_the_build_is_cached_per_user_and_reused(tmp_path):
 
 @needs_cc
 def test_the_mac_loads_the_build_for_this_cpu_before_the_installed_copy(monkeypatch):
-    """pip install builds the C for the baseline CPU: the MAC's SIMD lanes ran 3x slower from that
+    """pip install builds the C for the baseline CPU: the MAC's SIMD lanes ran about 4x slower from that
     copy (2.3 against 0.6 us a packet on an AVX-512 machine), so where a compiler is the MAC is
     built with -march=native first; the installed copy is the fallback."""
     import shutil
