@@ -99,9 +99,9 @@ Needs root.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import math
 import os
 import select
 import shutil
@@ -117,6 +117,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pydblp import net, wire  # noqa: E402
+from pydblp.cliutil import Parser  # noqa: E402
+from pydblp.collective.config import TIMEOUT_MAX, link_chunk_bytes  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
 
 MiB = 1 << 20
@@ -429,7 +431,7 @@ def fmt_ms(v) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])  # (a mistake: one line, exit status 2)
     ap.add_argument("--workers", type=int, default=4,
                     help="testbed workers, one rank each (default 4, as issue 6 states its targets; 2..8)")
     ap.add_argument("--sizes", default="1,8,32", help="tensor sizes, MiB of float32 (default 1,8,32)")
@@ -473,15 +475,55 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if not (args.rate == 0 or 1 <= args.rate <= 34000):
         ap.error(f"--rate {args.rate:g}: use 0 (no limit) or 1..34000 Mbit/s")
-    sizes = [float(s) for s in args.sizes.split(",") if s]
+    try:
+        sizes = [float(s) for s in args.sizes.split(",") if s]
+    except ValueError:
+        sizes = []
     transports = [t for t in args.transports.split(",") if t]
     conds = [c for c in args.conditions.split(",") if c]
     if not 2 <= args.workers <= 8:
         ap.error(f"--workers {args.workers}: use 2..8")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: use 1 or more")
-    if not set(transports) <= set(TRANSPORTS + BROADCAST + KEYED) or not set(conds) <= set(CONDITIONS) or not sizes:
-        ap.error(f"transports within {TRANSPORTS + BROADCAST + KEYED}, conditions within {CONDITIONS}")
+    if not sizes or not all(math.isfinite(s) and int(s * MiB) >= 4 for s in sizes):
+        ap.error(f"--sizes {args.sizes}: use sizes in MiB above 0, comma-separated, e.g. --sizes 1,8")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.workers * 3 * max(sizes) * MiB > ram:  # (each rank's input, expected mean and result at least)
+        ap.error(f"--sizes {args.sizes}: {args.workers} ranks of {max(sizes):g} MiB tensors outgrow this machine's "
+                 f"{ram / 2**30:.0f} GiB of memory; use smaller sizes, e.g. --sizes 1,8,32")
+    if not transports or not set(transports) <= set(TRANSPORTS + BROADCAST + KEYED):
+        ap.error(f"--transports {args.transports!r}: use some of {','.join(TRANSPORTS + BROADCAST + KEYED)}")
+    if not conds or not set(conds) <= set(CONDITIONS):
+        ap.error(f"--conditions {args.conditions!r}: use some of {','.join(CONDITIONS)}")
+    chunk = 1408 if args.chunk_bytes is None else args.chunk_bytes  # (Config's default)
+    link = link_chunk_bytes(args.mtu) if 144 <= args.mtu <= 65535 else None
+    pydblp_too = any(t != "gloo" for t in transports)
+    for bad, what in (
+            (args.rounds is not None and args.rounds < 1, f"--rounds {args.rounds}: use 1 or more"),
+            (args.rounds == 1 and "burst" in conds,
+             "--rounds 1: a burst block needs 2 or more (bursts start at measured round 1), or leave burst out "
+             "of --conditions"),
+            (not 0 <= args.tol < 1, f"--tol {args.tol}: use a tolerance in [0, 1), e.g. --tol 0.05"),
+            (not 0 <= args.loss <= 1, f"--loss {args.loss}: use a probability in [0, 1], e.g. --loss 0.01"),
+            (not 0 < args.burst_ratio <= 1, f"--burst-ratio {args.burst_ratio}: use a loss ratio in (0, 1], e.g. 0.8"),
+            (args.burst_every is not None and args.burst_every < 1, f"--burst-every {args.burst_every}: use 1 or more"),
+            (not 0 < args.peer_timeout <= TIMEOUT_MAX,
+             f"--peer-timeout {args.peer_timeout}: use seconds in (0, {TIMEOUT_MAX:g}], e.g. 30"),
+            (not 68 <= args.mtu <= 65535, f"--mtu {args.mtu}: use 68..65535 (the testbed's), e.g. --mtu 1500"),
+            (pydblp_too and link is None, f"--mtu {args.mtu}: pydblp's least chunk (64 bytes) needs an MTU of 144 or "
+                                          f"more, e.g. --mtu 1500"),
+            (not 0 <= args.spin < math.inf, f"--spin {args.spin}: use busy-poll seconds >= 0, e.g. 200e-6"),
+            (args.chunk_bytes is not None and (chunk % 4 or not 64 <= chunk <= (link or 8000)),
+             f"--chunk-bytes {args.chunk_bytes}: use a multiple of 4 in 64..{link or 8000} (what MTU {args.mtu} "
+             f"carries), e.g. --chunk-bytes {min(1408, link or 8000)}"),
+            (pydblp_too and link is not None and chunk > link,  # (Config's default chunks)
+             f"--mtu {args.mtu}: {chunk}-byte chunks need MTU {chunk + wire.DATAGRAM_OVERHEAD} or more: give "
+             f"--chunk-bytes {link} too"),
+            (args.send_burst is not None and args.send_burst < 1, f"--send-burst {args.send_burst}: use 1 or more packets"),
+            (args.block_timeout is not None and not 0 < args.block_timeout < math.inf,
+             f"--block-timeout {args.block_timeout}: use seconds above 0, e.g. 120")):
+        if bad:
+            ap.error(what)
     if "burst" in conds and "clean" not in conds:
         conds.insert(0, "clean")  # the burst duration is the clean p50
     conds = [c for c in CONDITIONS if c in conds]
@@ -490,8 +532,8 @@ def main(argv=None) -> int:
             burst_ms = float(args.burst_len)
         except ValueError:
             ap.error(f"--burst-len {args.burst_len!r}: use gloo, own or milliseconds")
-        if burst_ms <= 0:
-            ap.error("--burst-len: milliseconds must be positive")
+        if not 0 < burst_ms < math.inf:
+            ap.error(f"--burst-len {args.burst_len}: use milliseconds above 0, e.g. --burst-len 20")
     if args.burst_len == "gloo" and "burst" in conds:
         if "gloo" in transports:
             transports = ["gloo"] + [t for t in transports if t != "gloo"]  # its clean p50 sizes every burst

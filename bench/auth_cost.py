@@ -38,11 +38,11 @@ C path is unavailable (the reason is logged)::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import json
 import logging
+import math
 import statistics
 import sys
 import threading
@@ -54,7 +54,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pydblp import mac, wire  # noqa: E402
+from pydblp.cliutil import Parser  # noqa: E402
 from pydblp.collective import Collective, Config  # noqa: E402
+from pydblp.collective.config import CHUNK_MAX  # noqa: E402
 from pydblp.transport.auth import authenticate  # noqa: E402
 from pydblp.transport.base import Batch  # noqa: E402
 from pydblp.transport.udp import UdpTransport  # noqa: E402
@@ -192,7 +194,7 @@ def per_round(mib: float, world: int, rounds: int, repeats: int, paths=PATHS) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])  # (a mistake: one line, exit status 2)
     ap.add_argument("--mib", type=float, default=8)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
@@ -203,6 +205,16 @@ def main(argv=None) -> int:
                     help="also keyed ranks whose MAC costs nothing: what the wrapper costs without hashing")
     ap.add_argument("--json", help="write the figures here too")
     a = ap.parse_args(argv)
+    for bad, what in ((not (math.isfinite(a.mib) and int(a.mib * 2**20) // 4 >= 1),
+                       f"--mib {a.mib:g}: use MiB above 0 (a float32 at least), e.g. --mib 8"),
+                      (a.world < 2, f"--world {a.world}: use 2 or more ranks"),
+                      (a.rounds < 1, f"--rounds {a.rounds}: use 1 or more"),
+                      (a.repeats < 1, f"--repeats {a.repeats}: use 1 or more"),
+                      (a.batch < 1, f"--batch {a.batch}: use 1 or more packets"),
+                      (not 1 <= a.chunk <= CHUNK_MAX, f"--chunk {a.chunk}: use payload bytes in 1..{CHUNK_MAX} "
+                                                      f"(pydblp's largest chunk), e.g. --chunk 1408")):
+        if bad:
+            ap.error(what)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not mac.native_available():
         return 2

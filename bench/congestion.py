@@ -75,10 +75,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pydblp import net, wire  # noqa: E402
+from pydblp.cliutil import Parser  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
 from pydblp.testbed.fabric import DROP_CAUSES  # noqa: E402
 
@@ -778,9 +781,8 @@ def incast_verdict(res: dict, rounds: int) -> dict | None:
 # ---- main ------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="\n\n".join(__doc__.split("\n\n")[-2:]),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__.split("\n\n")[0],  # (a mistake: one line, exit status 2)
+                epilog="\n\n".join(__doc__.split("\n\n")[-2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="tcp,jobs,incast", help="comma-separated, of tcp, jobs, incast, sim-incast (default tcp,jobs,incast)")
     ap.add_argument("--cc", default="off,ecn", help="Config.cc settings, each run in turn (default off,ecn)")
     ap.add_argument("--seconds", type=float, default=30.0, help="tcp and jobs: seconds of shared traffic (default 30)")
@@ -823,6 +825,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenario.split(",") if s]
     args.ccs = [c for c in args.cc.split(",") if c]
+    senders = args.senders
     try:
         args.senders = [int(n) for n in args.senders.split(",") if n]
     except ValueError:
@@ -835,13 +838,56 @@ def main(argv=None) -> int:
         ap.error(f"--repeats {args.repeats}: use 1 or more")
     if not all(1 <= n <= 15 for n in args.senders):
         ap.error("--senders: 1..15 each (a testbed of N+1 workers)")
+    if not args.senders and {"incast", "sim-incast"} & set(scenarios):
+        ap.error(f"--senders {senders!r}: give sender counts for the incast, e.g. --senders 3,7")
     if not 1 <= args.mark <= args.buffer:
         ap.error(f"--mark {args.mark}: use 1..--buffer ({args.buffer}) KiB")
-    if args.seconds < args.window and "jobs" in scenarios:
-        ap.error(f"--seconds {args.seconds:g} is shorter than one --window ({args.window:g} s)")
+    from pydblp.collective import Config
+    from pydblp.collective.config import TIMEOUT_MAX
+
+    for bad, what in (
+            (not 0 < args.seconds < math.inf, f"--seconds {args.seconds:g}: use seconds above 0, e.g. --seconds 30"),
+            (not 0 <= args.alone < math.inf, f"--alone {args.alone:g}: use seconds >= 0 (0: skip), e.g. --alone 5"),
+            (not 0 < args.window < math.inf, f"--window {args.window:g}: use seconds above 0, e.g. --window 10"),
+            (not 0 < args.sample < math.inf, f"--sample {args.sample:g}: use seconds above 0, e.g. --sample 0.2"),
+            (not (math.isfinite(args.size) and int(args.size * MiB) >= 4),
+             f"--size {args.size:g}: use MiB above 0 (a float32 at least), e.g. --size 8"),
+            (not (math.isfinite(args.incast_size) and int(args.incast_size * MiB) >= 4),
+             f"--incast-size {args.incast_size:g}: use MiB above 0 (a float32 at least), e.g. --incast-size 2"),
+            (args.rounds < 1, f"--rounds {args.rounds}: use 1 or more"),
+            (args.buffer * 1024 > 2**32 - 1, f"--buffer {args.buffer}: use at most {(2**32 - 1) // 1024} KiB "
+                                             f"(the fabric's 32-bit field), e.g. --buffer 256"),
+            (not 0 < args.queue_rate <= 34000,
+             f"--queue-rate {args.queue_rate:g}: use Mbit/s in (0, 34000] (the TBF's limit), e.g. 1000"),
+            (not 0 <= args.tol < 1, f"--tol {args.tol:g}: use a tolerance in [0, 1), e.g. --tol 0.05"),
+            (not 0 < args.peer_timeout <= TIMEOUT_MAX,
+             f"--peer-timeout {args.peer_timeout:g}: use seconds in (0, {TIMEOUT_MAX:g}], e.g. 30"),
+            (args.seconds < args.window and "jobs" in scenarios,
+             f"--seconds {args.seconds:g} is shorter than one --window ({args.window:g} s)")):
+        if bad:
+            ap.error(what)
+    try:  # (as the workers and the simulator take them: Config's cc_* knobs, numbers, in their ranges)
+        pairs = [kv.split("=", 1) for kv in args.cc_knobs.split(",") if kv]
+        if any(len(kv) != 2 for kv in pairs):
+            raise ValueError("each knob needs a value")
+        knobs = dict(pairs)
+        unknown = [k for k in knobs if not k.startswith("cc_") or not hasattr(Config, k)]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a Config cc_* knob")
+        Config(**{k: float(v) for k, v in knobs.items()}).check()
+    except ValueError as e:
+        ap.error(f"--cc-knobs {args.cc_knobs!r}: {e}; use knob=value pairs, e.g. --cc-knobs cc_gain=0.5")
     if os.geteuid() != 0 and scenarios != ["sim-incast"]:
         print("bench/congestion.py needs root (namespaces, XDP, AF_XDP); sim-incast does not", file=sys.stderr)
         return 2
+    if "tcp" in scenarios:  # (what the TCP source will ask of its socket: a name this kernel has)
+        with socket.socket() as s:
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, args.tcp_cc.encode())
+            except OSError:
+                have = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+                ap.error(f"--tcp-cc {args.tcp_cc}: not a TCP congestion control of this kernel; use one of "
+                         f"{', '.join(have)}, e.g. --tcp-cc cubic")
     t_begin = time.monotonic()
     print(f"bench/congestion.py: scenarios {scenarios}, cc {args.ccs}, transport {args.transport}, queue to w0 "
           f"{args.queue_rate:g} Mbit/s / {args.buffer} KiB / mark {args.mark} KiB"

@@ -61,10 +61,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +76,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pydblp import net  # noqa: E402
+from pydblp.cliutil import Parser  # noqa: E402
 
 ADDR = "198.18.0.1"
 PORT0 = 47900  # rank r listens on PORT0 + r
@@ -225,8 +228,8 @@ class Ranks:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__.split("\n\n")[0],  # (a mistake: one line, exit status 2)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,8", help="tensor sizes in MiB, comma-separated (default 1,8)")
     ap.add_argument("--rounds", type=int, default=100, help="measured rounds per size and repeat (default 100)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -262,12 +265,30 @@ def main() -> int:
         sizes = [float(s) for s in a.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes {a.sizes!r}: use MiB, comma-separated, e.g. 1,8")
-    if any(s <= 0 for s in sizes) or a.rounds < 1 or a.repeats < 1 or not 2 <= a.world <= 8 or a.gap < 0:
+    if (not all(math.isfinite(s) and int(s * (1 << 20)) >= 4 for s in sizes) or a.rounds < 1 or a.repeats < 1
+            or not 2 <= a.world <= 8 or not 0 <= a.gap < math.inf):
         ap.error("sizes and rounds must be positive, repeats >= 1, world 2..8, gap >= 0")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if a.world * 3 * max(sizes) * (1 << 20) > ram:  # (each rank's input, its copy and the expected mean)
+        ap.error(f"--sizes {a.sizes}: {a.world} ranks of {max(sizes):g} MiB tensors outgrow this machine's "
+                 f"{ram / 2**30:.0f} GiB of memory; use smaller sizes, e.g. --sizes 1,8")
     if os.geteuid() != 0:
         print("bench/cpu.py: needs root (a network namespace)", file=sys.stderr)
         return 2
     python = f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})"  # the ranks' interpreter too
+
+    def stopping(signum, frame):
+        # the first Ctrl-C (or SIGTERM: timeout(1), a job scheduler) unwinds into the clean-up below,
+        # and any later one is ignored until it is done: a second Ctrl-C would cut the clean-up short
+        # and leave the namespace (or testbed) and the ranks behind
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stopping)
     ns = f"dblpbench-cpu{os.getpid()}"
     tmp = Path(f"/tmp/{ns}")
     tmp.mkdir()
@@ -332,6 +353,8 @@ def main() -> int:
                     s.stop()
                     sets.remove(s)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # (a run that ended by itself: nor may one cut this)
+            signal.signal(sig, signal.SIG_IGN)
         for s in sets:
             s.stop()
         if tb is not None:

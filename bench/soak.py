@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import select
@@ -41,14 +42,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pydblp import net  # noqa: E402
+from pydblp.cliutil import Parser  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
+from pydblp.testbed.core import MAX_WORKERS  # noqa: E402
 from pydblp.testbed.hostile import CATEGORIES, Sprayer, Target, mutants  # noqa: E402
 
 JOB = 11  # pydblp.experiment.worker's Config(job=11)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # (a mistake: one line)
     p.add_argument("--minutes", type=float, default=10.0, help="length of each run (sets --steps)")
     p.add_argument("--steps", type=int, help="training steps (default: what --minutes allows)")
     p.add_argument("--workers", type=int, default=3, help="ranks (one more testbed host sprays)")
@@ -59,8 +62,20 @@ def parse(argv=None):
     p.add_argument("--net", choices=["xsk", "xsk-ktx"], default="xsk")
     p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
-    if a.workers < 2 or a.pps <= 0 or a.minutes <= 0:
-        p.error("want --workers >= 2, --pps > 0, --minutes > 0")
+    pool = 2 * len(CATEGORIES)  # (half from the sprayer's address, half spoofing rank 1's: every category in each)
+    for bad, what in ((not 2 <= a.workers < MAX_WORKERS,
+                       f"--workers {a.workers}: use 2..{MAX_WORKERS - 1} (one more testbed host sprays)"),
+                      (not 0 < a.pps < math.inf, f"--pps {a.pps:g}: use frames a second above 0, e.g. --pps 2000"),
+                      (not 0 < a.minutes < math.inf, f"--minutes {a.minutes:g}: use minutes above 0, e.g. --minutes 10"),
+                      (a.steps is not None and a.steps < 30,
+                       f"--steps {a.steps}: use 30 or more, as a calibrated run (the spray stops 5 steps before the "
+                       f"end), e.g. --steps 150"),
+                      (a.pool < pool, f"--pool {a.pool}: use {pool} or more (every category, from both addresses), "
+                                      f"e.g. --pool 14000"),
+                      (a.seed < 0, f"--seed {a.seed}: use 0 or more"),
+                      (not 0 < a.sample < math.inf, f"--sample {a.sample:g}: use seconds above 0, e.g. --sample 5")):
+        if bad:
+            p.error(what)
     return a
 
 

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
+import socket
 import sys
 import time
 
@@ -47,12 +49,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pydblp.torch as ptorch
-from pydblp.collective import CollectiveError, Config
+from pydblp.cliutil import Parser
+from pydblp.collective import CollectiveError, Config, phase as phases
+from pydblp.collective.config import CHUNK_MAX, TIMEOUT_MAX
 from pydblp.experiment import data, models
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # (a mistake: one line)
     p.add_argument("--iface", help="data-plane NIC (default: none, loopback 127.0.0.1; fine for one host)")
     p.add_argument("--addr", help="address published to peers (default: the first IPv4 address of --iface)")
     p.add_argument("--transport", choices=["udp", "xsk"], default="udp", help="xsk = AF_XDP (root)")
@@ -81,7 +85,40 @@ def parse(argv=None):
     p.add_argument("--check-gloo", action="store_true",
                    help="also average every gradient bucket with Gloo's allreduce and exit 1 if pydblp's mean "
                         "differs by more than 1e-5 (a check for a loss-free network)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    # every mistake refused here, before the rendezvous (which waits for the other ranks)
+    chunk = a.chunk_bytes if a.chunk_bytes == "link" else int(a.chunk_bytes) if a.chunk_bytes.isdigit() else -1
+    for bad, what in ((not 0 <= a.port <= 65535, f"--port {a.port}: use 1..65535, or 0 for any free one"),
+                      (a.queue is not None and a.queue < 0, f"--queue {a.queue}: use a NIC queue, 0 or more"),
+                      (not 0 <= a.rate < math.inf, f"--rate {a.rate:g}: use bits/s >= 0 (0: unpaced), e.g. 1e9"),
+                      (not 1 <= a.job <= 0xFFFFFFFF, f"--job {a.job}: use 1..{0xFFFFFFFF}"),
+                      (chunk != "link" and (chunk % 4 or not 64 <= chunk <= CHUNK_MAX),
+                       f"--chunk-bytes {a.chunk_bytes}: use a multiple of 4 in 64..{CHUNK_MAX}, or link, "
+                       f"e.g. --chunk-bytes 1408"),
+                      (not 0 < a.peer_timeout <= TIMEOUT_MAX,
+                       f"--peer-timeout {a.peer_timeout:g}: use seconds in (0, {TIMEOUT_MAX:g}], e.g. 30"),
+                      (a.broadcast_every < 0, f"--broadcast-every {a.broadcast_every}: use 0 (never) or more steps"),
+                      (a.epochs < 1, f"--epochs {a.epochs}: use 1 or more"),
+                      (a.steps < 0, f"--steps {a.steps}: use 0 (no limit) or more"),
+                      (a.batch < 1, f"--batch {a.batch}: use 1 or more samples"),
+                      (not 0 < a.lr < math.inf, f"--lr {a.lr:g}: use a learning rate above 0, e.g. 0.05")):
+        if bad:
+            p.error(what)
+    try:
+        phases.make(a.phase)
+    except ValueError as e:
+        p.error(f"--phase {a.phase}: {e}; e.g. --phase dblp or --phase static:0.02")
+    if a.iface:
+        try:
+            socket.if_nametoindex(a.iface)
+        except OSError:
+            p.error(f"--iface {a.iface}: no such interface here (ip link lists them)")
+    if a.key_file:
+        try:
+            open(a.key_file, "rb").close()
+        except OSError as e:
+            p.error(f"--key-file {a.key_file}: {e.strerror}")
+    return a
 
 
 def log(*a) -> None:
