@@ -218,7 +218,8 @@ def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = Non
     """The summary line followed by every header field, one per line (``key`` as :func:`summary`),
     the IP header's DSCP and ECN, the payload, and a STOP's payload decoded: the receiver's
     probe-timeout ``estimate`` (100 us units) and, from senders that send it, the ``echo`` of
-    what it received from the STOP's destination (``rx`` DATA packets, ``ce`` of them CE-marked)."""
+    what it received from the STOP's destination (``rx`` DATA packets, ``ce`` of them CE-marked);
+    a HELLO's: its number and how long its sender has been out of rounds."""
     line = summary(pkt, ports, key)
     data = dblp_payload(pkt, ports)
     if data is None:
@@ -245,6 +246,9 @@ def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = Non
                                                          if body else ""))
     if h.kind == wire.Kind.STOP:
         out += _stop_lines(body)
+    elif h.kind == wire.Kind.HELLO and len(body) >= wire.HELLO_PAYLOAD.size:
+        number, ms = wire.HELLO_PAYLOAD.unpack_from(body)
+        out.append(f"    {'hello':<8} number {number}, out of rounds {ms} ms")
     if taglen:
         out.append(f"    {'tag':<8} {data[-taglen:].hex() if len(data) >= wire.HEADER_LEN + taglen else 'missing'}")
     return "\n".join(out)

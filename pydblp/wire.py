@@ -46,6 +46,10 @@ class Kind(enum.IntEnum):
     HELLO = 5
 
 
+HELLO_PAYLOAD = struct.Struct("!QI")  # a HELLO's payload: its number (from 1, per sender and run) and the
+                                      # ms since the sender's last round (docs/wire.md)
+
+
 class Dtype(enum.IntEnum):
     F32 = 0
     F16 = 1

@@ -14,7 +14,8 @@ from pydblp import dscp, wire
 from pydblp.collective import estimators, phase as phases
 
 # plain ints: numpy compares an array with an IntEnum member ~4x slower than with an int
-DATA, PROBE, BITMAP, STOP = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP, wire.Kind.STOP))
+DATA, PROBE, BITMAP, STOP, HELLO = (int(k) for k in (wire.Kind.DATA, wire.Kind.PROBE, wire.Kind.BITMAP,
+                                                      wire.Kind.STOP, wire.Kind.HELLO))
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 FINAL = int(wire.Flag.FINAL)
@@ -44,8 +45,10 @@ IDLE_GRACE = 0.002  # s without a round before the idle responder serves the tra
 LINGER, LINGER_WANT = 0.002, 256  # receive coalescing while a data stream trickles in
 LINGER_MIN = 16  # fewer data packets due than this: a receive takes what is there
 TIMER_TICK = 0.0005  # s between checks of the NACK, probe and peer timeouts
-TIMEOUT_MAX = 86400.0  # s: the longest peer_timeout, probe_min or deadline (a day; waits are sums of them)
+TIMEOUT_MAX = 86400.0  # s: the longest peer_timeout, join_timeout, probe_min or deadline (a day; waits are sums of them)
 DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
+HELLO_EVERY = 4  # HELLOs a rank between rounds sends per peer_timeout to each peer waiting for it in a round
+JOIN_TIMEOUT = 1800.0  # s: Config.join_timeout's default (torch's default process-group timeout, 30 min)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
 TXQ_REPAIR = 512 << 10  # bytes in the kernel's send queue past which a round that repairs hands it no more
 TXQ_DRAINED = 64 << 10  # bytes in the send queue, soon after a full turn, up to which the path keeps up ...
@@ -165,6 +168,10 @@ class Config:
     deadline: float | None = None    # seconds; a round may end below the bound only if set
                                      # (owners stop waiting for contributions at half of it)
     peer_timeout: float = 10.0       # a needed peer silent this long fails the round
+    join_timeout: float = JOIN_TIMEOUT  # s a round waits for a needed peer that is alive but has not
+                                     # joined it (busy between rounds: it says so with HELLO every
+                                     # peer_timeout / HELLO_EVERY); pydblp.torch's backend sets it from
+                                     # init_process_group(timeout=...).  docs/protocol.md, "Failure semantics"
     probe_min: float = 0.002         # probe timeout bounds (s); it adapts to measured STOP delays
     probe_max: float = 0.05
     burst: int = 1024                # packets sent per loop turn before draining receive; what every
@@ -217,7 +224,8 @@ class Config:
             raise ValueError(f"chunk_bytes {self.chunk_bytes}: use a multiple of 4 in 64..{CHUNK_MAX}")
         if not 1 <= self.job <= 0xFFFFFFFF:
             raise ValueError(f"job {self.job}: use 1..{0xFFFFFFFF} (0 marks no job on the wire)")
-        for name, value in (("peer_timeout", self.peer_timeout), ("probe_min", self.probe_min),
+        for name, value in (("peer_timeout", self.peer_timeout), ("join_timeout", self.join_timeout),
+                            ("probe_min", self.probe_min),
                             ("deadline", 1.0 if self.deadline is None else self.deadline)):
             if not 0 < value <= TIMEOUT_MAX:  # (inf and NaN too: a wait that long overflows the clock)
                 raise ValueError(f"{name} {value}: use a positive number of seconds, at most {TIMEOUT_MAX:g}")

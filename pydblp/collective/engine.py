@@ -59,8 +59,11 @@ class Collective:
     late probes, serves the last rounds' trailing all-gather messages
     (retransmissions asked for, probes) and keeps the next round's packets; it
     sleeps while nothing arrives and no probe is due, and is never woken by
-    rounds that follow each other within ``IDLE_GRACE`` (2 ms).  :meth:`close`
-    ends it.
+    rounds that follow each other within ``IDLE_GRACE`` (2 ms).  While peers
+    wait for this rank in a round it has not begun (the caller is busy: an
+    evaluation, a checkpoint) it tells them every ``peer_timeout / 4`` that it
+    is alive (HELLO), so they wait for it up to ``Config.join_timeout`` instead
+    of failing at ``peer_timeout``.  :meth:`close` ends it.
 
     Round records: :attr:`records` keeps the latest ``Config.records_max`` (4096 by default;
     older ones are dropped, so memory stays flat over any number of rounds); ``Config.on_record``
@@ -640,7 +643,7 @@ class Collective:
                             continue
                         self._serve()
                         backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
-                        due = p.trail_due(p.clock())  # a trailing message's probe or retransmissions
+                        due = p.idle_due(p.clock())  # a trailing message's probe or resends, HELLOs
                     finally:
                         self._poll_lock.release()
                     waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
@@ -659,15 +662,20 @@ class Collective:
             if self._closing:
                 return
 
-    def serve(self) -> float | None:
+    def serve(self, hello: bool = True) -> float | None:
         """Between rounds, without an idle thread (``idle_thread=False``): take in what has
         arrived (keeping the next round's packets, answering late probes), send what trailing
         all-gather messages were asked to resend, and the answers.  Call it whenever the
         transport is readable and when the time it returns has passed.
 
+        Args:
+            hello: this rank will run more rounds: peers already waiting for it in one hear that
+                it is alive (HELLO; they wait up to ``Config.join_timeout``).  False once it
+                runs no more rounds: they then find it gone at their ``peer_timeout``.
+
         Returns:
-            Seconds until a trailing message needs this collective again (a probe due), or None
-            if none does (only an arriving packet does).
+            Seconds until this collective needs to act again (a trailing message's probe, a
+            HELLO), or None if nothing does (only an arriving packet does).
 
         Raises:
             CollectiveError: the collective is closed.
@@ -677,17 +685,19 @@ class Collective:
             raise RuntimeError("this collective answers peers from its own thread: serve() is for idle_thread=False")
         if self._closing:
             raise CollectiveError("collective is closed")
-        self._serve()
-        return self.protocol.trail_due(self.protocol.clock())
+        self._serve(hello)
+        return self.protocol.idle_due(self.protocol.clock(), hello)
 
-    def _serve(self) -> None:
-        """Take in what has arrived, serve trailing messages, send the answers (whoever holds the
-        transport between rounds)."""
+    def _serve(self, hello: bool = True) -> None:
+        """Take in what has arrived, serve trailing messages, tell waiting peers this rank is
+        alive (``hello``), send the answers (whoever holds the transport between rounds)."""
         p = self.protocol
         while p.take(None, 0.0) >= RECV_BATCH:
             pass
         if p.trail:
             p.serve_trail(p.clock())
+        if hello:
+            p.hello(p.clock())
         p.flush_ctrl()
 
     def _round_begun(self) -> bool:

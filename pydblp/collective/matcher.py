@@ -320,6 +320,20 @@ class Matcher:
         src = h["src"]
         return (h["job"] == self.job) & (src < self.world) & (src != self.rank) & to_me & (d > 0) & (d <= STASH_AHEAD)
 
+    def waiting(self, base: int) -> dict[int, tuple[int, int]]:
+        """The peers whose packets of a round to come are stashed (they are in a round this rank,
+        last in round ``base``, has not begun), each with the (round, tensor) nearest ``base``."""
+        if not self.stash:
+            return {}
+        h = np.concatenate([x[0] for x in self.stash])
+        d = (h["round"].astype(np.int64) - base) & MASK32
+        order = np.lexsort((d, h["src"]))  # by sender, then by distance
+        src = h["src"][order]
+        first = np.flatnonzero(np.r_[True, src[1:] != src[:-1]])
+        near = order[first]
+        return {int(s): (int(r), int(t)) for s, r, t in
+                zip(h["src"][near], h["round"][near], h["tensor"][near])}
+
     def _keep(self, h, pay, lens, rows) -> None:
         """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs)."""
         room = STASH_MAX - sum(len(x[0]) for x in self.stash)

@@ -32,7 +32,8 @@ from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import Echo, Ledger, RateControl
 from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
-                                      FINAL, LINGER, MASK32, NB, PLAN_LOSS_MAX, PLAN_SHORT_KEEP, PLAN_Z, PROBE,
+                                      FINAL, HELLO, HELLO_EVERY, LINGER, MASK32, NB, PLAN_LOSS_MAX,
+                                      PLAN_SHORT_KEEP, PLAN_Z, PROBE,
                                       RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP,
                                       TXQ_DRAINED, TXQ_LIMIT, TXQ_REPAIR, CollectiveError, Config, RoundRecord)
 from pydblp.collective.feedback import Residuals, inverse
@@ -104,7 +105,8 @@ class Protocol:
         self.records: collections.deque[RoundRecord] = collections.deque(maxlen=c.records_max)
         self.counters = dict.fromkeys(("foreign", "late", "duplicate", "stashed", "stash_full", "bad_payload",
                                        "tx_short", "trail_retransmits", "trail_probes", "trail_dropped",
-                                       "stray", "rx_errors", "ce_received", "fed_back", "planned", "plans_short"), 0)
+                                       "stray", "rx_errors", "ce_received", "fed_back", "planned", "plans_short",
+                                       "hellos_sent", "hellos"), 0)
         self._drop_log = DropLog(log, f"rank {rank}")  # batches take dropped on an error
         self.matcher = Matcher(rank, world, c.job, c.chunk_bytes, self._gid >= 0, self.counters, stagger=c.stagger)
         self.ctrl: list[Control] = []             # control packets queued, sent first in the next batch
@@ -135,6 +137,11 @@ class Protocol:
         self._others = [r for r in range(world) if r != rank]  # a broadcast all-gather's destinations
         self._short = [0.0] * world  # per destination: the loss a plan that fell short saw (_top_up), less by
                                      # PLAN_SHORT_KEEP at each plan since
+        # HELLO: between rounds, this rank tells peers already waiting for it in a round that it is alive
+        self._idle_since = clock()   # when its last round ended (or it was made)
+        self._hello_at = self._idle_since + c.peer_timeout / HELLO_EVERY  # the next HELLOs may go
+        self._hello_seq = 0          # HELLOs sent: each carries the next number
+        self._hello_heard = [0] * world  # per rank, the highest number of its HELLOs taken (a replay is not news)
         if self.cc is not None:
             transport.set_ect(True)
             if not transport.ect:
@@ -1000,6 +1007,9 @@ class Protocol:
         flag = f[F_FLAGS] & (AG | NB)
         ag = bool(flag & AG)
         src, kind, rnd, tensor = f[F_SRC], f[F_KIND], f[F_ROUND], f[F_TENSOR]
+        if kind == HELLO:
+            self._hello(st, src, payload, now, current)
+            return
         if kind == PROBE:
             ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
             # (st is None between rounds: then current is False and _prev answers)
@@ -1072,6 +1082,20 @@ class Protocol:
                 self._out_done(o, now)
             elif o.plans:
                 self._top_up(o)
+
+    def _hello(self, st: Round | None, src: int, payload: np.ndarray, now: float, current: bool) -> None:
+        """A HELLO from ``src``: alive, busy between rounds, not yet in round ``st``.  News only
+        about the current round and with a number above any taken from ``src`` (a replay is not):
+        the peer is heard (not taken for dead), and the round waits for it up to
+        ``Config.join_timeout`` (:meth:`timers`)."""
+        if current and len(payload) >= wire.HELLO_PAYLOAD.size:
+            seq = wire.HELLO_PAYLOAD.unpack(payload[: wire.HELLO_PAYLOAD.size].tobytes())[0]
+            if seq > self._hello_heard[src]:
+                self._hello_heard[src] = seq
+                st.heard[src] = st.hello[src] = now
+                self.counters["hellos"] += 1
+                return
+        self.counters["stray"] += 1
 
     def _echo(self, src: int, received: int, marked: int) -> Echo | None:
         """Read a STOP's echo from ``src`` into the ledger; the phase controller hears the loss."""
@@ -1194,6 +1218,15 @@ class Protocol:
                        if also else "")
                     + (f" ({foreign} packets of another job or for another rank came meanwhile: every rank "
                        f"must use the same Config.job, world and peer list)" if foreign else ""))
+            if st.hello and now - st.t0 > self.cfg.join_timeout:
+                # alive (its latest news is a HELLO: it is between rounds) but not in this one
+                busy = sorted(q for q in needed if st.hello.get(q, -math.inf) >= st.heard[q])
+                if busy:
+                    raise CollectiveError(
+                        f"rank {self.rank}: rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:8]))}"
+                        f"{f' and {len(busy) - 8} more' if len(busy) > 8 else ''} alive but not in round "
+                        f"{st.index} (tensor {st.tensor}) after {self.cfg.join_timeout:g} s (Config.join_timeout): "
+                        f"busy between rounds for longer, or calling collectives in another order or fewer of them")
         for q, (since, what) in st.misfit.items():
             # alive (it probes) but a message of its that this round needs has not moved for
             # peer_timeout while what it sends does not fit (all of it, or one message's only, as
@@ -1241,6 +1274,35 @@ class Protocol:
             t = o.t_last + o.probe_wait(pt, self.cfg.probe_max) - now
             due = t if due is None else min(due, t)
         return None if due is None else max(0.0, due)
+
+    # ---- between rounds: HELLO ---------------------------------------------
+    def hello(self, now: float) -> None:
+        """Between rounds, once this rank has been out of rounds ``peer_timeout / HELLO_EVERY``
+        (and as often after): a HELLO to each peer whose packets of a round to come it holds (a
+        peer waiting for it there would take it for dead at its ``peer_timeout``).  Each carries
+        the next number of this rank's HELLOs (a replay is no news) and the ms since its last
+        round.  Whoever holds the transport between rounds calls it if this rank will run more
+        rounds; it queues, :meth:`flush_ctrl` sends."""
+        if now < self._hello_at:
+            return
+        self._hello_at = now + self.cfg.peer_timeout / HELLO_EVERY
+        waiting = self.matcher.waiting(self.round)
+        out = min(MASK32, int((now - self._idle_since) * 1000))
+        for src, (rnd, tensor) in sorted(waiting.items()):
+            self._hello_seq += 1
+            self._ctrl_packet(rnd, tensor, HELLO, 0, src, 1, 0, payload=wire.HELLO_PAYLOAD.pack(self._hello_seq, out))
+        self.counters["hellos_sent"] += len(waiting)
+
+    def idle_due(self, now: float, hello: bool = True) -> float | None:
+        """Seconds until this rank needs to act between rounds (0: now): a trailing message's probe
+        or retransmissions (:meth:`trail_due`), or, with ``hello``, HELLOs while a peer's packets
+        of a round to come wait here (:meth:`hello`); None if nothing does (only an arriving
+        packet does)."""
+        due = self.trail_due(now)
+        if hello and self.matcher.stash:
+            t = max(0.0, self._hello_at - now)
+            due = t if due is None else min(due, t)
+        return due
 
     def serve_trail(self, now: float) -> None:
         """Between rounds: send what trailing messages were asked to resend, and the first sends a
@@ -1326,6 +1388,8 @@ class Protocol:
                 log.warning("rank %d: neighbour %d's data in round %d did not fit: %s", self.rank, q, st.index, what)
         self.records.append(rec)
         self.index += 1
+        self._idle_since = now = self.clock()
+        self._hello_at = now + self.cfg.peer_timeout / HELLO_EVERY
         if self.cfg.on_record is not None:
             self.cfg.on_record(rec)
         return rec

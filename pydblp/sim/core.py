@@ -345,7 +345,7 @@ class Sim:
             node.state = "serving"
             self._programs -= 1
             while True:
-                due = node.collective.serve()
+                due = node.collective.serve(hello=False)  # (it runs no more rounds)
                 self.wait(node.rank, math.inf if due is None else self.now + max(due, QUANTUM),
                           node.collective.t._next)
         except _Stopped:

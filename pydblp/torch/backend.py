@@ -26,7 +26,10 @@ What tolerates loss and what is exact (``BackendOptions.tolerate``):
 
 Failure semantics: a round whose peer stays silent for ``Config.peer_timeout`` fails its
 ``Work`` (``wait()`` raises, the future completes with the error) with a
-:class:`~pydblp.collective.CollectiveError` naming the silent rank.  Every later operation on
+:class:`~pydblp.collective.CollectiveError` naming the silent rank.  A rank busy between
+operations (evaluating, writing a checkpoint) is not silent: it tells the ranks waiting for it
+that it is alive, and they wait up to ``init_process_group``'s ``timeout`` (default 30 min, as
+for Gloo; ``Config.join_timeout``) before the operation fails naming it.  Every later operation on
 the group then fails at once with an error naming the first failure; ``destroy_process_group``
 waits (at most ``peer_timeout``) until every member closes, answering peers meanwhile, then
 closes the data plane (:meth:`ProcessGroupDblp.close`).  An unsupported dtype or op raises
@@ -59,7 +62,7 @@ import torch.distributed as dist
 
 from pydblp import wire
 from pydblp.collective import CollectiveError, Config
-from pydblp.collective.config import TENSOR_BACKEND
+from pydblp.collective.config import TENSOR_BACKEND, TIMEOUT_MAX
 
 log = logging.getLogger(__name__)
 
@@ -329,12 +332,15 @@ class ProcessGroupDblp(dist.ProcessGroup):
     without the dead rank (:meth:`_reform`).  Other operations fail their ``Work``.
     """
 
-    def __init__(self, store, rank: int, size: int, options: BackendOptions, group_id: int = 0):
+    def __init__(self, store, rank: int, size: int, options: BackendOptions, group_id: int = 0,
+                 timeout: float | None = None):
         super().__init__(rank, size)
         self.options = options
         cfg = options.config or Config()
         if group_id:  # groups sharing an interface and port: a job each
             cfg = dataclasses.replace(cfg, job=(cfg.job + group_id - 1) % 0xFFFFFFFF + 1)
+        if timeout is not None:  # init_process_group's / new_group's: how long an operation waits for a rank
+            cfg = dataclasses.replace(cfg, join_timeout=min(timeout, TIMEOUT_MAX))  # busy elsewhere
         self._cfg, self._store = cfg, store
         self.members = list(range(size))  # the torch ranks still in the group (all, until one dies)
         self.generation = 0               # times the group re-formed without a dead rank
@@ -772,7 +778,9 @@ def _create(backend_opts, options) -> ProcessGroupDblp:
     options.check()
     gid = str(backend_opts.group_id)
     number = int(gid) if gid.isdigit() else 0  # (a hashed group name: the same job, another socket)
-    return ProcessGroupDblp(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, options, number)
+    timeout = backend_opts.timeout.total_seconds() if backend_opts.timeout is not None else None
+    return ProcessGroupDblp(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, options, number,
+                            timeout if timeout and timeout > 0 else None)
 
 
 _OPEN: "weakref.WeakSet[ProcessGroupDblp]" = weakref.WeakSet()

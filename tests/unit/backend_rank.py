@@ -334,6 +334,26 @@ def group() -> dict:
     return res
 
 
+def busy() -> None:
+    """DDP, rank 0 alone busy for 3 s between two steps (an evaluation; with DBLP_PEER_TIMEOUT=1)
+    while the others wait in the next step's allreduce."""
+    import time
+
+    torch.manual_seed(RANK)
+    m = model()
+    net = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2 and RANK == 0:
+            time.sleep(3.0)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    col = dist.group.WORLD.state.collective
+    out("busy", {"params": [p.detach() for p in m.parameters()], "join_timeout": col.cfg.join_timeout,
+                 "hellos": col.counters["hellos"]})
+
+
 def main() -> None:
     torch.set_num_threads(1)
     if ENV:
@@ -350,7 +370,7 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=60), pg_options=options)
     try:
         {"ddp": lambda: ddp(50), "fsdp": lambda: fsdp(20), "ops": ops, "tolerant": lambda: tolerant(20),
-         "death": lambda: death(15), "lost": lost, "crash": crash,
+         "death": lambda: death(15), "lost": lost, "crash": crash, "busy": busy,
          "checkpoint": checkpoint, "matrix": matrix}[CASE]()
         if ENV:
             out("group", group())

@@ -255,6 +255,16 @@ def test_a_bad_option_is_refused_at_init_in_one_line(tmp_path, monkeypatch, opti
     assert {t.name for t in threading.enumerate()} <= before  # nothing was left running
 
 
+def test_a_rank_busy_between_steps_is_waited_for_up_to_the_groups_timeout(tmp_path):
+    """Rank 0 alone is busy 3 x ``peer_timeout`` between two DDP steps: the others wait for it in
+    the next step (its group's thread says it is alive) and every rank ends with the same
+    parameters; the group's ``timeout`` (60 s) is how long they would wait (``join_timeout``)."""
+    outs = _job("busy", "dblp", tmp_path, world=3, env={"DBLP_PEER_TIMEOUT": "1"}, timeout=90)
+    assert [o["join_timeout"] for o in outs] == [60.0] * 3
+    assert all(o["hellos"] >= 1 for o in outs[1:])
+    assert all(_max_diff(o["params"], outs[0]["params"]) == 0 for o in outs[1:])
+
+
 def test_options_from_the_environment():
     """Every documented variable reaches its option (DBLP_RATE with units, as tc writes them);
     a tolerant all-gather brings the inconsistent collective it needs."""

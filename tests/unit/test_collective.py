@@ -92,6 +92,28 @@ def test_ranks_of_other_jobs_fail_the_round_saying_so(ranks):
         assert "packets of another job or for another rank came meanwhile" in str(e), e
 
 
+def test_a_rank_busy_between_rounds_is_waited_for_by_its_idle_responders_hello(ranks):
+    """Rank 1 sleeps 3 x ``peer_timeout`` between two rounds while rank 0 waits in the second:
+    rank 1's idle responder thread says HELLO, so rank 0's round waits and ends exact (before, it
+    failed at ``peer_timeout`` naming rank 1 as dead)."""
+    rk = ranks(2, peer_timeout=1.0)
+    xs = inputs(2, 10_000, rounds=2)
+
+    def fn(r, c):
+        out = [c.allreduce(xs[0][r])]
+        if r == 1:
+            time.sleep(3.0)
+        out.append(c.allreduce(xs[1][r]))
+        return out
+
+    res, errs = rk.run(fn, timeout=30)
+    assert not errs, errs
+    for i in range(2):
+        for r in range(2):
+            np.testing.assert_allclose(res[r][i], np.mean(xs[i], axis=0), atol=1e-5)
+    assert rk.cols[0].counters["hellos"] >= 1 and rk.cols[1].counters["hellos_sent"] >= 1
+
+
 def test_peers_silent_together_are_all_named(ranks):
     """Two of three ranks never begin the round: rank 0's error names the first and lists the
     other as silent as long (it cannot tell which of them is the cause)."""
@@ -943,6 +965,7 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     ((0, 2), {"fill": "zero"}, "fill 'zero'"), ((0, 2), {"priority": "size"}, "priority 'size'"),
     ((0, 2), {"chunk_bytes": 3}, "chunk_bytes 3"), ((0, 2), {"job": 0}, "job 0"),
     ((0, 2), {"peer_timeout": 0}, "peer_timeout 0"), ((0, 2), {"deadline": -1}, "deadline -1"),
+    ((0, 2), {"join_timeout": float("inf")}, "join_timeout inf"), ((0, 2), {"join_timeout": 0}, "join_timeout 0"),
     ((0, 2), {"probe_min": 0.01, "probe_max": 0.005}, "probe_max 0.005"), ((0, 2), {"burst": 0}, "burst 0"),
     ((2, 2), {}, "rank 2: use 0..1"), ((-1, 2), {}, "rank -1"), ((0, 0), {}, "world 0"),
     ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5"),

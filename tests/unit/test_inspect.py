@@ -262,6 +262,18 @@ def test_describe_decodes_a_stop(keyed):
         (["tag"] if keyed else [])
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_describe_decodes_a_hello(keyed):
+    """A HELLO's payload (!QI): its number and the ms its sender has been out of rounds; one too
+    short for them shows only its bytes."""
+    key = KEY if keyed else None
+    hello = Header(kind=wire.Kind.HELLO, job=42, round=7, src=1, dst=0, nchunks=1)
+    body = stop_body(frame(wire.encode(hello, wire.HELLO_PAYLOAD.pack(2**40 + 3, 5250), key=key)))
+    assert body["kind"] == "HELLO (5)" and body["hello"] == f"number {2**40 + 3}, out of rounds 5250 ms"
+    assert "estimate" not in body
+    assert "hello" not in stop_body(frame(wire.encode(hello, bytes(11), key=key)))
+
+
 def test_describe_decodes_only_stop_payloads():
     for kind, payload in ((wire.Kind.DATA, bytes(10)), (wire.Kind.BITMAP, b"\xff" * 10)):
         body = stop_body(frame(wire.encode(Header(kind=kind, nchunks=80), payload)))

@@ -115,6 +115,80 @@ def test_a_peer_whose_data_does_not_fit_fails_the_round_after_peer_timeout(case)
         assert node.collective.counters["bad_payload"] > 0
 
 
+# ---- a peer busy between rounds: HELLO ----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "all_gather"])
+def test_a_peer_busy_between_rounds_is_waited_for_not_taken_for_dead(kind):
+    """Rank 1 computes for 6 x ``peer_timeout`` between two rounds while ranks 0 and 2 wait for it
+    in the second: it tells them it is alive (HELLO, every quarter ``peer_timeout``), so their
+    round waits and ends exactly once it joins, instead of failing at ``peer_timeout``."""
+    s = sim(3, peer_timeout=0.5)
+    xs = inputs(3, 3 * 10 * 352, rounds=2, seed=4)
+
+    def program(node):
+        c, r = node.collective, node.rank
+        first = getattr(c, kind)(xs[0][r])
+        node.compute(3.0 if r == 1 else 0.01)
+        began = node.now
+        second = getattr(c, kind)(xs[1][r])
+        return (first, second), node.now - began
+
+    nodes = s.run(program)
+    for i in range(2):
+        full = np.mean(xs[i], axis=0)
+        for r, node in enumerate(nodes):
+            want = {"allreduce": full, "reduce_scatter": full.reshape(3, -1)[r],
+                    "all_gather": np.concatenate(xs[i])}[kind]
+            np.testing.assert_allclose(node.result[0][i], want, atol=1e-5)
+    for r in (0, 2):
+        assert nodes[r].result[1] > 2.9  # (virtual s: it waited out rank 1's compute)
+        assert nodes[r].collective.counters["hellos"] >= 3.0 / (0.5 / 4) - 2
+    assert nodes[1].collective.counters["hellos_sent"] >= 2 * (3.0 / (0.5 / 4) - 2)
+    # back-to-back rounds send none: HELLOs begin only a quarter peer_timeout out of rounds
+    assert all(n.collective.counters["hellos_sent"] == 0 for n in (nodes[0], nodes[2]))
+
+
+def test_a_peer_busy_past_join_timeout_fails_the_round_naming_it():
+    """Rank 1 stays busy past ``join_timeout``: ranks 0 and 2 fail their round ``join_timeout``
+    after it began (within a HELLO interval and a dead-peer tick), naming rank 1 as alive but not
+    in the round, not as dead."""
+    s = sim(3, peer_timeout=0.5, join_timeout=1.0)
+    xs = inputs(3, 10_000, rounds=2)
+
+    def program(node):
+        c = node.collective
+        c.allreduce(xs[0][node.rank])
+        node.compute(3.0 if node.rank == 1 else 0.01)
+        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
+
+    nodes = s.run(program)
+    for r in (0, 2):
+        done, err, began, failed = nodes[r].result
+        assert done == [] and isinstance(err, CollectiveError)
+        assert "rank 1 alive but not in round 1 (tensor 0) after 1 s (Config.join_timeout)" in str(err), err
+        assert "dead" not in str(err)
+        assert 1.0 <= failed - began < 1.0 + 0.5 / 4 + 0.05, (began, failed)
+
+
+def test_a_rank_that_runs_no_more_rounds_is_found_gone_at_peer_timeout():
+    """Rank 1 runs one round fewer than its peers and then only answers them (a simulated rank
+    whose program ended serves with ``hello=False``): it sends no HELLO, so ranks 0 and 2 fail
+    their second round at ``peer_timeout`` naming it, not at ``join_timeout``."""
+    s = sim(3, peer_timeout=0.5)
+    xs = inputs(3, 10_000, rounds=2)
+
+    def program(node):
+        rounds = 1 if node.rank == 1 else 2
+        return until_error(node, (lambda i=i: node.collective.allreduce(xs[i][node.rank]) for i in range(rounds)))
+
+    nodes = s.run(program)
+    assert nodes[1].result[1] is None and nodes[1].collective.counters["hellos_sent"] == 0
+    for r in (0, 2):
+        done, err, began, failed = nodes[r].result
+        assert len(done) == 1 and "rank 1 sent nothing for 0.5 s" in str(err), err
+        assert 0.5 <= failed - began < 0.55, (began, failed)
+
+
 @pytest.mark.parametrize("fill", ["stale", "local"])
 def test_deadline_ends_below_bound_reported_and_filled(fill):
     """Rank 2 takes part in round 1 and not in round 2 (it only answers peers): ranks 0 and 1 end

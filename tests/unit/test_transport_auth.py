@@ -415,6 +415,46 @@ def test_a_dead_peers_replayed_packets_do_not_keep_it_alive(pair):
     assert isinstance(errs.get(0), CollectiveError) and "rank 1 sent nothing" in str(errs[0]), errs
 
 
+def test_a_busy_peers_replayed_hellos_do_not_keep_it_alive(pair):
+    """Rank 1 is busy between rounds (its idle responder says HELLO to rank 0, waiting in the next
+    round), then dies.  Its genuine HELLOs (tagged: they verify) replayed to rank 0 are not news,
+    their numbers already taken: rank 0's round fails at ``peer_timeout`` naming rank 1 while
+    the replay still goes on."""
+    import threading
+
+    p = pair(peer_timeout=1.0)
+    sent = _record(p.ts[1])
+    _, errs = p.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)))
+    assert not errs
+    stop, got = threading.Event(), {}
+
+    def busy_then_dead():
+        time.sleep(2.5)  # rank 1's caller is busy; rank 0 is in the next round
+        hellos = [d for d in sent if wire.Header.unpack(d).kind == wire.Kind.HELLO]
+        got["hellos"] = hellos
+        p.cols[1].close()
+        s = raw_socket()
+        end = time.monotonic() + 15.0  # 15 x peer_timeout
+        while hellos and not stop.is_set() and time.monotonic() < end:
+            for d in hellos:
+                s.sendto(d, ("127.0.0.1", p.raw[0].port))
+            time.sleep(0.1)
+        s.close()
+        got["stopped"] = stop.is_set()
+
+    th = threading.Thread(target=busy_then_dead)
+    th.start()
+    try:
+        _, errs = p.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), ranks=(0,), timeout=40)
+    finally:
+        stop.set()
+        th.join()
+    assert got["hellos"], "rank 1 sent no HELLO while busy"
+    assert p.cols[0].counters["hellos"] >= 1  # the genuine ones were news
+    assert got["stopped"], "the round outlasted the replay"
+    assert isinstance(errs.get(0), CollectiveError) and "rank 1 sent nothing" in str(errs[0]), errs
+
+
 def test_the_key_and_epoch_are_checked():
     t = UdpTransport(port=0)
     try:
