@@ -1202,14 +1202,23 @@ class Protocol:
         if not needed:
             needed = {i.src for i in waiting if i.ag}
         needed -= st.misfit.keys()  # (it sends, what does not fit: judged below, with a clearer error)
+        # A peer's silence counts from its last news or from when it became needed, the later: one
+        # with nothing to say while the round waited for another (a peer busy between rounds, which
+        # says HELLO) is not silent for that wait.
+        since = st.needed
+        for q in [q for q in since if q not in needed]:
+            del since[q]
+        for q in needed:
+            since.setdefault(q, now)
+        quiet = {q: now - max(st.heard[q], since[q]) for q in needed}
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
-            r = min(needed, key=lambda q: (st.heard[q], q))
-            if now - st.heard[r] > self.cfg.peer_timeout:
+            r = min(needed, key=lambda q: (-quiet[q], q))
+            if quiet[r] > self.cfg.peer_timeout:
                 foreign = self.counters["foreign"] - st.foreign0
                 # (several at once: e.g. a round after the one a rank died in, where a survivor that
                 # gave up on that round is as silent as the dead rank; this rank cannot tell them apart)
-                also = sorted(q for q in needed if q != r and now - st.heard[q] > self.cfg.peer_timeout)
+                also = sorted(q for q in needed if q != r and quiet[q] > self.cfg.peer_timeout)
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
                     f"{st.index} (tensor {st.tensor}): peer dead or unreachable"

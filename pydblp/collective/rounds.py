@@ -92,6 +92,7 @@ class Round:
     repair: bool = False             # a NACK went out or a BITMAP came in this round
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
     hello: dict = field(default_factory=dict)   # src -> when its latest HELLO came (alive, between rounds)
+    needed: dict = field(default_factory=dict)  # peer -> since when the round has needed it (timers)
 
     def expected(self, now: float) -> int:
         """How many packets a receive may wait for: the data packets on their way, at most

@@ -48,6 +48,7 @@ import atexit
 import dataclasses
 import datetime
 import functools
+import difflib
 import logging
 import operator
 import os
@@ -97,6 +98,9 @@ ENV_OPTIONS = (
     ("DBLP_PHASE", _CFG, "phase", str), ("DBLP_JOB", _CFG, "job", int),
     ("DBLP_PEER_TIMEOUT", _CFG, "peer_timeout", float), ("DBLP_PLAN", _CFG, "plan", str),
 )
+# DBLP_* variables read elsewhere (not a misspelt option): the job key, the native build, state folders
+ENV_ELSEWHERE = ("DBLP_KEY", "DBLP_KEY_FILE", "DBLP_NATIVE", "DBLP_BPF_DIR", "DBLP_JOBS_DIR", "DBLP_TESTBED_DIR",
+                 "DBLP_XSK_STATUS_DIR")
 
 
 @dataclasses.dataclass
@@ -154,10 +158,17 @@ class BackendOptions:
         """Options from ``DBLP_*`` environment variables (see the class's Args); unset ones keep
         their defaults.  ``DBLP_ALLGATHER=tolerant`` also sets ``Config(consistent=False)``, which
         it needs.  Raises ValueError in one line naming the variable whose value is wrong (or
-        the variables to set together, e.g. ``DBLP_IFACE`` with ``DBLP_TRANSPORT=xsk``)."""
+        the variables to set together, e.g. ``DBLP_IFACE`` with ``DBLP_TRANSPORT=xsk``).  A
+        ``DBLP_*`` name close to one of these that none of pydblp reads (``DBLP_PEER_TIMOUT``) is
+        logged as a warning naming the one meant: it is ignored."""
         from pydblp import units
 
         env = os.environ if env is None else env
+        known = [v for v, *_ in ENV_OPTIONS]
+        for var in sorted(v for v in env if v.startswith("DBLP_") and v not in known and v not in ENV_ELSEWHERE):
+            meant = difflib.get_close_matches(var, known, n=1, cutoff=0.8)
+            if meant:
+                log.warning("%s is ignored: no such dblp variable; did you mean %s?", var, meant[0])
         kw: dict = {}
         cfg: dict = {}
         survive = {"1": True, "0": False}

@@ -276,6 +276,17 @@ def test_options_from_the_environment():
     assert pydblp.torch.BackendOptions.from_env({}) == pydblp.torch.BackendOptions()
 
 
+def test_a_misspelt_variable_is_named_with_the_one_meant(caplog):
+    """``DBLP_PEER_TIMOUT`` would leave the default timeout in place unnoticed: it is logged with
+    the variable meant.  Variables read elsewhere in pydblp, and names close to none, are not."""
+    with caplog.at_level("WARNING", logger="pydblp.torch.backend"):
+        o = pydblp.torch.BackendOptions.from_env({"DBLP_PEER_TIMOUT": "3", "DBLP_NATIVE": "0",
+                                                  "DBLP_KEY_FILE": "/x", "DBLP_SOMETHING_ELSE": "1"})
+    assert o == pydblp.torch.BackendOptions()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["DBLP_PEER_TIMOUT is ignored: no such dblp variable; did you mean DBLP_PEER_TIMEOUT?"], said
+
+
 @pytest.mark.parametrize("spec", ["dblp", "cpu:dblp,cuda:nccl"])
 def test_destroy_releases_the_group(tmp_path, spec):
     """A one-rank group: its thread and data plane go with ``destroy_process_group``.  A device
@@ -285,6 +296,7 @@ def test_destroy_releases_the_group(tmp_path, spec):
     try:
         pg = dist.group.WORLD
         assert isinstance(pg, pydblp.torch.ProcessGroupDblp) and dist.get_backend() == spec
+        assert pg.state.collective.cfg.join_timeout == 10.0  # init_process_group's timeout
         t = torch.arange(4.0)
         dist.all_reduce(t)
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0]

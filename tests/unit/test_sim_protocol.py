@@ -148,6 +148,27 @@ def test_a_peer_busy_between_rounds_is_waited_for_not_taken_for_dead(kind):
     assert all(n.collective.counters["hellos_sent"] == 0 for n in (nodes[0], nodes[2]))
 
 
+def test_peers_that_waited_together_for_a_busy_one_are_not_taken_for_dead():
+    """While rank 0 is busy, ranks 1 and 2 wait for it and have nothing new to say to each other.
+    Once it joins, rank 1 needs rank 2's all-gather, which rank 2's slow link delivers only
+    ~50 ms later: rank 2 has been needed for that long, not silent for the whole wait, so the
+    round ends exactly (before, rank 1 failed it at once naming rank 2)."""
+    s = Sim(3, Config(peer_timeout=0.5), link=[LINK, LINK, Link("10mbit", latency=25e-6)], seed=1)
+    xs = inputs(3, 3 * 20 * 352, rounds=2, seed=5)
+
+    def program(node):
+        c = node.collective
+        c.allreduce(xs[0][node.rank])
+        node.compute(2.0 if node.rank == 0 else 0.01)
+        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
+
+    nodes = s.run(program)
+    for node in nodes:
+        done, err, _, _ = node.result
+        assert err is None, err
+        np.testing.assert_allclose(done[0], np.mean(xs[1], axis=0), atol=1e-5)
+
+
 def test_a_peer_busy_past_join_timeout_fails_the_round_naming_it():
     """Rank 1 stays busy past ``join_timeout``: ranks 0 and 2 fail their round ``join_timeout``
     after it began (within a HELLO interval and a dead-peer tick), naming rank 1 as alive but not
