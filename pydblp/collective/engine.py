@@ -58,7 +58,7 @@ class Collective:
     Between rounds a thread of its own (``pydblp-idle-<rank>``) answers peers'
     late probes, serves the last rounds' trailing all-gather messages
     (retransmissions asked for, probes) and keeps the next round's packets; it
-    sleeps while nothing arrives and no probe is due, and is never woken by
+    sleeps while nothing arrives and no probe or HELLO is due, and is never woken by
     rounds that follow each other within ``IDLE_GRACE`` (2 ms).  While peers
     wait for this rank in a round it has not begun (the caller is busy: an
     evaluation, a checkpoint) it tells them every ``peer_timeout / 4`` that it
@@ -104,6 +104,8 @@ class Collective:
         self._idle_done = False              # the idle responder has returned
         self._close_late = False             # close() found it stuck: it releases what it uses as it returns
         self._idle_error: BaseException | None = None  # what ended the idle responder, raised by the next round
+        self.hello = True  # it will run more rounds: peers waiting for it hear it is alive (HELLO); its owner
+                           # sets False once it will not (closing, or failed for good)
         self._idler = None
         if not idle_thread:
             return
@@ -641,9 +643,9 @@ class Collective:
                     try:  # everything the round's thread also touches is read holding the lock
                         if self._round_begun():
                             continue
-                        self._serve()
+                        self._serve(self.hello)
                         backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
-                        due = p.idle_due(p.clock())  # a trailing message's probe or resends, HELLOs
+                        due = p.idle_due(p.clock(), self.hello)  # a trailing message's probe or resends, HELLOs
                     finally:
                         self._poll_lock.release()
                     waits = (([max(1, int(backlog * 1000))] if backlog > 0 else [])
@@ -662,16 +664,15 @@ class Collective:
             if self._closing:
                 return
 
-    def serve(self, hello: bool = True) -> float | None:
+    def serve(self) -> float | None:
         """Between rounds, without an idle thread (``idle_thread=False``): take in what has
         arrived (keeping the next round's packets, answering late probes), send what trailing
         all-gather messages were asked to resend, and the answers.  Call it whenever the
         transport is readable and when the time it returns has passed.
 
-        Args:
-            hello: this rank will run more rounds: peers already waiting for it in one hear that
-                it is alive (HELLO; they wait up to ``Config.join_timeout``).  False once it
-                runs no more rounds: they then find it gone at their ``peer_timeout``.
+        While :attr:`hello` is set (this rank will run more rounds) peers already waiting for it
+        in one hear that it is alive (HELLO; they wait up to ``Config.join_timeout``); once it is
+        cleared they find this rank gone at their ``peer_timeout``.
 
         Returns:
             Seconds until this collective needs to act again (a trailing message's probe, a
@@ -685,8 +686,8 @@ class Collective:
             raise RuntimeError("this collective answers peers from its own thread: serve() is for idle_thread=False")
         if self._closing:
             raise CollectiveError("collective is closed")
-        self._serve(hello)
-        return self.protocol.idle_due(self.protocol.clock(), hello)
+        self._serve(self.hello)
+        return self.protocol.idle_due(self.protocol.clock(), self.hello)
 
     def _serve(self, hello: bool = True) -> None:
         """Take in what has arrived, serve trailing messages, tell waiting peers this rank is

@@ -26,7 +26,7 @@ import numpy as np
 
 from pydblp import native as native_mod
 from pydblp import wire
-from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, RECV_BATCH, STASH_AHEAD, STASH_MAX
+from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, PROBE, RECV_BATCH, STASH_AHEAD, STASH_MAX
 from pydblp.collective.messages import InMessage, stagger_first
 from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
 from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR,
@@ -95,6 +95,8 @@ class Matcher:
         self.C = chunk_bytes // 4
         self.counters = counters
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
+        self._stashed = 0             # packets in it
+        self._probes: set[tuple] = set()  # (src, round, tensor, flags) of the PROBEs in it (one each)
         m = np.zeros(1, wire.HEADER_DTYPE)  # the header bits every DATA packet for this rank shares
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
             if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
@@ -117,6 +119,8 @@ class Matcher:
         self._vals[1::4] = v.view(np.uint64)[1]  # only the words with round and tensor, and flags, change
         self._vals[3::4] = v.view(np.uint64)[3]
         stash, self.stash = self.stash, []
+        self._stashed = 0
+        self._probes.clear()
         return stash
 
     def match(self, h: np.ndarray):
@@ -322,12 +326,13 @@ class Matcher:
 
     def waiting(self, base: int) -> dict[int, tuple[int, int]]:
         """The peers whose packets of a round to come are stashed (they are in a round this rank,
-        last in round ``base``, has not begun), each with the (round, tensor) nearest ``base``."""
+        last in round ``base``, has not begun), each with the (round, tensor) farthest from
+        ``base``: the one it is in (it sent the nearer ones' packets before it left them)."""
         if not self.stash:
             return {}
         h = np.concatenate([x[0] for x in self.stash])
         d = (h["round"].astype(np.int64) - base) & MASK32
-        order = np.lexsort((d, h["src"]))  # by sender, then by distance
+        order = np.lexsort((-d, h["src"]))  # by sender, then farthest first
         src = h["src"][order]
         first = np.flatnonzero(np.r_[True, src[1:] != src[:-1]])
         near = order[first]
@@ -335,13 +340,27 @@ class Matcher:
                 zip(h["src"][near], h["round"][near], h["tensor"][near])}
 
     def _keep(self, h, pay, lens, rows) -> None:
-        """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs)."""
-        room = STASH_MAX - sum(len(x[0]) for x in self.stash)
+        """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs).
+        A PROBE is kept once per message: a peer waiting for this rank probes it every
+        ``probe_max`` for as long as this rank is busy, and one answer serves them all (the
+        others count as duplicates)."""
+        probes = rows[h["kind"][rows] == PROBE]
+        if len(probes):
+            again = []
+            for i, key in zip(probes.tolist(), zip(*(h[f][probes].tolist() for f in ("src", "round", "tensor", "flags")))):
+                if key in self._probes:
+                    again.append(i)
+                self._probes.add(key)
+            if again:
+                self.counters["duplicate"] += len(again)
+                rows = rows[~np.isin(rows, again)]
+        room = STASH_MAX - self._stashed
         if room < len(rows):
             self.counters["stash_full"] += len(rows) - max(room, 0)
             rows = rows[: max(room, 0)]
         if len(rows):
             self.stash.append((wire.take(h, rows), pay[rows], lens[rows]))  # (gathers: copies already)
+            self._stashed += len(rows)
             self.counters["stashed"] += len(rows)
 
     def absorb(self, st: Round, h, pay, prow, now: float, out: Sorted) -> None:

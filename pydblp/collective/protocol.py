@@ -1213,7 +1213,7 @@ class Protocol:
         quiet = {q: now - max(st.heard[q], since[q]) for q in needed}
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
-            r = min(needed, key=lambda q: (-quiet[q], q))
+            r = min(needed, key=lambda q: (-quiet[q], st.heard[q], q))
             if quiet[r] > self.cfg.peer_timeout:
                 foreign = self.counters["foreign"] - st.foreign0
                 # (several at once: e.g. a round after the one a rank died in, where a survivor that

@@ -344,8 +344,9 @@ class Sim:
             node.result = program(node)
             node.state = "serving"
             self._programs -= 1
+            node.collective.hello = False  # (it runs no more rounds)
             while True:
-                due = node.collective.serve(hello=False)  # (it runs no more rounds)
+                due = node.collective.serve()
                 self.wait(node.rank, math.inf if due is None else self.now + max(due, QUANTUM),
                           node.collective.t._next)
         except _Stopped:

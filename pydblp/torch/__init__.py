@@ -288,6 +288,7 @@ class State:
                 return
             self._closed = True
             self._jobs.put(None)
+        self.collective.hello = False  # (no more rounds: a peer waiting in one must find this rank gone)
         try:  # (an interrupt in a wait below still releases what the rounds no longer use)
             # a round in progress ends within peer_timeout: it completes or fails
             self._thread.join(timeout=self.collective.cfg.peer_timeout + CLOSE_MARGIN)

@@ -720,6 +720,8 @@ class ProcessGroupDblp(dist.ProcessGroup):
                 if self._failure is None:
                     self._failure = e
                     log.error("dblp: %s", e)
+                    if not self.options.survive:  # failed for good: no more rounds to say HELLO for
+                        col.hello = False
                 if bw is None:
                     raise
             return list(outputs)

@@ -115,9 +115,12 @@ def test_a_rank_busy_between_rounds_is_waited_for_by_its_idle_responders_hello(r
 
 
 def test_peers_silent_together_are_all_named(ranks):
-    """Two of three ranks never begin the round: rank 0's error names the first and lists the
-    other as silent as long (it cannot tell which of them is the cause)."""
+    """Two of three ranks are gone before the round (closed: alive between rounds they would say
+    HELLO): rank 0's error names the first and lists the other as silent as long (it cannot tell
+    which of them is the cause)."""
     rk = ranks(3, peer_timeout=0.5)
+    for c in rk.cols[1:]:
+        c.close()
     _, errs = rk.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), ranks=[0], timeout=10)
     e = errs[0]
     assert isinstance(e, CollectiveError), e
