@@ -38,7 +38,8 @@
 #define DBLP_FLAG_ALLGATHER (1 << 1)
 #define DBLP_FLAG_TAG       (1 << 2)
 #define DBLP_FLAG_NEIGHBOUR (1 << 3)  /* a neighbour (gossip) round's message */
-#define DBLP_FLAG_FINAL     (1 << 4)  /* BITMAP: what an owner's estimate used; bits 5-7 reserved */
+#define DBLP_FLAG_FINAL     (1 << 4)  /* BITMAP: what an owner's estimate used */
+#define DBLP_FLAG_ASK       (1 << 5)  /* HELLO: asks a quiet peer to say HELLO if busy; bits 6-7 reserved */
 
 /* Why a packet is malformed: the drop counters' index. */
 #define DBLP_REASON_OK      0

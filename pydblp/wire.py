@@ -63,6 +63,7 @@ class Flag(enum.IntFlag):
     TAG = 1 << 2        # auth tag follows payload
     NEIGHBOUR = 1 << 3  # a neighbour (gossip) round's message, rank to rank
     FINAL = 1 << 4      # BITMAP: the bits an owner's estimate used (error feedback), not a repair request
+    ASK = 1 << 5        # HELLO: from a rank in the round, asking a quiet peer it waits for to say HELLO if busy
 
 
 class Reason(enum.IntEnum):
@@ -190,7 +191,7 @@ def tag_epoch(trailer: bytes | memoryview) -> int:
 
 def encode(hdr: Header, payload: bytes = b"", key: bytes | None = None, epoch: int = 0) -> bytes:
     """Header + payload (+ tag of run ``epoch`` when ``key``); ``len`` and the tag flag are set here."""
-    # int(): ~Flag.TAG on an IntFlag would also clear the reserved bits 5-7
+    # int(): ~Flag.TAG on an IntFlag would also clear the reserved bits 6-7
     flags = (hdr.flags | Flag.TAG) if key else (hdr.flags & ~int(Flag.TAG))
     body = hdr.replace(len=len(payload), flags=int(flags)).pack() + bytes(payload)
     return body + tag(key, body, epoch) if key else body

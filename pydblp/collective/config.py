@@ -19,6 +19,7 @@ DATA, PROBE, BITMAP, STOP, HELLO = (int(k) for k in (wire.Kind.DATA, wire.Kind.P
 RAW, F32 = int(wire.Dtype.RAW), int(wire.Dtype.F32)
 AG = int(wire.Flag.ALLGATHER)
 FINAL = int(wire.Flag.FINAL)
+ASK = int(wire.Flag.ASK)
 NB = int(wire.Flag.NEIGHBOUR)
 RETX = int(wire.Flag.RETX)
 FEW = 8  # packets up to which a received batch is sorted one by one in Python

@@ -26,7 +26,8 @@ import numpy as np
 
 from pydblp import native as native_mod
 from pydblp import wire
-from pydblp.collective.config import AG, DATA, F32, FEW, MASK32, NB, PROBE, RECV_BATCH, STASH_AHEAD, STASH_MAX
+from pydblp.collective.config import (AG, DATA, F32, FEW, HELLO, MASK32, NB, PROBE, RECV_BATCH, STASH_AHEAD,
+                                      STASH_MAX)
 from pydblp.collective.messages import InMessage, stagger_first
 from pydblp.collective.rounds import NeighbourRound, ReduceScatterRound, Round
 from pydblp.wire import (DST_ALL, F_DST, F_DTYPE, F_FLAGS, F_JOB, F_KIND, F_LEN, F_ROUND, F_SRC, F_TENSOR,
@@ -96,7 +97,7 @@ class Matcher:
         self.counters = counters
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
         self._stashed = 0             # packets in it
-        self._probes: set[tuple] = set()  # (src, round, tensor, flags) of the PROBEs in it (one each)
+        self._probes: set[tuple] = set()  # (src, round, tensor, flags) of the PROBEs (and HELLOs) in it
         m = np.zeros(1, wire.HEADER_DTYPE)  # the header bits every DATA packet for this rank shares
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
             if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
@@ -341,10 +342,11 @@ class Matcher:
 
     def _keep(self, h, pay, lens, rows) -> None:
         """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs).
-        A PROBE is kept once per message: a peer waiting for this rank probes it every
-        ``probe_max`` for as long as this rank is busy, and one answer serves them all (the
-        others count as duplicates)."""
-        probes = rows[h["kind"][rows] == PROBE]
+        A PROBE (or a HELLO asking) is kept once per message: a peer waiting for this rank probes
+        it every ``probe_max`` for as long as this rank is busy, and one answer serves them all
+        (the others count as duplicates)."""
+        kinds = h["kind"][rows]
+        probes = rows[(kinds == PROBE) | (kinds == HELLO)]
         if len(probes):
             again = []
             for i, key in zip(probes.tolist(), zip(*(h[f][probes].tolist() for f in ("src", "round", "tensor", "flags")))):

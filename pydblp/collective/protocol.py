@@ -31,7 +31,7 @@ from pydblp import wire
 from pydblp.collective import estimators, phase as phases, rotation
 from pydblp.dscp import CE
 from pydblp.collective.cc import Echo, Ledger, RateControl
-from pydblp.collective.config import (AG, AG_SPLIT, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
+from pydblp.collective.config import (AG, AG_SPLIT, ASK, BITMAP, DATA, DEAD_TICK, DRAIN_READS, DRAINED_LOOKS, F32,
                                       FINAL, HELLO, HELLO_EVERY, LINGER, MASK32, NB, PLAN_LOSS_MAX,
                                       PLAN_SHORT_KEEP, PLAN_Z, PROBE,
                                       RAW, REAL_CLOCK, RECV_BATCH, RETX, STOP, TIMER_TICK, TURN_DESTS, TURN_GAP,
@@ -1008,7 +1008,15 @@ class Protocol:
         ag = bool(flag & AG)
         src, kind, rnd, tensor = f[F_SRC], f[F_KIND], f[F_ROUND], f[F_TENSOR]
         if kind == HELLO:
-            self._hello(st, src, payload, now, current)
+            if not f[F_FLAGS] & ASK:
+                self._hello(st, src, payload, now, current)
+            elif current and any(st.hello[q] >= st.heard[q] for q in st.hello):
+                # a peer in this round asks, and this rank waits in it for one busy between rounds:
+                # waiting on its behalf, it says HELLO too (else it says nothing: two ranks that wait
+                # only for each other must not keep each other alive)
+                self._hello_seq += 1
+                self._ctrl_packet(st.round, st.tensor, HELLO, 0, src, 1, 0,
+                                  payload=wire.HELLO_PAYLOAD.pack(self._hello_seq, 0))
             return
         if kind == PROBE:
             ins = st.ins if current else (self._prev[1] if self._prev and self._prev[0] == rnd else None)
@@ -1211,6 +1219,7 @@ class Protocol:
         for q in needed:
             since.setdefault(q, now)
         quiet = {q: now - max(st.heard[q], since[q]) for q in needed}
+        self._ask(st, quiet, now)
         if needed:
             # name the peer silent longest: one that stalled because of it went quiet later
             r = min(needed, key=lambda q: (-quiet[q], st.heard[q], q))
@@ -1301,6 +1310,19 @@ class Protocol:
             self._hello_seq += 1
             self._ctrl_packet(rnd, tensor, HELLO, 0, src, 1, 0, payload=wire.HELLO_PAYLOAD.pack(self._hello_seq, out))
         self.counters["hellos_sent"] += len(waiting)
+
+    def _ask(self, st: Round, quiet: dict, now: float) -> None:
+        """HELLO with flag ASK, every ``peer_timeout / HELLO_EVERY``, to each needed peer quiet
+        that long: one busy between rounds stashes it and so answers with HELLOs, though this
+        rank had sent it nothing of the round (it waits for the peer's contribution first: a
+        parameter server, or an owner whose peer holds no rows).  Not news to a peer in the round."""
+        every = self.cfg.peer_timeout / HELLO_EVERY
+        for q, t in quiet.items():
+            if t > every and now - st.asked.get(q, -math.inf) >= every:
+                st.asked[q] = now
+                self._hello_seq += 1
+                self._ctrl_packet(st.round, st.tensor, HELLO, ASK, q, 1, 0,
+                                  payload=wire.HELLO_PAYLOAD.pack(self._hello_seq, 0))
 
     def idle_due(self, now: float, hello: bool = True) -> float | None:
         """Seconds until this rank needs to act between rounds (0: now): a trailing message's probe

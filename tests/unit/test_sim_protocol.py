@@ -173,6 +173,33 @@ def test_peers_that_waited_together_for_a_busy_one_are_not_taken_for_dead():
         np.testing.assert_allclose(done[0], np.mean(xs[1], axis=0), atol=1e-5)
 
 
+@pytest.mark.parametrize("mode,n,busy", [("ps", 10_000, 1), ("ps", 10_000, 0), ("tar", 1, 0), ("tar", 1, 3)],
+                         ids=["ps-client", "ps-server", "scalar-empty-shard", "scalar-owner"])
+def test_a_busy_rank_no_peer_sent_anything_is_asked_and_waited_for(mode, n, busy):
+    """Waits where the busy rank holds nothing of the round to answer with HELLO: a parameter
+    server waiting for a busy client's contribution, and an allreduce of one value (only rank 3
+    owns a row) waiting for a rank with an empty shard.  A rank quiet for a quarter
+    ``peer_timeout`` is asked (HELLO with ASK): the busy one stashes the ask and answers, and a
+    rank in the round waiting for the busy one answers on its behalf, so every round ends exact."""
+    s = sim(4, peer_timeout=0.5, mode=mode)
+    xs = inputs(4, n, rounds=2, seed=6)
+
+    def program(node):
+        c = node.collective
+        c.allreduce(xs[0][node.rank])
+        node.compute(3.0 if node.rank == busy else 0.01)
+        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
+
+    nodes = s.run(program)
+    for node in nodes:
+        done, err, began, ended = node.result
+        assert err is None, err
+        np.testing.assert_allclose(done[0], np.mean(xs[1], axis=0), atol=1e-5)
+        if node.rank != busy:
+            assert ended - began > 2.9
+    assert nodes[busy].collective.counters["hellos_sent"] > 0
+
+
 def test_a_peer_busy_past_join_timeout_fails_the_round_naming_it():
     """Rank 1 stays busy past ``join_timeout``: ranks 0 and 2 fail their round ``join_timeout``
     after it began (within a HELLO interval and a dead-peer tick), naming rank 1 as alive but not
