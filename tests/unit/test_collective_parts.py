@@ -297,5 +297,6 @@ def test_a_misfit_is_dropped_counted_and_named():
 def test_the_stash_is_bounded():
     o = Owner()
     o.m.stash.append((o.headers([0]).repeat(STASH_MAX - 1), None, None))
+    o.m._stashed = STASH_MAX - 1  # (the count _keep keeps of what it stashed)
     o.feed(o.headers([0, 1, 2], rnd=8))
     assert o.counters["stashed"] == 1 and o.counters["stash_full"] == 2
