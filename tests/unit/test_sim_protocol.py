@@ -117,6 +117,17 @@ def test_a_peer_whose_data_does_not_fit_fails_the_round_after_peer_timeout(case)
 
 # ---- a peer busy between rounds: HELLO ----------------------------------------------------
 
+def busy_then_round(xs, busy: int, seconds: float):
+    """A program: round ``xs[0]``, rank ``busy`` computes ``seconds`` (the others 10 ms), then
+    round ``xs[1]`` through :func:`until_error`."""
+    def program(node):
+        c = node.collective
+        c.allreduce(xs[0][node.rank])
+        node.compute(seconds if node.rank == busy else 0.01)
+        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
+    return program
+
+
 @pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "all_gather"])
 def test_a_peer_busy_between_rounds_is_waited_for_not_taken_for_dead(kind):
     """Rank 1 computes for 6 x ``peer_timeout`` between two rounds while ranks 0 and 2 wait for it
@@ -160,13 +171,7 @@ def test_peers_that_waited_together_for_a_busy_one_are_not_taken_for_dead():
     s = Sim(3, Config(peer_timeout=0.5), link=[LINK, LINK, Link("10mbit", latency=25e-6)], seed=1)
     xs = inputs(3, 3 * 20 * 352, rounds=2, seed=5)
 
-    def program(node):
-        c = node.collective
-        c.allreduce(xs[0][node.rank])
-        node.compute(2.0 if node.rank == 0 else 0.01)
-        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
-
-    nodes = s.run(program)
+    nodes = s.run(busy_then_round(xs, 0, 2.0))
     for node in nodes:
         done, err, _, _ = node.result
         assert err is None, err
@@ -184,13 +189,7 @@ def test_a_busy_rank_no_peer_sent_anything_is_asked_and_waited_for(mode, n, busy
     s = sim(4, peer_timeout=0.5, mode=mode)
     xs = inputs(4, n, rounds=2, seed=6)
 
-    def program(node):
-        c = node.collective
-        c.allreduce(xs[0][node.rank])
-        node.compute(3.0 if node.rank == busy else 0.01)
-        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
-
-    nodes = s.run(program)
+    nodes = s.run(busy_then_round(xs, busy, 3.0))
     for node in nodes:
         done, err, began, ended = node.result
         assert err is None, err
@@ -207,13 +206,7 @@ def test_a_peer_busy_past_join_timeout_fails_the_round_naming_it():
     s = sim(3, peer_timeout=0.5, join_timeout=1.0)
     xs = inputs(3, 10_000, rounds=2)
 
-    def program(node):
-        c = node.collective
-        c.allreduce(xs[0][node.rank])
-        node.compute(3.0 if node.rank == 1 else 0.01)
-        return until_error(node, [lambda: c.allreduce(xs[1][node.rank])])
-
-    nodes = s.run(program)
+    nodes = s.run(busy_then_round(xs, 1, 3.0))
     for r in (0, 2):
         done, err, began, failed = nodes[r].result
         assert done == [] and isinstance(err, CollectiveError)

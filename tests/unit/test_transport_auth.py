@@ -376,6 +376,19 @@ def test_a_cut_is_counted_where_it_happens_and_a_drop_where_it_stops():
             assert got.n == want.get("auth_verified", 0) and (not got.n or got.lengths[0] == width)
 
 
+def _replay(packets, port, stop, seconds=15.0) -> bool:
+    """Send ``packets`` to ``port`` every 0.1 s until ``stop`` is set or ``seconds`` pass (15 x the
+    tests' peer_timeout); whether ``stop`` ended it."""
+    s = raw_socket()
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        for d in packets:
+            s.sendto(d, ("127.0.0.1", port))
+        time.sleep(0.1)
+    s.close()
+    return stop.is_set()
+
+
 def test_a_dead_peers_replayed_packets_do_not_keep_it_alive(pair):
     """Rank 1 dies after a round; its genuine packets of that round (tagged, so they verify)
     replayed to rank 0 during the next are not news: rank 0's round fails at ``peer_timeout``
@@ -393,18 +406,8 @@ def test_a_dead_peers_replayed_packets_do_not_keep_it_alive(pair):
     p.cols[1].close()
     stop = threading.Event()
 
-    def spray():
-        s = raw_socket()
-        end = time.monotonic() + 15.0  # 15 x peer_timeout
-        while not stop.is_set() and time.monotonic() < end:
-            for d in replay[:64]:
-                s.sendto(d, ("127.0.0.1", p.raw[0].port))
-            time.sleep(0.1)
-        s.close()
-        return stop.is_set()
-
     got = {}
-    th = threading.Thread(target=lambda: got.setdefault("stopped", spray()))
+    th = threading.Thread(target=lambda: got.setdefault("stopped", _replay(replay[:64], p.raw[0].port, stop)))
     th.start()
     try:
         _, errs = p.run(lambda r, c: c.allreduce(np.ones(10_000, np.float32)), ranks=(0,), timeout=30)
@@ -433,14 +436,7 @@ def test_a_busy_peers_replayed_hellos_do_not_keep_it_alive(pair):
         hellos = [d for d in sent if wire.Header.unpack(d).kind == wire.Kind.HELLO]
         got["hellos"] = hellos
         p.cols[1].close()
-        s = raw_socket()
-        end = time.monotonic() + 15.0  # 15 x peer_timeout
-        while hellos and not stop.is_set() and time.monotonic() < end:
-            for d in hellos:
-                s.sendto(d, ("127.0.0.1", p.raw[0].port))
-            time.sleep(0.1)
-        s.close()
-        got["stopped"] = stop.is_set()
+        got["stopped"] = bool(hellos) and _replay(hellos, p.raw[0].port, stop)
 
     th = threading.Thread(target=busy_then_dead)
     th.start()
