@@ -497,6 +497,16 @@ class Rank0:
         h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = chunks, n, st.tol8, width, wire.Dtype.F32
         self.col.process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
 
+    def hello(self, number, now, ask=False, rnd=None):
+        """A HELLO from rank 1 (with ``ask``: flag ASK) for round ``rnd`` (default this round)."""
+        h = wire.empty_batch(1)
+        h["kind"], h["job"], h["src"], h["dst"], h["nchunks"] = wire.Kind.HELLO, 1, 1, 0, 1
+        h["round"], h["tensor"] = self.st.round if rnd is None else rnd, self.st.tensor
+        h["flags"], h["len"] = wire.Flag.ASK if ask else 0, wire.HELLO_PAYLOAD.size
+        pay = np.zeros((1, self.col.C * 4), np.uint8)
+        pay[0, : wire.HELLO_PAYLOAD.size] = np.frombuffer(wire.HELLO_PAYLOAD.pack(number, 2500), np.uint8)
+        self.col.process(self.st, h, pay, np.array([wire.HELLO_PAYLOAD.size]), now)
+
     def sent(self):
         """Control packets queued since the last call, as (kind, dst, first chunk, bits)."""
         out = [(c.kind, c.dst, c.chunk, np.unpackbits(np.frombuffer(c.payload, np.uint8), bitorder="little"))
@@ -513,6 +523,35 @@ def rank0():
     r = Rank0()
     yield r
     r.close()
+
+
+def test_a_hello_is_news_once_per_number_and_only_for_this_round(rank0):
+    """A HELLO from rank 1 for this round refreshes it and marks it busy (between rounds); the same
+    number again (a replay), a lower one, or one for an earlier round is no news (``stray``)."""
+    st, c = rank0.st, rank0.col.counters
+    rank0.hello(5, 100.0)
+    assert c["hellos"] == 1 and st.heard[1] == 100.0 and st.hello == {1: 100.0}
+    for number, rnd in ((5, None), (4, None), (6, (st.round - 1) & 0xFFFFFFFF)):
+        rank0.hello(number, 101.0, rnd=rnd)
+    assert c["hellos"] == 1 and c["stray"] == 3 and st.heard[1] == 100.0
+    rank0.hello(6, 102.0)
+    assert c["hellos"] == 2 and st.heard[1] == 102.0
+
+
+def test_an_ask_is_answered_only_by_a_rank_waiting_for_a_busy_one(rank0):
+    """A HELLO with ASK from a peer in this round is never news.  It is answered with a HELLO (not
+    asking) only while this rank waits in the round for a rank busy between rounds (its latest
+    news from it a HELLO): two ranks that wait only for each other must not keep each other alive."""
+    rank0.hello(1, 100.0, ask=True)
+    assert rank0.sent() == [] and rank0.col.counters["hellos"] == 0 and rank0.st.heard[1] == rank0.st.t0
+    rank0.st.hello[1] = rank0.st.heard[1] = 100.0  # (rank 1's latest news a HELLO: busy)
+    rank0.hello(2, 100.1, ask=True)
+    (kind, dst, _, _), = rank0.sent()
+    assert (kind, dst) == (wire.Kind.HELLO, 1) and not rank0.col.ctrl
+    rank0.data([0], 100.2)  # rank 1 joined: its latest news is data, not a HELLO
+    rank0.sent()  # (what the data made due)
+    rank0.hello(3, 100.3, ask=True)
+    assert rank0.sent() == []
 
 
 @pytest.mark.parametrize("native", [False, True])
