@@ -112,10 +112,14 @@ def test_zero_loss_exact_over_the_fabric(clean, hosts, kind, mode, allgather):
     # nothing was injected, so a repair needs a drop the kernel counted: a receive ring or socket
     # buffer that a CPU-starved rank did not drain in time, or a switch port's queue.  Except one
     # a probe asked for: a receiver descheduled past the probe timeout answers with a BITMAP of
-    # what it has taken in so far, and chunks still queued for it are resent (timing, not loss)
+    # what it has taken in so far, and chunks still queued for it are resent (timing, not loss);
+    # and one a receiver's NACK asked for whose originals then arrived after all (duplicates: a
+    # chunk held up behind a busy CPU past NACK_QUIET, late, not lost)
     drops = sum(st.get(k, 0) for _, st in out.values() for k in ("rx_dropped", "rx_ring_full")) + clean.fabric.dropped()
+    late = sum(c.counters["duplicate"] for c in cols)
     unprompted = [x for x in repaired if x[2] < 1.0 or not x[4]]
-    assert not unprompted or drops > 0, repaired  # (rank, round, delivered, retransmits, probes, NACKs, counters)
+    assert not unprompted or drops > 0 or late > 0, repaired  # (rank, round, delivered, retransmits, probes,
+    #                                                           NACKs, counters)
     # bytes each rank sent in the largest round, in tensors: reduce-scatter (W-1)/W, then its
     # all-gather (1/W of the tensor) once per peer, or once in all with a broadcast; chunks
     # resent after a drop the kernel counted (above) are not first sends
