@@ -643,7 +643,7 @@ class Collective:
                     try:  # everything the round's thread also touches is read holding the lock
                         if self._round_begun():
                             continue
-                        self._serve(self.hello)
+                        self._serve()
                         backlog = self.t.tx_backlog()  # a pacing transport releases its queue in receives
                         due = p.idle_due(p.clock(), self.hello)  # a trailing message's probe or resends, HELLOs
                     finally:
@@ -686,18 +686,18 @@ class Collective:
             raise RuntimeError("this collective answers peers from its own thread: serve() is for idle_thread=False")
         if self._closing:
             raise CollectiveError("collective is closed")
-        self._serve(self.hello)
+        self._serve()
         return self.protocol.idle_due(self.protocol.clock(), self.hello)
 
-    def _serve(self, hello: bool = True) -> None:
+    def _serve(self) -> None:
         """Take in what has arrived, serve trailing messages, tell waiting peers this rank is
-        alive (``hello``), send the answers (whoever holds the transport between rounds)."""
+        alive (:attr:`hello`), send the answers (whoever holds the transport between rounds)."""
         p = self.protocol
         while p.take(None, 0.0) >= RECV_BATCH:
             pass
         if p.trail:
             p.serve_trail(p.clock())
-        if hello:
+        if self.hello:
             p.hello(p.clock())
         p.flush_ctrl()
 

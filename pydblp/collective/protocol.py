@@ -1010,7 +1010,7 @@ class Protocol:
         if kind == HELLO:
             if not f[F_FLAGS] & ASK:
                 self._hello(st, src, payload, now, current)
-            elif current and any(st.hello[q] >= st.heard[q] for q in st.hello):
+            elif current and st.busy():
                 # a peer in this round asks, and this rank waits in it for one busy between rounds:
                 # waiting on its behalf, it says HELLO too (else it says nothing: two ranks that wait
                 # only for each other must not keep each other alive)
@@ -1238,7 +1238,7 @@ class Protocol:
                        f"must use the same Config.job, world and peer list)" if foreign else ""))
             if st.hello and now - st.t0 > self.cfg.join_timeout:
                 # alive (its latest news is a HELLO: it is between rounds) but not in this one
-                busy = sorted(q for q in needed if st.hello.get(q, -math.inf) >= st.heard[q])
+                busy = [q for q in st.busy() if q in needed]
                 if busy:
                     raise CollectiveError(
                         f"rank {self.rank}: rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy[:8]))}"

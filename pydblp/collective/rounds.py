@@ -115,6 +115,10 @@ class Round:
                 return LINGER_WANT
         return due if due >= LINGER_MIN else 1
 
+    def busy(self) -> list[int]:
+        """The peers whose latest news is a HELLO: alive, between rounds, not in this one yet."""
+        return sorted(q for q, t in self.hello.items() if t >= self.heard[q])
+
     def settled(self) -> bool:
         """Its messages let the round return: this rank's part is in, every message it waits for
         (all-gather or neighbour) is done or skipped, and each of its own is done or, if others
