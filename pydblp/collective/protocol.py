@@ -1210,24 +1210,31 @@ class Protocol:
         if not needed:
             needed = {i.src for i in waiting if i.ag}
         needed -= st.misfit.keys()  # (it sends, what does not fit: judged below, with a clearer error)
+        judged = needed
+        if needed and needed <= set(st.busy()):
+            # Every peer the round waits for now is busy between rounds.  The peers it needs once
+            # they join (an allreduce's owners, for their all-gather) are judged meanwhile too:
+            # asked, a live one answers on the busy ones' behalf, so one that dies during the wait
+            # is named at peer_timeout, not only once the busy ones join (or at join_timeout).
+            judged = (needed | {i.src for i in waiting}) - st.misfit.keys()
         # A peer's silence counts from its last news or from when it became needed, the later: one
         # with nothing to say while the round waited for another (a peer busy between rounds, which
         # says HELLO) is not silent for that wait.
         since = st.needed
-        for q in [q for q in since if q not in needed]:
+        for q in [q for q in since if q not in judged]:
             del since[q]
-        for q in needed:
+        for q in judged:
             since.setdefault(q, now)
-        quiet = {q: now - max(st.heard[q], since[q]) for q in needed}
+        quiet = {q: now - max(st.heard[q], since[q]) for q in judged}
         self._ask(st, quiet, now)
-        if needed:
+        if judged:
             # name the peer silent longest: one that stalled because of it went quiet later
-            r = min(needed, key=lambda q: (-quiet[q], st.heard[q], q))
+            r = min(judged, key=lambda q: (-quiet[q], st.heard[q], q))
             if quiet[r] > self.cfg.peer_timeout:
                 foreign = self.counters["foreign"] - st.foreign0
                 # (several at once: e.g. a round after the one a rank died in, where a survivor that
                 # gave up on that round is as silent as the dead rank; this rank cannot tell them apart)
-                also = sorted(q for q in needed if q != r and quiet[q] > self.cfg.peer_timeout)
+                also = sorted(q for q in judged if q != r and quiet[q] > self.cfg.peer_timeout)
                 raise CollectiveError(
                     f"rank {self.rank}: rank {r} sent nothing for {self.cfg.peer_timeout:.1f} s in round "
                     f"{st.index} (tensor {st.tensor}): peer dead or unreachable"

@@ -199,6 +199,24 @@ def test_a_busy_rank_no_peer_sent_anything_is_asked_and_waited_for(mode, n, busy
     assert nodes[busy].collective.counters["hellos_sent"] > 0
 
 
+def test_a_peer_dying_while_the_round_waits_for_a_busy_one_is_named_at_peer_timeout():
+    """Rank 0 computes for 6 x ``peer_timeout`` between two allreduces; rank 2 dies 0.5 s into
+    the second, its contributions out, while ranks 1 and 3 wait there for rank 0 and have nothing
+    to say to rank 2 until rank 0 joins (they need its all-gather then).  Those later peers are
+    judged during the wait too (asked; a live one answers on the busy rank's behalf), so ranks 1
+    and 3 fail about ``peer_timeout`` after rank 2 died, naming it, not only once rank 0 joins."""
+    s = sim(4, peer_timeout=0.5)
+    s.kill(2, at=0.5)
+    xs = inputs(4, 10_000, rounds=2, seed=7)
+
+    nodes = s.run(busy_then_round(xs, 0, 3.0))
+    for r in (1, 3):
+        done, err, began, failed = nodes[r].result
+        assert done == [] and isinstance(err, CollectiveError), (r, err)
+        assert "rank 2 sent nothing" in str(err) and "alive" not in str(err), err
+        assert 0.5 < failed < 0.5 + 0.5 + 0.5 / 4 + 0.1, (r, failed)
+
+
 def test_a_peer_busy_past_join_timeout_fails_the_round_naming_it():
     """Rank 1 stays busy past ``join_timeout``: ranks 0 and 2 fail their round ``join_timeout``
     after it began (within a HELLO interval and a dead-peer tick), naming rank 1 as alive but not
