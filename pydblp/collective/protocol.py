@@ -1100,7 +1100,9 @@ class Protocol:
             seq = wire.HELLO_PAYLOAD.unpack(payload[: wire.HELLO_PAYLOAD.size].tobytes())[0]
             if seq > self._hello_heard[src]:
                 self._hello_heard[src] = seq
-                st.heard[src] = st.hello[src] = now
+                if st.heard[src] != now:  # (else its data of this round came in the same batch: it joined)
+                    st.hello[src] = now
+                st.heard[src] = now
                 self.counters["hellos"] += 1
                 return
         self.counters["stray"] += 1

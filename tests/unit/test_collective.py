@@ -538,6 +538,23 @@ def test_a_hello_is_news_once_per_number_and_only_for_this_round(rank0):
     assert c["hellos"] == 2 and st.heard[1] == 102.0
 
 
+def test_a_hello_in_the_batch_that_brings_the_peers_data_does_not_mark_it_busy(rank0):
+    """A busy rank's last HELLO and its first DATA of the round can arrive in one receive batch
+    (the data is handled first): the peer has joined, it is heard, not busy."""
+    st, col, width = rank0.st, rank0.col, rank0.col.C * 4
+    h = wire.empty_batch(2)
+    h["job"], h["round"], h["src"], h["dst"], h["tensor"] = 1, st.round, 1, 0, st.tensor
+    h["kind"] = [wire.Kind.HELLO, wire.Kind.DATA]
+    h["nchunks"], h["tol"], h["dtype"] = [1, 100], [0, st.tol8], [0, wire.Dtype.F32]
+    h["len"] = [wire.HELLO_PAYLOAD.size, width]
+    pay = np.zeros((2, width), np.uint8)
+    pay[0, : wire.HELLO_PAYLOAD.size] = np.frombuffer(wire.HELLO_PAYLOAD.pack(1, 2500), np.uint8)
+    col.process(st, h, pay, h["len"].astype(np.int64), 100.0)
+    assert col.counters["hellos"] == 1 and st.heard[1] == 100.0 and st.busy() == []
+    rank0.hello(2, 100.5)  # (a later one, alone: busy again)
+    assert st.busy() == [1]
+
+
 def test_an_ask_is_answered_only_by_a_rank_waiting_for_a_busy_one(rank0):
     """A HELLO with ASK from a peer in this round is never news.  It is answered with a HELLO (not
     asking) only while this rank waits in the round for a rank busy between rounds (its latest
