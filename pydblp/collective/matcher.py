@@ -98,6 +98,7 @@ class Matcher:
         self.stash: list[tuple] = []  # packets of the next round: (headers, payloads, lengths)
         self._stashed = 0             # packets in it
         self._probes: set[tuple] = set()  # (src, round, tensor, flags) of the PROBEs (and HELLOs) in it
+        self._seen: set[int] = set()  # round << 32 | tensor << 16 | src of the messages of rounds to come seen
         m = np.zeros(1, wire.HEADER_DTYPE)  # the header bits every DATA packet for this rank shares
         for f in ("magic", "version", "kind", "job", "round", "tensor", "dst", "dtype", "len"):
             if f != "dst" or not broadcast:  # (broadcast all-gather: match checks dst on its own)
@@ -122,6 +123,7 @@ class Matcher:
         stash, self.stash = self.stash, []
         self._stashed = 0
         self._probes.clear()
+        self._seen = {k for k in self._seen if 0 < ((k >> 32) - st.round) & MASK32 <= STASH_AHEAD}
         return stash
 
     def match(self, h: np.ndarray):
@@ -246,9 +248,7 @@ class Matcher:
         (``ahead``, per row of ``rows``), and stashed in order; the loop below would stash each of
         them alike, one by one."""
         if ahead is not None and rows is not None and ahead.all():  # (all of them, the usual case when peers
-            if st is not None:                                       # run ahead: stashed, nothing to sort)
-                st.heard[h["src"][rows]] = now  # peers already in the next round are alive
-            self._keep(h, pay, lens, rows)
+            self._keep(h, pay, lens, rows, st, now)                  # run ahead: stashed, nothing to sort)
             return
         sel = h if rows is None else wire.take(h, rows)
         rows = np.arange(len(h)) if rows is None else rows
@@ -257,8 +257,6 @@ class Matcher:
             ahead = self._ahead(sel, base)
         if ahead is not None and ahead.any():
             keep = rows[ahead].tolist()
-            if st is not None:
-                st.heard[sel["src"][ahead]] = now  # a peer already in the next round is alive
             rest = (~ahead).nonzero()[0]
             sel, rows = wire.take(sel, rest), rows[rest]
         fields = sel.tolist()
@@ -274,8 +272,6 @@ class Matcher:
                 foreign += 1
             elif 0 < ((rnd - base) & MASK32) <= STASH_AHEAD:  # a round to come
                 keep.append(i)
-                if st is not None:
-                    st.heard[src] = now  # a peer already in the next round is alive
             elif st is None:  # (base: the finished round)
                 if kind != DATA:  # a probe for it, a STOP or BITMAP for a trailing message
                     ctrl.append((f, i, False))
@@ -310,7 +306,7 @@ class Matcher:
         c["stray"] += stray
         c["bad_payload"] += bad
         if keep:
-            self._keep(h, pay, lens, np.array(keep))
+            self._keep(h, pay, lens, np.array(keep), st, now)
         if data:
             rows = np.array(data)
             self.absorb(st, wire.take(h, rows), pay, rows, now, out)
@@ -340,11 +336,17 @@ class Matcher:
         return {int(s): (int(r), int(t)) for s, r, t in
                 zip(h["src"][near], h["round"][near], h["tensor"][near])}
 
-    def _keep(self, h, pay, lens, rows) -> None:
+    def _keep(self, h, pay, lens, rows, st: Round | None, now: float) -> None:
         """Stash packets ``rows`` of rounds to come (bounded: beyond it the loss machinery repairs).
         A PROBE (or a HELLO asking) is kept once per message: a peer waiting for this rank probes
         it every ``probe_max`` for as long as this rank is busy, and one answer serves them all
-        (the others count as duplicates)."""
+        (the others count as duplicates).
+
+        A peer already in a round to come is alive: round ``st`` (if any) hears it at the first
+        packet of each of its messages there, not again: a replayed packet (a keyed job's tags
+        verify on a replay) must not keep a peer that has since died alive."""
+        if st is not None:
+            self._heard_ahead(st, h, rows, now)
         kinds = h["kind"][rows]
         probes = rows[(kinds == PROBE) | (kinds == HELLO)]
         if len(probes):
@@ -364,6 +366,17 @@ class Matcher:
             self.stash.append((wire.take(h, rows), pay[rows], lens[rows]))  # (gathers: copies already)
             self._stashed += len(rows)
             self.counters["stashed"] += len(rows)
+
+    def _heard_ahead(self, st: Round, h, rows, now: float) -> None:
+        """Round ``st`` hears the senders of packets ``rows`` (of rounds to come) whose message
+        (round, tensor, sender) this rank has not seen before."""
+        keys = np.unique((h["round"][rows].astype(np.uint64) << np.uint64(32))
+                         | (h["tensor"][rows].astype(np.uint64) << np.uint64(16)) | h["src"][rows])
+        new = [k for k in keys.tolist() if k not in self._seen]
+        if new:
+            if len(self._seen) < STASH_MAX:  # (bounded, as the stash is: forged rounds and tensors)
+                self._seen.update(new)
+            st.heard[[k & 0xFFFF for k in new]] = now
 
     def absorb(self, st: Round, h, pay, prow, now: float, out: Sorted) -> None:
         """Take DATA packets of round ``st`` for this rank into it: headers ``h``, payloads

@@ -571,6 +571,37 @@ def test_an_ask_is_answered_only_by_a_rank_waiting_for_a_busy_one(rank0):
     assert rank0.sent() == []
 
 
+@pytest.mark.parametrize("n", [1, 40], ids=["one-by-one", "batch"])
+@pytest.mark.parametrize("native", [False, True])
+def test_a_peer_ahead_is_heard_once_per_message_not_per_replay(native, n):
+    """DATA of the next round from rank 1 (a peer ahead, alive) refreshes it once per message: the
+    same packets again (a replay: a keyed job's tags verify on one) do not keep it alive; its next
+    message does.  Whatever sorts the batch: one by one, numpy, or the compiled absorb's rest."""
+    from pydblp.collective import matcher
+
+    if native and matcher.native_lib() is None:
+        require_native("matcher")
+    r = Rank0()
+    try:
+        r.col.matcher = matcher.Matcher(0, 2, 1, r.col.cfg.chunk_bytes, False, r.col.counters, native=native)
+        st, width = r.st, r.col.C * 4
+
+        def ahead(rnd, now):
+            h = wire.empty_batch(n)
+            h["kind"], h["job"], h["round"], h["src"], h["dst"] = wire.Kind.DATA, 1, rnd, 1, 0
+            h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = np.arange(n), 100, st.tol8, width, wire.Dtype.F32
+            r.col.process(st, h, np.zeros((n, width), np.uint8), np.full(n, width), now)
+
+        ahead(st.round + 1, 100.0)
+        assert st.heard[1] == 100.0 and r.col.counters["stashed"] == n
+        ahead(st.round + 1, 101.0)
+        assert st.heard[1] == 100.0 and r.col.counters["stashed"] == 2 * n  # (kept: not the heard's concern)
+        ahead(st.round + 2, 102.0)
+        assert st.heard[1] == 102.0
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_a_staggered_message_is_counted_from_its_first_chunk(native):
     """Rank 1 starts at chunk 50: its chunks 50..99 then 0..29 arrived (80 sent in its order),
