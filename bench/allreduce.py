@@ -117,7 +117,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pydblp import net, wire  # noqa: E402
-from pydblp.cliutil import Parser  # noqa: E402
+from pydblp.cliutil import Parser, stop_unwinds  # noqa: E402
 from pydblp.collective.config import TIMEOUT_MAX, link_chunk_bytes  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
 
@@ -471,8 +471,6 @@ def main(argv=None) -> int:
                          "...); ratios are taken within each repeat, then their median (default 1)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    # SIGTERM (timeout(1), a job scheduler) unwinds as Ctrl-C does: the testbed goes down
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if not (args.rate == 0 or 1 <= args.rate <= 34000):
         ap.error(f"--rate {args.rate:g}: use 0 (no limit) or 1..34000 Mbit/s")
     try:
@@ -752,4 +750,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_unwinds():  # (Ctrl-C and SIGTERM unwind; a second one cannot cut the clean-up short)
+        sys.exit(main())

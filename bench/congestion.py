@@ -93,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pydblp import net, wire  # noqa: E402
-from pydblp.cliutil import Parser  # noqa: E402
+from pydblp.cliutil import Parser, stop_unwinds  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
 from pydblp.testbed.fabric import DROP_CAUSES  # noqa: E402
 
@@ -995,4 +995,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_unwinds():  # (Ctrl-C and SIGTERM unwind; a second one cannot cut the clean-up short)
+        sys.exit(main())

@@ -66,7 +66,6 @@ import os
 import platform
 import resource
 import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -76,7 +75,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pydblp import net  # noqa: E402
-from pydblp.cliutil import Parser  # noqa: E402
+from pydblp.cliutil import Parser, hold_stops, stop_unwinds  # noqa: E402
 
 ADDR = "198.18.0.1"
 PORT0 = 47900  # rank r listens on PORT0 + r
@@ -277,18 +276,6 @@ def main() -> int:
         return 2
     python = f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})"  # the ranks' interpreter too
 
-    def stopping(signum, frame):
-        # the first Ctrl-C (or SIGTERM: timeout(1), a job scheduler) unwinds into the clean-up below,
-        # and any later one is ignored until it is done: a second Ctrl-C would cut the clean-up short
-        # and leave the namespace (or testbed) and the ranks behind
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        sys.exit(128 + signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stopping)
     ns = f"dblpbench-cpu{os.getpid()}"
     tmp = Path(f"/tmp/{ns}")
     tmp.mkdir()
@@ -353,8 +340,7 @@ def main() -> int:
                     s.stop()
                     sets.remove(s)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # (a run that ended by itself: nor may one cut this)
-            signal.signal(sig, signal.SIG_IGN)
+        hold_stops()  # (a run that ended by itself: no signal may cut this either)
         for s in sets:
             s.stop()
         if tb is not None:
@@ -389,4 +375,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_unwinds():  # (a second Ctrl-C is ignored until the namespace, testbed and ranks are gone)
+        sys.exit(main())

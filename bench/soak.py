@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pydblp import net  # noqa: E402
-from pydblp.cliutil import Parser  # noqa: E402
+from pydblp.cliutil import Parser, stop_unwinds  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
 from pydblp.testbed.core import MAX_WORKERS  # noqa: E402
 from pydblp.testbed.hostile import CATEGORIES, Sprayer, Target, mutants  # noqa: E402
@@ -272,4 +272,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_unwinds():  # (Ctrl-C and SIGTERM unwind; a second one cannot cut the clean-up short)
+        sys.exit(main())

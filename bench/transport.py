@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pydblp import bpf, net, wire  # noqa: E402
+from pydblp.cliutil import stop_unwinds  # noqa: E402
 from pydblp.transport import Batch  # noqa: E402
 from pydblp.transport.udp import UdpTransport  # noqa: E402
 from pydblp.transport.xsk import XskTransport  # noqa: E402
@@ -379,4 +380,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with stop_unwinds():  # (Ctrl-C and SIGTERM unwind; a second one cannot cut the clean-up short)
+        sys.exit(main())

@@ -12,11 +12,10 @@ import argparse
 import errno
 import math
 import os
-import signal
 import struct
 import sys
 
-from pydblp.cliutil import Parser, UsageError, formatter
+from pydblp.cliutil import Parser, UsageError, formatter, stop_unwinds
 
 EPILOG = """\
 examples:
@@ -954,17 +953,18 @@ def main(argv: list[str] | None = None) -> int:
     from pydblp.bpf import BPFError
     from pydblp.net import NetError
 
-    # SIGTERM unwinds like Ctrl-C, so owners (testbeds, XDP attachments) clean up
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
-        return args.func(args) or 0
-    except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError, MissingExtra) as e:
-        denied = isinstance(e, OSError) and e.errno in (errno.EPERM, errno.EACCES) and os.geteuid() != 0
-        print(f"dblp {args.command}: {e}" + (": needs root (BPF maps, namespaces, /run/dblp): run it with sudo"
-                                             if denied else ""), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    # Ctrl-C and SIGTERM unwind, so owners (testbeds, XDP attachments) clean up; a second one is
+    # ignored until they have
+    with stop_unwinds():
+        try:
+            return args.func(args) or 0
+        except (UsageError, NetError, BPFError, FileNotFoundError, PermissionError, MissingExtra) as e:
+            denied = isinstance(e, OSError) and e.errno in (errno.EPERM, errno.EACCES) and os.geteuid() != 0
+            print(f"dblp {args.command}: {e}" + (": needs root (BPF maps, namespaces, /run/dblp): run it with sudo"
+                                                 if denied else ""), file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
 
 
 if __name__ == "__main__":

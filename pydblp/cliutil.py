@@ -1,4 +1,5 @@
-"""What every ``dblp`` subcommand module shares: the user-error type and the help layout.
+"""What every ``dblp`` subcommand module shares: the user-error type, the help layout, and how a
+signal stops a command (the bench scripts share the last two).
 
 :mod:`pydblp.cli` (the entry point) and :mod:`pydblp.testbed.cli` (the
 ``testbed`` and ``fault`` subcommands it registers) both import this module,
@@ -8,6 +9,10 @@ and neither imports the other's internals.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import sys
+import threading
 
 
 class UsageError(Exception):
@@ -41,3 +46,42 @@ def unit_rate(text: str | None, flag: str = "--rate") -> str | None:
     if bare == 0:
         return text
     raise UsageError(f"{flag} {t}: give the unit, e.g. {flag} {t}mbit or {flag} 1gbit")
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_unwinds():
+    """Within it, Ctrl-C (SIGINT) raises KeyboardInterrupt and SIGTERM (timeout(1), a job
+    scheduler) exits with status 143, both unwinding through the owners' ``finally`` and ``with``
+    blocks (testbeds, namespaces, XDP attachments, rank processes); every later SIGINT or SIGTERM
+    is ignored until it ends, so a second Ctrl-C cannot cut that clean-up short and leave them
+    behind.  The handlers it found are back on exit.  Outside the main thread (where no handler
+    can be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in STOPS}
+
+    def stopping(signum, frame):
+        hold_stops()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + signum)
+
+    for s in STOPS:
+        signal.signal(s, stopping)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def hold_stops() -> None:
+    """Ignore SIGINT and SIGTERM from now on (within :func:`stop_unwinds`: until it ends): called
+    where a clean-up begins that no signal may cut, a run that ended by itself included."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOPS:
+            signal.signal(s, signal.SIG_IGN)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 from pydblp import units
@@ -90,11 +89,7 @@ def cmd_up(args) -> int:
 
     tb = Testbed(workers=args.workers, name=args.name, mtu=args.mtu, rate=unit_rate(args.rate),
                  fabric=not args.no_fabric, mode=args.mode)
-    old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        tb.up()
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    tb.up()  # (rolls back on any exception: dblp's main turns Ctrl-C and SIGTERM into one)
     tb.detach()
     if args.json:
         print(json.dumps(tb.state, indent=1))

@@ -535,6 +535,51 @@ def test_sigkill_creator_then_down_all(private_dir, bpf_xdp):
     assert leftovers(name, state_dir, prog_id) == []
 
 
+STUBBORN = r"""
+import subprocess, sys, time
+from pydblp.cliutil import stop_unwinds
+from pydblp.testbed import Testbed
+with stop_unwinds():
+    with Testbed(workers=2, name=sys.argv[1]) as tb:
+        # a process inside, not the testbed's own, that ignores SIGTERM: down waits its grace (1 s)
+        subprocess.Popen(tb.argv("w0", [sys.executable, "-c", "import signal, sys, time; signal.signal("
+                                 "signal.SIGTERM, signal.SIG_IGN); open(sys.argv[1], 'w').close(); time.sleep(300)",
+                                 sys.argv[2]]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(tb.prog_id, flush=True)
+        time.sleep(300)
+"""
+
+
+def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(private_dir, bpf_xdp, tmp_path):
+    """Ctrl-C unwinds a script (as ``dblp`` and the bench scripts run, under
+    ``cliutil.stop_unwinds``) into its testbed's ``down``, which waits for a process inside that
+    ignores SIGTERM; three more Ctrl-C meanwhile are ignored, so the testbed still goes whole.
+    Without it the second one stops ``down`` half way, the third the exit's own ``down``, and the
+    namespaces stay."""
+    env, state_dir = private_dir
+    name, ready = unique_name("i"), tmp_path / "ready"
+    before = host_links()
+    p = subprocess.Popen([sys.executable, "-c", STUBBORN, name, str(ready)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        prog_id = int(p.stdout.readline())
+        assert poll_until(ready.exists, timeout=10)
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # (down is in its grace for the stubborn process)
+        for _ in range(3):
+            if p.poll() is not None:
+                break
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+        assert p.wait(timeout=30) == -signal.SIGINT  # (the first Ctrl-C's KeyboardInterrupt, at the end)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert leftovers(name, state_dir, prog_id) == []
+    assert host_links() == before
+
+
 def test_errors_are_one_line(private_dir):
     env, _ = private_dir
     r = dblp("testbed", "down", "--name", "nosuch", env=env)
