@@ -1092,15 +1092,18 @@ class Protocol:
                 self._top_up(o)
 
     def _hello(self, st: Round | None, src: int, payload: np.ndarray, now: float, current: bool) -> None:
-        """A HELLO from ``src``: alive, busy between rounds, not yet in round ``st``.  News only
-        about the current round and with a number above any taken from ``src`` (a replay is not):
-        the peer is heard (not taken for dead), and the round waits for it up to
-        ``Config.join_timeout`` (:meth:`timers`)."""
+        """A HELLO from ``src``: alive, busy between rounds, not yet in round ``st`` (or, with 0 ms
+        out of rounds, an answer to this rank's ask from a peer in the round that waits there for a
+        busy one: alive only).  News only about the current round and with a number above any taken
+        from ``src`` (a replay is not): the peer is heard (not taken for dead), and the round waits
+        for a busy one up to ``Config.join_timeout`` (:meth:`timers`)."""
         if current and len(payload) >= wire.HELLO_PAYLOAD.size:
-            seq = wire.HELLO_PAYLOAD.unpack(payload[: wire.HELLO_PAYLOAD.size].tobytes())[0]
+            seq, out = wire.HELLO_PAYLOAD.unpack(payload[: wire.HELLO_PAYLOAD.size].tobytes())
             if seq > self._hello_heard[src]:
                 self._hello_heard[src] = seq
-                if st.heard[src] != now:  # (else its data of this round came in the same batch: it joined)
+                # busy: out of rounds (0 ms: an answer on behalf of a busy rank, from a peer in the
+                # round, alive but not busy), and unless its data of this round came in the same batch
+                if out and st.heard[src] != now:
                     st.hello[src] = now
                 st.heard[src] = now
                 self.counters["hellos"] += 1
@@ -1212,22 +1215,24 @@ class Protocol:
         if not needed:
             needed = {i.src for i in waiting if i.ag}
         needed -= st.misfit.keys()  # (it sends, what does not fit: judged below, with a clearer error)
-        judged = needed
+        watched = set()
         if needed and needed <= set(st.busy()):
             # Every peer the round waits for now is busy between rounds.  The peers it needs once
-            # they join (an allreduce's owners, for their all-gather) are judged meanwhile too:
-            # asked, a live one answers on the busy ones' behalf, so one that dies during the wait
-            # is named at peer_timeout, not only once the busy ones join (or at join_timeout).
-            judged = (needed | {i.src for i in waiting}) - st.misfit.keys()
-        # A peer's silence counts from its last news or from when it became needed, the later: one
-        # with nothing to say while the round waited for another (a peer busy between rounds, which
-        # says HELLO) is not silent for that wait.
-        since = st.needed
-        for q in [q for q in since if q not in judged]:
-            del since[q]
-        for q in judged:
-            since.setdefault(q, now)
-        quiet = {q: now - max(st.heard[q], since[q]) for q in judged}
+            # they join (an allreduce's owners, for their all-gather) are watched meanwhile: asked,
+            # a live one answers on the busy ones' behalf, so one that dies during the wait is
+            # named at peer_timeout, not only once the busy ones join (or at join_timeout).
+            watched = {i.src for i in waiting} - needed - st.misfit.keys()
+        # A peer's silence counts from its last news or from when it became needed (or watched),
+        # the later: one with nothing to say while the round waited for another (a peer busy
+        # between rounds, which says HELLO) is not silent for that wait.  Watching is timed apart:
+        # a watched peer that becomes needed once the busy ones join starts afresh.
+        quiet = {}
+        for since, peers in ((st.needed, needed), (st.watched, watched)):
+            for q in [q for q in since if q not in peers]:
+                del since[q]
+            for q in peers:
+                quiet[q] = now - max(st.heard[q], since.setdefault(q, now))
+        judged = needed | watched
         self._ask(st, quiet, now)
         if judged:
             # name the peer silent longest: one that stalled because of it went quiet later
@@ -1314,7 +1319,7 @@ class Protocol:
             return
         self._hello_at = now + self.cfg.peer_timeout / HELLO_EVERY
         waiting = self.matcher.waiting(self.round)
-        out = min(MASK32, int((now - self._idle_since) * 1000))
+        out = min(MASK32, max(1, int((now - self._idle_since) * 1000)))  # (0: an answer on behalf)
         for src, (rnd, tensor) in sorted(waiting.items()):
             self._hello_seq += 1
             self._ctrl_packet(rnd, tensor, HELLO, 0, src, 1, 0, payload=wire.HELLO_PAYLOAD.pack(self._hello_seq, out))

@@ -93,6 +93,7 @@ class Round:
     misfit: dict = field(default_factory=dict)  # src -> (when, what): its first DATA that does not fit
     hello: dict = field(default_factory=dict)   # src -> when its latest HELLO came (alive, between rounds)
     needed: dict = field(default_factory=dict)  # peer -> since when the round has needed it (timers)
+    watched: dict = field(default_factory=dict)  # peer -> since when it is watched: needed once busy peers join
     asked: dict = field(default_factory=dict)   # peer -> when it was last sent a HELLO with ASK
 
     def expected(self, now: float) -> int:

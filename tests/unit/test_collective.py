@@ -497,14 +497,15 @@ class Rank0:
         h["chunk"], h["nchunks"], h["tol"], h["len"], h["dtype"] = chunks, n, st.tol8, width, wire.Dtype.F32
         self.col.process(st, h, np.zeros((len(chunks), width), np.uint8), np.full(len(chunks), width), now)
 
-    def hello(self, number, now, ask=False, rnd=None):
-        """A HELLO from rank 1 (with ``ask``: flag ASK) for round ``rnd`` (default this round)."""
+    def hello(self, number, now, ask=False, rnd=None, out=2500):
+        """A HELLO from rank 1 (with ``ask``: flag ASK) for round ``rnd`` (default this round), ``out``
+        ms out of rounds (0: an answer on behalf of a busy rank)."""
         h = wire.empty_batch(1)
         h["kind"], h["job"], h["src"], h["dst"], h["nchunks"] = wire.Kind.HELLO, 1, 1, 0, 1
         h["round"], h["tensor"] = self.st.round if rnd is None else rnd, self.st.tensor
         h["flags"], h["len"] = wire.Flag.ASK if ask else 0, wire.HELLO_PAYLOAD.size
         pay = np.zeros((1, self.col.C * 4), np.uint8)
-        pay[0, : wire.HELLO_PAYLOAD.size] = np.frombuffer(wire.HELLO_PAYLOAD.pack(number, 2500), np.uint8)
+        pay[0, : wire.HELLO_PAYLOAD.size] = np.frombuffer(wire.HELLO_PAYLOAD.pack(number, out), np.uint8)
         self.col.process(self.st, h, pay, np.array([wire.HELLO_PAYLOAD.size]), now)
 
     def sent(self):
@@ -552,6 +553,17 @@ def test_a_hello_in_the_batch_that_brings_the_peers_data_does_not_mark_it_busy(r
     col.process(st, h, pay, h["len"].astype(np.int64), 100.0)
     assert col.counters["hellos"] == 1 and st.heard[1] == 100.0 and st.busy() == []
     rank0.hello(2, 100.5)  # (a later one, alone: busy again)
+    assert st.busy() == [1]
+
+
+def test_an_answer_on_behalf_keeps_a_peer_alive_not_busy(rank0):
+    """A HELLO with 0 ms out of rounds answers this rank's ask from a peer in the round that waits
+    there for a busy one: it is heard (alive), not taken for busy (it is in the round: it neither
+    earns the join_timeout wait nor makes this round watch others on its account)."""
+    st = rank0.st
+    rank0.hello(1, 100.0, out=0)
+    assert rank0.col.counters["hellos"] == 1 and st.heard[1] == 100.0 and st.busy() == []
+    rank0.hello(2, 100.1)
     assert st.busy() == [1]
 
 

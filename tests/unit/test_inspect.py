@@ -264,7 +264,8 @@ def test_describe_decodes_a_stop(keyed):
 
 @pytest.mark.parametrize("keyed", [False, True])
 def test_describe_decodes_a_hello(keyed):
-    """A HELLO's payload (!QI): its number and the ms its sender has been out of rounds; one too
+    """A HELLO's payload (!QI): its number and the ms its sender has been out of rounds (0: an
+    answer on behalf of a busy rank, from a rank in the round; with flag ASK: an ask); one too
     short for them shows only its bytes."""
     key = KEY if keyed else None
     hello = Header(kind=wire.Kind.HELLO, job=42, round=7, src=1, dst=0, nchunks=1)
@@ -272,6 +273,10 @@ def test_describe_decodes_a_hello(keyed):
     assert body["kind"] == "HELLO (5)" and body["hello"] == f"number {2**40 + 3}, out of rounds 5250 ms"
     assert "estimate" not in body
     assert "hello" not in stop_body(frame(wire.encode(hello, bytes(11), key=key)))
+    behalf = stop_body(frame(wire.encode(hello, wire.HELLO_PAYLOAD.pack(9, 0), key=key)))
+    assert behalf["hello"] == "number 9, in the round, on behalf of a busy one"
+    ask = Header(kind=wire.Kind.HELLO, job=42, round=7, src=1, dst=0, nchunks=1, flags=wire.Flag.ASK)
+    assert stop_body(frame(wire.encode(ask, wire.HELLO_PAYLOAD.pack(10, 0), key=key)))["hello"] == "number 10, asks"
 
 
 def test_describe_decodes_only_stop_payloads():
