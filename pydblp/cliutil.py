@@ -57,12 +57,14 @@ def stop_unwinds():
     scheduler) exits with status 143, both unwinding through the owners' ``finally`` and ``with``
     blocks (testbeds, namespaces, XDP attachments, rank processes); every later SIGINT or SIGTERM
     is ignored until it ends, so a second Ctrl-C cannot cut that clean-up short and leave them
-    behind.  The handlers it found are back on exit.  Outside the main thread (where no handler
-    can be set) it does nothing."""
+    behind.  The handlers it found are back on exit.  A signal ignored when it begins (a job
+    started in the background, or under nohup) stays ignored.  Outside the main thread (where no
+    handler can be set) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.getsignal(s) for s in STOPS}
+    # (None: a handler set from C, which Python cannot put back; such a signal is left alone)
+    old = {s: h for s in STOPS if (h := signal.getsignal(s)) not in (signal.SIG_IGN, None)}
 
     def stopping(signum, frame):
         hold_stops()
@@ -70,7 +72,7 @@ def stop_unwinds():
             raise KeyboardInterrupt
         sys.exit(128 + signum)
 
-    for s in STOPS:
+    for s in old:
         signal.signal(s, stopping)
     try:
         yield
@@ -84,4 +86,5 @@ def hold_stops() -> None:
     where a clean-up begins that no signal may cut, a run that ended by itself included."""
     if threading.current_thread() is threading.main_thread():
         for s in STOPS:
-            signal.signal(s, signal.SIG_IGN)
+            if signal.getsignal(s) is not None:  # (a handler set from C: left alone, as stop_unwinds does)
+                signal.signal(s, signal.SIG_IGN)
