@@ -117,7 +117,8 @@ class Round:
         return due if due >= LINGER_MIN else 1
 
     def busy(self) -> list[int]:
-        """The peers whose latest news is a HELLO: alive, between rounds, not in this one yet."""
+        """The peers whose latest news is a HELLO from between rounds (not an answer on behalf):
+        alive, not in this round yet."""
         return sorted(q for q, t in self.hello.items() if t >= self.heard[q])
 
     def settled(self) -> bool:
