@@ -51,7 +51,7 @@ DEAD_TICK = 0.02  # s between dead-peer checks (peer_timeout is seconds)
 # HELLOs a rank between rounds sends per peer_timeout to each peer waiting for it in a round, and asks
 # a rank in a round sends per peer_timeout to a quiet peer: each is one packet that may be lost, and a
 # peer is judged dead only when all of one peer_timeout's are (16 at 10 % loss each way: ~3e-12 a
-# peer and timeout; 4 failed a busy wait among 8 ranks at 5 % loss on most seeds)
+# peer and timeout; 4 failed a simulated busy wait among 8 ranks at 20 % loss on every seed)
 HELLO_EVERY = 16
 JOIN_TIMEOUT = 1800.0  # s: Config.join_timeout's default (torch's default process-group timeout, 30 min)
 TXQ_LIMIT = 0.002  # s of data a pacing transport may hold before more is handed to it (TCP small queues)
