@@ -1102,8 +1102,10 @@ class Protocol:
             if seq > self._hello_heard[src]:
                 self._hello_heard[src] = seq
                 # busy: out of rounds (0 ms: an answer on behalf of a busy rank, from a peer in the
-                # round, alive but not busy), and unless its data of this round came in the same batch
-                if out and st.heard[src] != now:
+                # round, alive but not busy), unless its data of this round came already (in this
+                # batch, handled first, or before it: a HELLO sent just before it joined, reordered)
+                if out and st.heard[src] != now and not any(
+                        i.count for (_, q), i in st.ins.items() if q == src):
                     st.hello[src] = now
                 st.heard[src] = now
                 self.counters["hellos"] += 1

@@ -541,7 +541,7 @@ def test_a_hello_is_news_once_per_number_and_only_for_this_round(rank0):
 
 def test_a_hello_in_the_batch_that_brings_the_peers_data_does_not_mark_it_busy(rank0):
     """A busy rank's last HELLO and its first DATA of the round can arrive in one receive batch
-    (the data is handled first): the peer has joined, it is heard, not busy."""
+    (the data is handled first), or the HELLO later: the peer has joined, it is heard, not busy."""
     st, col, width = rank0.st, rank0.col, rank0.col.C * 4
     h = wire.empty_batch(2)
     h["job"], h["round"], h["src"], h["dst"], h["tensor"] = 1, st.round, 1, 0, st.tensor
@@ -552,8 +552,20 @@ def test_a_hello_in_the_batch_that_brings_the_peers_data_does_not_mark_it_busy(r
     pay[0, : wire.HELLO_PAYLOAD.size] = np.frombuffer(wire.HELLO_PAYLOAD.pack(1, 2500), np.uint8)
     col.process(st, h, pay, h["len"].astype(np.int64), 100.0)
     assert col.counters["hellos"] == 1 and st.heard[1] == 100.0 and st.busy() == []
-    rank0.hello(2, 100.5)  # (a later one, alone: busy again)
+    rank0.hello(2, 100.5)  # (one sent before its data, reordered behind it: stale, not busy)
+    assert col.counters["hellos"] == 2 and st.heard[1] == 100.5 and st.busy() == []
+
+
+def test_a_hello_marks_a_peer_busy_only_before_its_data(rank0):
+    """A HELLO from between rounds marks rank 1 busy while nothing of its data of this round
+    came; one that arrives after some did (sent just before it joined, reordered) is stale."""
+    st = rank0.st
+    rank0.hello(1, 100.0)
     assert st.busy() == [1]
+    rank0.data([0, 1], 100.1)
+    assert st.busy() == []
+    rank0.hello(2, 100.2)
+    assert st.busy() == [] and st.heard[1] == 100.2
 
 
 def test_an_answer_on_behalf_keeps_a_peer_alive_not_busy(rank0):
