@@ -248,9 +248,9 @@ def describe(pkt: Packet, ports: set[int] | None = None, key: bytes | None = Non
         out += _stop_lines(body)
     elif h.kind == wire.Kind.HELLO and len(body) >= wire.HELLO_PAYLOAD.size:
         number, ms = wire.HELLO_PAYLOAD.unpack_from(body)
-        ask = h.flags & wire.Flag.ASK
-        out.append(f"    {'hello':<8} number {number}, " + (f"out of rounds {ms} ms" if ms and not ask else
-                                                          "asks" if ask else "in the round, on behalf of a busy one"))
+        what = ("asks" if h.flags & wire.Flag.ASK else f"out of rounds {ms} ms" if ms
+                else "in the round, on behalf of a busy one")
+        out.append(f"    {'hello':<8} number {number}, {what}")
     if taglen:
         out.append(f"    {'tag':<8} {data[-taglen:].hex() if len(data) >= wire.HEADER_LEN + taglen else 'missing'}")
     return "\n".join(out)

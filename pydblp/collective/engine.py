@@ -61,7 +61,7 @@ class Collective:
     sleeps while nothing arrives and no probe or HELLO is due, and is never woken by
     rounds that follow each other within ``IDLE_GRACE`` (2 ms).  While peers
     wait for this rank in a round it has not begun (the caller is busy: an
-    evaluation, a checkpoint) it tells them every ``peer_timeout / 4`` that it
+    evaluation, a checkpoint) it tells them 16 times a ``peer_timeout`` that it
     is alive (HELLO), so they wait for it up to ``Config.join_timeout`` instead
     of failing at ``peer_timeout``.  :meth:`close` ends it.
 

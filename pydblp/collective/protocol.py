@@ -1103,9 +1103,8 @@ class Protocol:
                 self._hello_heard[src] = seq
                 # busy: out of rounds (0 ms: an answer on behalf of a busy rank, from a peer in the
                 # round, alive but not busy), unless its data of this round came already (in this
-                # batch, handled first, or before it: a HELLO sent just before it joined, reordered)
-                if out and st.heard[src] != now and not any(
-                        i.count for (_, q), i in st.ins.items() if q == src):
+                # batch, handled first, or before: a HELLO sent just before it joined, reordered)
+                if out and not st.joined(src):
                     st.hello[src] = now
                 st.heard[src] = now
                 self.counters["hellos"] += 1
@@ -1328,10 +1327,11 @@ class Protocol:
         self.counters["hellos_sent"] += len(waiting)
 
     def _ask(self, st: Round, quiet: dict, now: float) -> None:
-        """HELLO with flag ASK, every ``peer_timeout / HELLO_EVERY``, to each needed peer quiet
-        that long: one busy between rounds stashes it and so answers with HELLOs, though this
-        rank had sent it nothing of the round (it waits for the peer's contribution first: a
-        parameter server, or an owner whose peer holds no rows).  Not news to a peer in the round."""
+        """HELLO with flag ASK, every ``peer_timeout / HELLO_EVERY``, to each needed or watched
+        peer quiet that long (``quiet``): one busy between rounds stashes it and so answers with
+        HELLOs, though this rank had sent it nothing of the round (it waits for the peer's
+        contribution first: a parameter server, or an owner whose peer holds no rows); a peer in
+        the round answers on a busy one's behalf (:meth:`control`).  Never news."""
         every = self.cfg.peer_timeout / HELLO_EVERY
         for q, t in quiet.items():
             if t > every and now - st.asked.get(q, -math.inf) >= every:

@@ -116,6 +116,10 @@ class Round:
                 return LINGER_WANT
         return due if due >= LINGER_MIN else 1
 
+    def joined(self, q: int) -> bool:
+        """Some of peer ``q``'s data of this round has come: it is in the round."""
+        return any(inn.count for (_, src), inn in self.ins.items() if src == q)
+
     def busy(self) -> list[int]:
         """The peers whose latest news is a HELLO from between rounds (not an answer on behalf):
         alive, not in this round yet."""
