@@ -71,6 +71,7 @@ def parse(argv=None):
     p.add_argument("--estimator", default="unbiased")
     p.add_argument("--peer-timeout", type=float, default=30.0)
     p.add_argument("--send-burst", type=int, default=None, help="Config.burst")
+    p.add_argument("--spread", type=int, default=0, help="Config.spread")
     p.add_argument("--chunk-bytes", type=int, default=None, help="Config.chunk_bytes")
     p.add_argument("--spin", type=float, default=0.0, help="transport busy-poll seconds")
     p.add_argument("--rate", type=float, default=0.0, help="the link's bits/s xsk paces at (0: unpaced)")
@@ -95,7 +96,7 @@ class Pydblp:
                                  rate=a.rate, spin=a.spin, max_payload=a.chunk_bytes, key=key,
                                  epoch=a.epoch if keyed else None)
         cfg = Config(job=a.job, mode=a.mode, estimator=a.estimator, phase=f"static:{a.tol}",
-                     peer_timeout=a.peer_timeout)
+                     peer_timeout=a.peer_timeout, spread=a.spread)
         if a.send_burst:
             cfg.burst = a.send_burst
         if a.chunk_bytes:

@@ -120,6 +120,7 @@ from pydblp import net, wire  # noqa: E402
 from pydblp.cliutil import Parser, stop_unwinds  # noqa: E402
 from pydblp.collective.config import TIMEOUT_MAX, link_chunk_bytes  # noqa: E402
 from pydblp.testbed import Testbed  # noqa: E402
+from pydblp.testbed.fabric import NPRIO  # noqa: E402
 
 MiB = 1 << 20
 WORKER = Path(__file__).resolve().parent / "_allreduce_worker.py"
@@ -155,6 +156,8 @@ class WorkerSet:
                     "--mode", args.mode, "--peer-timeout", str(args.peer_timeout), "--store", str(store)]
             if args.send_burst:
                 argv += ["--send-burst", str(args.send_burst)]
+            if args.spread:
+                argv += ["--spread", str(args.spread)]
             if args.chunk_bytes:
                 argv += ["--chunk-bytes", str(args.chunk_bytes)]
             argv += ["--spin", str(args.spin)]
@@ -286,8 +289,17 @@ def kernel_counters(tb: Testbed) -> dict:
     return c
 
 
-def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, timeout: float) -> list[dict]:
+def clear(tb: Testbed, buffer: int, mark: int = 0) -> None:
+    """Clear the fabric's faults; with ``buffer`` bytes, give every switch port a drop-tail queue
+    at the link rate holding that much (``--switch-buffer``), CE-marking past ``mark`` bytes."""
     tb.clear()
+    if buffer:
+        tb.queue(tb.rate_bps, buffer=buffer, thresholds=(0,) * NPRIO, mark=mark or None)
+
+
+def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, timeout: float,
+              buffer: int = 0, mark: int = 0) -> list[dict]:
+    clear(tb, buffer, mark)
     if cond == "loss":
         tb.loss(loss)
     tb.stats(reset=True)
@@ -297,7 +309,7 @@ def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, tim
         cleared = False
         for r, msg in ws.messages(time.monotonic() + timeout):
             if msg.get("drained") and not cleared:
-                tb.clear()  # every rank has finished the measured rounds
+                clear(tb, buffer, mark)  # every rank has finished the measured rounds
                 cleared = True
             elif "block" in msg:
                 out[r] = msg["block"]
@@ -306,6 +318,11 @@ def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, tim
     finally:
         tb.clear()
     raise AssertionError("unreachable")
+
+
+def switch_drops(tb: Testbed) -> int:
+    """Frames the switch ports' queues dropped at their tail since the last reset."""
+    return sum(st.get("tail", {}).get("packets", 0) for st in tb.stats().values())
 
 
 def summarize(ranks: list[dict], size: int) -> dict:
@@ -469,6 +486,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every transport's blocks this many times, interleaved (gloo, udp, ..., gloo, udp, "
                          "...); ratios are taken within each repeat, then their median (default 1)")
+    ap.add_argument("--spread", type=int, default=0, metavar="PACKETS",
+                    help="pydblp Config.spread: where the link is the bottleneck, send batches take turns over "
+                         "their destinations PACKETS at a time (default 0: off)")
+    ap.add_argument("--switch-buffer", type=float, default=0.0, metavar="KIB",
+                    help="give every switch port a drop-tail queue at the link rate holding KIB KiB, in which "
+                         "frames wait, as a switch's port buffer (default 0: none; the links' TBFs are then "
+                         "at the senders only, and a port takes any number of senders at once)")
+    ap.add_argument("--switch-mark", type=float, default=0.0, metavar="KIB",
+                    help="with --switch-buffer: the ports CE-mark ECN-capable frames past KIB KiB of backlog "
+                         "(default 0: no marking)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     if not (args.rate == 0 or 1 <= args.rate <= 34000):
@@ -518,6 +545,11 @@ def main(argv=None) -> int:
              f"--mtu {args.mtu}: {chunk}-byte chunks need MTU {chunk + wire.DATAGRAM_OVERHEAD} or more: give "
              f"--chunk-bytes {link} too"),
             (args.send_burst is not None and args.send_burst < 1, f"--send-burst {args.send_burst}: use 1 or more packets"),
+            (args.spread < 0, f"--spread {args.spread}: use 0 (off) or a number of packets, e.g. 32"),
+            (not 0 <= args.switch_buffer < math.inf or (args.switch_buffer and args.rate == 0),
+             f"--switch-buffer {args.switch_buffer:g}: use KiB >= 0 with a link rate (--rate above 0), e.g. 128"),
+            (not 0 <= args.switch_mark <= args.switch_buffer or (args.switch_mark and not args.switch_buffer),
+             f"--switch-mark {args.switch_mark:g}: use KiB up to --switch-buffer's (and give that), e.g. 32"),
             (args.block_timeout is not None and not 0 < args.block_timeout < math.inf,
              f"--block-timeout {args.block_timeout}: use seconds above 0, e.g. 120")):
         if bad:
@@ -542,6 +574,8 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("bench/allreduce.py needs root (namespaces, XDP, AF_XDP)", file=sys.stderr)
         return 2
+
+    buffer, mark = int(args.switch_buffer * 1024), int(args.switch_mark * 1024)
 
     def rounds_for(mib):
         # >= ~1 s of rounds a block: the p50 and the burst median then span more than one of the
@@ -607,7 +641,8 @@ def main(argv=None) -> int:
                         t = time.monotonic()
                         k0 = kernel_counters(tb)
                         try:
-                            ranks = run_block(ws, tb, cmd, cond, args.loss, timeout_for(mib))
+                            ranks = run_block(ws, tb, cmd, cond, args.loss, timeout_for(mib), buffer, mark)
+                            dropped = switch_drops(tb) if buffer else None
                         except WorkerFailure as e:
                             msg = f"{tag}{tr} {key} MiB {cond}: {e}"
                             print(f"  FAILED {msg}", flush=True)
@@ -620,6 +655,7 @@ def main(argv=None) -> int:
                         s["wall"] = time.monotonic() - t
                         k1 = kernel_counters(tb)
                         s["kernel"] = {k: k1[k] - k0[k] for k in k0}
+                        s["switch_drops"] = dropped
                         res[tr][key][cond] = s
                         s["burst_len"] = cmd["burst"]["duration"] if cond == "burst" else None
                         extra = (f" burst med {fmt_ms(s.get('burst_med'))} ms over rounds {s['burst_rounds']} "
@@ -629,7 +665,8 @@ def main(argv=None) -> int:
                         print(f"  {tag}{tr:<4} {key:>3} MiB {cond:<5}: p50 {fmt_ms(s['p50'])} ms, "
                               f"p99 {fmt_ms(s['p99'])} ms{extra}{pyd}, CPU/rank/round {fmt_ms(s['cpu'])} ms (sys {fmt_ms(s['cpu_sys'])}), exact {s['exact']:.3f}, stale {s['stale']:.3f} "
                               f"(max age {s['stale_max_age']}), "
-                              f"uninjected drops {s['kernel']} ({s['wall']:.1f} s)", flush=True)
+                              f"uninjected drops {s['kernel']}"
+                              + (f", switch tail drops {dropped}" if buffer else "") + f" ({s['wall']:.1f} s)", flush=True)
             except WorkerFailure as e:
                 failures.append(f"{tag}{tr}: {e}")
                 print(f"  FAILED {tag}{tr}: {e}", flush=True)

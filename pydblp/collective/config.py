@@ -184,6 +184,11 @@ class Config:
                                      # pacing): AF_XDP's 16384 receive frames by default.  On a path that
                                      # keeps up (no link limit) a turn sends up to burst to each of up to
                                      # TURN_DESTS destinations: docs/protocol.md, "The loop"
+    spread: int = 0                  # where the link is the bottleneck, a send batch gives each destination
+                                     # at most this many packets in a row, in turn (e.g. 32): a switch port
+                                     # then takes each sender's share of its link, not several senders at
+                                     # full rate, an incast a shallow port buffer drops; 0: each
+                                     # destination's share in one run.  docs/protocol.md, "The loop"
     cc: str = "ecn"                  # congestion control per destination (pydblp.collective.cc): "ecn"
                                      # (DATA goes out ECT(0); receivers echo CE marks in their STOPs and
                                      # a sender whose packets were marked paces itself, DCTCP-style) or
@@ -238,6 +243,8 @@ class Config:
             raise ValueError(f"probe_max {self.probe_max} is below probe_min {self.probe_min}")
         if self.burst < 1:
             raise ValueError(f"burst {self.burst}: use 1 or more packets")
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or self.spread < 0:
+            raise ValueError(f"spread {self.spread!r}: use 0 (off) or a number of packets, e.g. 32")
         if not isinstance(self.allgather_bound, bool):
             raise ValueError(f"allgather_bound {self.allgather_bound!r}: use True or False")
         if not isinstance(self.consistent, bool):

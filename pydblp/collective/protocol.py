@@ -273,7 +273,8 @@ class Protocol:
                 if src != me:
                     st.ins[(False, src)] = InMessage(False, src, st.rmask[src])
         addrs, sq = self._in_place(st) if inplace else (None, None)
-        for k, (a, b) in enumerate(bounds):
+        for k in self._rotated(len(bounds)):
+            a, b = bounds[k]
             if k == my:
                 continue
             if inplace:
@@ -688,7 +689,7 @@ class Protocol:
         # (the last owner to reduce has none left: all of it goes at once)
         split = st.reduce and st.repair and any(not o.done for (ag, _), o in st.outs.items() if not ag)
         members = []
-        for dst in range(self.world):
+        for dst in self._rotated(self.world):
             if dst != self.rank and b > a:
                 o = st.outs[(True, dst)] = OutMessage(True, dst, st.y[a:b], prio, tol8, st.round, st.tensor)
                 members.append(o)
@@ -706,6 +707,12 @@ class Protocol:
             for o in first:
                 o.avail = min(o.plan, o.n // 2)
             st.ag_rest = self.clock() + AG_SPLIT
+
+    def _rotated(self, n: int) -> list[int]:
+        """``range(n)`` from this rank's successor on: each rank's messages go out in its own order,
+        so ranks in step send to different ranks at a time, not all to rank 0 first (an incast at
+        its switch port)."""
+        return [(self.rank + 1 + i) % n for i in range(n)]
 
     # ---- sending ---------------------------------------------------------
     @property
@@ -977,6 +984,11 @@ class Protocol:
                 i = j
         if addr is not None and nc:  # control payloads are in payload's rows
             addr[:nc] = self._txrows[:nc]
+        if self.cfg.spread and len(parts) > 1 and self.link_bound:
+            order = spread_order([len(idx) for _, idx, _ in parts], self.cfg.spread) + nc
+            # (the headers as opaque 32-byte records: a structured array's gather is ~25x slower)
+            for a in (h.view(_RECORD), peer, payload if addr is None else addr):
+                a[nc:] = a[order]
         sent = self.t.send(Batch(h, payload, lens, peer, k, addr), timeout=1.0)
         if sent < k:  # the ring or socket stayed full: the loss machinery repairs it
             self.counters["tx_short"] += k - sent
@@ -1470,6 +1482,17 @@ class Protocol:
 # over its buckets.  What outlives a round stays per tensor id: "y" (handed to the stale fill),
 # "trail" (rows of trailing all-gather messages).
 ROUND_SCRATCH = frozenset({"x", "xin", "yr", "ytail", "rbuf", "nbuf", "basein", "base", "tail", "patch"})
+
+
+_RECORD = np.dtype((np.void, wire.HEADER_LEN))
+
+
+def spread_order(sizes: list[int], run: int) -> np.ndarray:
+    """The order of a send batch's data packets, parts of ``sizes`` packets laid out one after the
+    other, that takes up to ``run`` packets of each part in turn (``Config.spread``); each part's
+    own packets keep their order."""
+    key = np.concatenate([np.arange(n) // run * len(sizes) + p for p, n in enumerate(sizes)])
+    return np.argsort(key, kind="stable")
 
 
 def _pad(flat: np.ndarray, into: np.ndarray) -> None:

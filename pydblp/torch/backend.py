@@ -97,6 +97,7 @@ ENV_OPTIONS = (
     ("DBLP_PORT", None, "port", int), ("DBLP_RATE", None, "rate", "rate"),
     ("DBLP_PHASE", _CFG, "phase", str), ("DBLP_JOB", _CFG, "job", int),
     ("DBLP_PEER_TIMEOUT", _CFG, "peer_timeout", float), ("DBLP_PLAN", _CFG, "plan", str),
+    ("DBLP_SPREAD", _CFG, "spread", int),
 )
 # DBLP_* variables read elsewhere (not a misspelt option): the job key, the native build, state folders
 ENV_ELSEWHERE = ("DBLP_KEY", "DBLP_KEY_FILE", "DBLP_NATIVE", "DBLP_BPF_DIR", "DBLP_JOBS_DIR", "DBLP_TESTBED_DIR",

@@ -16,6 +16,7 @@ import pytest
 from pydblp import host, wire
 from pydblp.collective import Collective, Config
 from pydblp.testbed import Testbed
+from pydblp.testbed.fabric import NPRIO
 from pydblp.transport.udp import UdpTransport
 from pydblp.transport.xsk import XskTransport
 from tests.helpers import poll_until, skip_without, unique_name
@@ -415,6 +416,30 @@ def test_a_busy_rank_is_waited_for_over_a_lossy_fabric(clean):
             np.testing.assert_allclose(res[r][i], exact, atol=1e-5)
     assert cols[0].counters["hellos_sent"] > 0 and all(c.counters["hellos"] > 0 for c in cols[1:]), \
         [c.counters for c in cols]
+
+
+def test_spread_sends_spare_a_shallow_switch_port_an_incast(clean):
+    """Every switch port drains at the links' 1 Gbit/s and holds 128 KiB, drop-tail (a shallow
+    switch buffer).  Four ranks' 1 MiB allreduces over UDP, out of step as threads of one process
+    are, send to one port at once and its buffer drops; with ``Config.spread`` 32 each sender gives
+    each destination its share of the link in turn, and the ports drop several times fewer
+    (~100x in ``bench/allreduce.py --switch-buffer 128``).  Both end exact."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(WORLD)]
+    exact = np.mean(xs, axis=0)
+    dropped = {}
+    for spread in (0, 32):
+        clean.queue(clean.rate_bps, buffer=128 << 10, thresholds=(0,) * NPRIO)
+        clean.stats(reset=True)
+        try:
+            res, _ = run_ranks(clean, transports(clean, "udp"), lambda r, c: [c.allreduce(xs[r]) for _ in range(10)],
+                               phase="static:0", spread=spread)
+            dropped[spread] = sum(st.get("tail", {}).get("packets", 0) for st in clean.stats().values())
+        finally:
+            clean.clear()
+        for r in range(WORLD):
+            np.testing.assert_allclose(res[r][-1], exact, atol=1e-5)
+    assert dropped[0] > 100 and dropped[32] * 5 < dropped[0], dropped
 
 
 @pytest.mark.parametrize("consistent", [True, False])

@@ -78,6 +78,9 @@ def _refused(run, argv, says, prog, capsys, monkeypatch):
     (["--peer-timeout", "0"], "--peer-timeout 0.0: use seconds in (0, 86400]"),
     (["--spin", "-1"], "--spin -1.0: use busy-poll seconds >= 0"),
     (["--send-burst", "0"], "--send-burst 0: use 1 or more packets"),
+    (["--spread", "-1"], "--spread -1: use 0 (off) or a number of packets"),
+    (["--switch-buffer", "128", "--rate", "0"], "--switch-buffer 128: use KiB >= 0 with a link rate"),
+    (["--switch-mark", "32"], "--switch-mark 32: use KiB up to --switch-buffer's"),
     (["--block-timeout", "0"], "--block-timeout 0.0: use seconds above 0"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_allreduce_refuses_a_mistake_in_one_line(argv, says, capsys, monkeypatch):

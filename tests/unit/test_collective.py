@@ -1081,6 +1081,7 @@ def test_nack_backoff_holds_while_a_burst_eats_the_repair(rank0):
     ((0, 2), {"peer_timeout": 0}, "peer_timeout 0"), ((0, 2), {"deadline": -1}, "deadline -1"),
     ((0, 2), {"join_timeout": float("inf")}, "join_timeout inf"), ((0, 2), {"join_timeout": 0}, "join_timeout 0"),
     ((0, 2), {"probe_min": 0.01, "probe_max": 0.005}, "probe_max 0.005"), ((0, 2), {"burst": 0}, "burst 0"),
+    ((0, 2), {"spread": -1}, "spread -1"), ((0, 2), {"spread": True}, "spread True"),
     ((2, 2), {}, "rank 2: use 0..1"), ((-1, 2), {}, "rank -1"), ((0, 0), {}, "world 0"),
     ((0, 3), {}, "2 peers for world 3"), ((0, 2), {"phase": "static:1.5"}, "tolerance 1.5"),
     ((0, 2), {"allgather": "multicast"}, "allgather 'multicast'"),
@@ -1801,6 +1802,64 @@ def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkey
     assert len(h) == 1 + 17 + 3 + 9 + 5 and h["kind"][0] == wire.Kind.STOP and (h["kind"][1:] == wire.Kind.DATA).all()
     assert h["chunk"][1:18].tolist() == [(7 + c) % 40 for c in range(3, 20)] and (h["round"][-14:-5] == 0x1234ABCC).all()
     assert counts[True] == counts[False] and counts[True][0][3] > 0 and counts[True][2] > 0
+
+
+def test_a_spread_turn_takes_its_parts_in_turns_on_both_paths(monkeypatch):
+    """``Config.spread`` 4 on a link-bound path: a send turn's DATA packets (after its control
+    packet) take up to 4 packets of each part in turn, each part's in its own order, with each
+    header's payload still its own chunk's row, byte for byte the same on the compiled and the
+    Python path; a path that keeps up sends each part whole."""
+    import ctypes
+
+    from pydblp.collective import matcher, protocol
+    from pydblp.collective.messages import OutMessage
+
+    if matcher.native_lib() is None:
+        require_native("matcher")
+    rng = np.random.default_rng(9)
+    C = 352
+    rows = rng.standard_normal((40, C)).astype(np.float32)
+    prio = rng.integers(1, 8, 40).astype(np.uint8)
+    sent = {}
+    for native, bound in ((True, True), (False, True), (True, False)):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(matcher, "native_lib", lambda: None)
+            col = Collective(UdpTransport(port=0), 1, 3, [("127.0.0.1", 9)] * 3, Config(job=77, spread=4),
+                             idle_thread=False)
+        try:
+            p = col.protocol
+            if not p.t.reads_addresses:
+                require_native("udp")
+            got = []
+
+            def send(b, timeout=1.0):
+                got.append((b.headers[: b.n].copy(), [ctypes.string_at(int(a), int(n))
+                                                      for a, n in zip(b.addr[: b.n], b.lengths[: b.n])]))
+                return b.n
+
+            monkeypatch.setattr(p.t, "send", send)
+            monkeypatch.setattr(protocol.Protocol, "link_bound", property(lambda self: bound))
+            a = OutMessage(False, 2, rows, prio, 12, 0x1234ABCD, 5)
+            b = OutMessage(True, 0, rows[:30], prio[:30], 0, 0x1234ABCD, 5)
+            p._ctrl_packet(0x1234ABCD, 5, wire.Kind.STOP, 0, 2, 40, 12)
+            p._send_batch(None, [(a, np.arange(10), 0), (b, np.array([2, 9, 29]), wire.Flag.RETX),
+                                 (a, np.arange(10, 15), 0)])
+            sent[native, bound] = got
+        finally:
+            col.close()
+    (h, pays), = sent[True, True]
+    (h2, pays2), = sent[False, True]
+    assert h.tobytes() == h2.tobytes() and pays == pays2
+    d = h[1:]
+    assert h["kind"][0] == wire.Kind.STOP and (d["kind"] == wire.Kind.DATA).all()
+    runs = [(0, [0, 1, 2, 3]), (1, [2, 9, 29]), (2, [10, 11, 12, 13]), (0, [4, 5, 6, 7]), (2, [14]), (0, [8, 9])]
+    want = [c for _, cs in runs for c in cs]
+    assert d["chunk"].tolist() == want
+    assert d["dst"].tolist() == [{0: 2, 1: 0, 2: 2}[k] for k, cs in runs for _ in cs]
+    assert [bytes(x) for x in pays[1:]] == [rows[c].tobytes() for c in want]
+    (h3, _), = sent[True, False]
+    assert h3["chunk"][1:].tolist() == list(range(10)) + [2, 9, 29] + list(range(10, 15))
 
 
 def test_a_round_ended_at_its_deadline_stops_a_trailing_message_at_its_first_probe():

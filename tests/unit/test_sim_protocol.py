@@ -189,8 +189,11 @@ def test_peers_that_waited_together_for_a_busy_one_are_not_taken_for_dead(world,
     a rank needs the last rank's all-gather, which that rank's slow link delivers only later:
     the last rank has been needed for that long, not silent since its last answer during the
     wait, so the round ends exactly (before, the first case failed naming it at once, and with
-    watching timed together with needing, the second did ~0.8 s after the join)."""
-    s = Sim(world, Config(peer_timeout=0.5), link=[LINK] * (world - 1) + [Link("10mbit", latency=25e-6)], seed=1)
+    watching timed together with needing, the second did ~0.8 s after the join).  The slow link's
+    queues hold 256 KiB, 0.2 s of it: a packet that waits in a queue longer than ``peer_timeout``
+    (1 MiB would be 0.84 s) is rightly late, whatever its sender did."""
+    slow = Link("10mbit", latency=25e-6, queue=256 << 10)
+    s = Sim(world, Config(peer_timeout=0.5), link=[LINK] * (world - 1) + [slow], seed=1)
     xs = inputs(world, world * rows * 352, rounds=2, seed=5)
 
     nodes = s.run(busy_then_round(xs, busy, seconds))
@@ -529,6 +532,53 @@ def test_a_neighbour_round_never_takes_an_allreduce_rounds_data():
     assert arrived == [] and np.array_equal(y, x[0]) and 0.5 <= at < 0.55
     assert isinstance(nodes[1].error, CollectiveError) and "does not fit" in str(nodes[1].error)
     assert all(n.collective.counters["bad_payload"] > 0 for n in nodes)
+
+
+# ---- the order of sends at switch ports --------------------------------------------------------
+
+def switched_rounds(world, mib, queue, skew=0.0, **cfg):
+    """Rounds of ``mib`` MiB over 1 Gbit/s links whose switch ports hold ``queue`` bytes, each rank
+    starting each round after a seeded 0..``skew`` s of compute: (the rounds' median latency over
+    the line rate's least, the switch ports' tail drops)."""
+    n = mib * (1 << 20) // 4
+    s = Sim(world, Config(phase="static:0.0", peer_timeout=5.0, **cfg), link=Link("1gbit", latency=20e-6, queue=queue),
+            seed=1)
+
+    def program(node):
+        rng = np.random.default_rng(node.rank)
+        x = np.full(n, node.rank + 1, np.float32)
+        for _ in range(5):
+            node.compute(rng.uniform(0, skew))
+            y = node.collective.allreduce(x)
+        return y
+
+    nodes = s.run(program)
+    for node in nodes:
+        assert node.error is None and np.all(node.result == (world + 1) / 2), node.error
+    least = 2 * (world - 1) / world * mib * (1 << 20) * (1408 + 74) / 1408 * 8 / 1e9
+    return np.median([r.latency for node in nodes for r in node.records[1:]]) / least, s.network.drops["tail"]
+
+
+@pytest.mark.parametrize("world,mib", [(4, 1), (8, 2)])
+def test_ranks_in_step_never_send_to_one_port_at_once(world, mib):
+    """Each rank sends its messages from its successor on, so ranks in step load every switch
+    port with one sender at a time and a round takes what the links allow (before, every rank
+    began with rank 0, then 1, ...: a port took three senders at once, and the last shard's owner
+    finished its reduce late; 1.18x and 1.25x the least, and tail drops at 8 ranks)."""
+    over, drops = switched_rounds(world, mib, 1 << 20)
+    assert over < 1.03 and drops == 0, (over, drops)
+
+
+def test_spread_sends_spare_a_shallow_port_buffer_an_incast():
+    """Ranks out of step (0-2 ms apart) send to one port at once whatever their order.  With
+    ``Config.spread`` each sender gives each destination its share of the link (32 packets at a
+    time, in turn), so a port never takes more than its rate: a 128 KiB buffer drops nothing and
+    a round takes about what the links allow; without, the buffer drops thousands of packets
+    and the rounds repair for twice as long."""
+    off, dropped = switched_rounds(4, 1, 128 << 10, skew=0.002)
+    on, spared = switched_rounds(4, 1, 128 << 10, skew=0.002, spread=32)
+    assert dropped > 100 and spared * 100 < dropped, (dropped, spared)
+    assert on < 1.15 and on * 1.5 < off, (on, off)
 
 
 # ---- determinism ------------------------------------------------------------------------------
