@@ -45,6 +45,7 @@ from pathlib import Path
 
 from pydblp import bpf, host, net
 from pydblp._libc import libc, pid_alive
+from pydblp.cliutil import hold_stops
 from pydblp.testbed import fabric as _fabric
 from pydblp.testbed.fabric import Fabric, FabricError
 from pydblp.transport import frames
@@ -807,10 +808,13 @@ def ping(ns: str, addr: str, count: int = 1, timeout: float = 1.0, size: int = 5
 
 
 @atexit.register
-def _down_live() -> None:  # a creator exiting without `with` still cleans up
-    for tb in list(_live):
-        if tb._pid != os.getpid():
-            continue
+def _down_live() -> None:
+    """A creator exiting without ``with`` (or ``down``) still takes its testbeds down, and no
+    Ctrl-C or SIGTERM while it does can leave them half gone: the process is ending anyway."""
+    mine = [tb for tb in list(_live) if tb._pid == os.getpid()]
+    if mine:
+        hold_stops()
+    for tb in mine:
         with contextlib.suppress(Exception):
             tb.down()
 

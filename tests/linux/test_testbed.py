@@ -580,6 +580,49 @@ def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(private_dir, bpf_xdp, t
     assert host_links() == before
 
 
+LEFT_UP = r"""
+import subprocess, sys
+from pydblp.testbed import Testbed
+tb = Testbed(workers=2, name=sys.argv[1]).up()  # (no with, no down: the exit's clean-up takes it down)
+subprocess.Popen(tb.argv("w0", [sys.executable, "-c", "import signal, sys, time; signal.signal("
+                         "signal.SIGTERM, signal.SIG_IGN); open(sys.argv[1], 'w').close(); time.sleep(300)",
+                         sys.argv[2]]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(tb.prog_id, flush=True)
+sys.stdin.readline()
+print("exiting", flush=True)
+"""
+
+
+def test_ctrl_c_does_not_cut_the_exits_clean_up_short(private_dir, bpf_xdp, tmp_path):
+    """A script that leaves its testbed up ends; the exit takes the testbed down (``atexit``),
+    waiting for a process inside that ignores SIGTERM, and three Ctrl-C meanwhile are ignored:
+    the testbed still goes whole (before, the first one stopped that clean-up half way)."""
+    env, state_dir = private_dir
+    name, ready = unique_name("x"), tmp_path / "ready"
+    before = host_links()
+    p = subprocess.Popen([sys.executable, "-c", LEFT_UP, name, str(ready)], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        prog_id = int(p.stdout.readline())
+        assert poll_until(ready.exists, timeout=10)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "exiting\n"
+        time.sleep(0.3)  # (the exit's down is in its grace for the stubborn process)
+        for _ in range(3):
+            if p.poll() is not None:
+                break
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert leftovers(name, state_dir, prog_id) == []
+    assert host_links() == before
+
+
 def test_errors_are_one_line(private_dir):
     env, _ = private_dir
     r = dblp("testbed", "down", "--name", "nosuch", env=env)
