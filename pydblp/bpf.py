@@ -15,7 +15,6 @@ import shutil
 import struct
 from pathlib import Path
 
-from pydblp import net
 from pydblp._libc import libc
 
 
@@ -375,31 +374,6 @@ def load_xdp(b, func: str, frags: bool, attach_type: int = 0):
     return fn
 
 
-def pin_dir(kind: str, ifname: str, netns: str | None) -> Path:
-    """Where pydblp pins the maps of one attachment: /sys/fs/bpf/dblp/<kind>/<netns>/<ifname>.
-
-    bpffs is one for the whole host, so ``netns`` None (this thread's namespace) is named by
-    what it is: ``-`` in the root namespace, and a named namespace's name when this thread is
-    inside one (``ip netns exec``, ``nsenter``): a process there finds the pins one outside made
-    for that namespace, and never those of the root's ``eth0`` or another namespace's.
-    """
-    return PIN_ROOT / kind / (netns or current_netns() or "-") / ifname
-
-
-def current_netns() -> str | None:
-    """The name of the named network namespace (``/run/netns``) this thread is in; None in the
-    root namespace, or in one that has no name (its pins then share ``-`` with the root's)."""
-    try:
-        here = os.stat("/proc/thread-self/ns/net")
-        for name in net.netns_list():
-            st = os.stat(os.path.join(net.NETNS_RUN_DIR, name))
-            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
-                return name
-    except OSError:
-        pass
-    return None
-
-
 def unpin(path: Path) -> None:
     """Remove a pin directory and prune empty parents up to PIN_ROOT."""
     if path.exists():
@@ -415,4 +389,4 @@ def unpin(path: Path) -> None:
 
 def require_bpffs() -> None:
     if not os.path.ismount(BPFFS):
-        raise net.NetError(f"bpffs is not mounted at {BPFFS}: mount -t bpf bpf {BPFFS} (tools/setup does)")
+        raise BPFError(f"bpffs is not mounted at {BPFFS}: mount -t bpf bpf {BPFFS} (tools/setup does)")

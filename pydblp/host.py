@@ -355,9 +355,21 @@ def _mac_bytes(mac, rank: int) -> bytes:
     return raw
 
 
+def pin_dir(ifname: str, netns: str | None) -> Path:
+    """Where pydblp pins the maps of one host program: /sys/fs/bpf/dblp/host/<netns>/<ifname>.
+
+    bpffs is one for the whole host, so ``netns`` None (this thread's namespace) is named by
+    what it is: ``-`` in the root namespace, and a named namespace's name when this thread is
+    inside one (``ip netns exec``, ``nsenter``): a process there finds the pins one outside made
+    for that namespace, and never those of the root's ``eth0`` or another namespace's (one
+    without a name shares ``-`` with the root's).
+    """
+    return bpf.PIN_ROOT / "host" / (netns or net.current_netns() or "-") / ifname
+
+
 def open_pinned(ifname: str, netns: str | None = None) -> HostMaps:
     """Maps of a program that ``dblp load`` (or a pinning HostProgram) attached."""
-    d = bpf.pin_dir("host", ifname, netns)
+    d = pin_dir(ifname, netns)
     if not (d / "config").exists():
         if netns is not None and not net.netns_exists(netns):
             raise HostError(f"network namespace {netns!r} does not exist (see `ip netns list`)")
@@ -452,7 +464,7 @@ class HostProgram(HostMaps):
                 net.xdp_attach(ifname, self.prog_fd, mode, netns, replace=False)
             attached = True
             if pin:
-                self.pins = bpf.pin_dir("host", ifname, netns)
+                self.pins = pin_dir(ifname, netns)
                 if self.pins.exists():
                     bpf.unpin(self.pins)  # stale pins of a crashed load
                 self.pins.mkdir(parents=True)
@@ -501,7 +513,7 @@ def unload(ifname: str, netns: str | None = None) -> bool:
     """Detach pydblp's host program from ``ifname`` and remove its pins (after a crash too, and
     after its namespace went: its pins are all that is left)."""
     if netns is not None and not net.netns_exists(netns):
-        pins = bpf.pin_dir("host", ifname, netns)
+        pins = pin_dir(ifname, netns)
         had_pins = pins.exists()
         bpf.unpin(pins)
         _forget_claims(ifname, netns)
@@ -513,7 +525,7 @@ def unload(ifname: str, netns: str | None = None) -> bool:
         detached = True
     elif current:
         raise HostError(f"{ifname} has XDP program {current['name']!r} that pydblp did not attach; not touching it")
-    pins = bpf.pin_dir("host", ifname, netns)
+    pins = pin_dir(ifname, netns)
     had_pins = pins.exists()
     bpf.unpin(pins)
     _forget_claims(ifname, netns)
@@ -538,7 +550,7 @@ def loaded() -> list[dict]:
             if info and info["name"] == PROG_NAME:
                 mode = Mode.SKB if link["xdp_attached"] in ("xdpgeneric", "skb") else Mode.NATIVE
                 out.append({"netns": ns, "ifname": link["ifname"], "mode": mode, "prog_id": pid,
-                            "pinned": bpf.pin_dir("host", link["ifname"], ns).exists()})
+                            "pinned": pin_dir(link["ifname"], ns).exists()})
                 seen.add((ns, link["ifname"]))
     root = bpf.PIN_ROOT / "host"
     if root.exists():

@@ -20,6 +20,7 @@ import struct
 from pyroute2 import IPRoute
 from pyroute2 import netns as _netns
 
+from pydblp import bpf
 from pydblp._libc import libc
 
 NETNS_RUN_DIR = "/run/netns"
@@ -96,6 +97,20 @@ def netns_list() -> list[str]:
     return sorted(_netns.listnetns())
 
 
+def current_netns() -> str | None:
+    """The name of the named network namespace (``/run/netns``) this thread is in; None in the
+    root namespace, or in one that has no name."""
+    try:
+        here = os.stat("/proc/thread-self/ns/net")
+        for name in netns_list():
+            st = os.stat(os.path.join(NETNS_RUN_DIR, name))
+            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                return name
+    except OSError:
+        pass
+    return None
+
+
 def netns_add(name: str) -> None:
     if netns_exists(name):
         raise NetError(f"network namespace {name!r} already exists")
@@ -163,8 +178,6 @@ def xdp_link(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | N
     """Attach ``prog_fd`` to ``ifname`` in ``mode`` through a BPF link: its fd, which owns the
     attachment (closing it, or the process's exit, detaches it), or None where the kernel has no
     XDP links (before 5.9: attach with :func:`xdp_attach`).  Refuses to replace any program."""
-    from pydblp import bpf
-
     index = ifindex(ifname, netns)
     try:
         with in_netns(netns):  # (the link resolves the ifindex in the caller's namespace)

@@ -66,7 +66,7 @@ import struct
 import time
 from pathlib import Path
 
-from pydblp import bpf, net, wire
+from pydblp import net, wire
 from pydblp._libc import pid_alive, unlink_pruned
 from pydblp.host import MAX_QUEUES, PRESSURE_MAX
 from pydblp.transport import addresses, frames
@@ -324,7 +324,7 @@ class XskQueues(Transport):
                  dscp="off", spin: float = 200e-6, **kw):
         self.ifname, self.netns, self.port, self.spin = ifname, netns, check_port(port), spin
         # the namespace `dblp status` shows: named, or found (a process started inside one, nsenter)
-        self._status_ns = netns or bpf.current_netns()
+        self._status_ns = netns or net.current_netns()
         self._socks: list[_Socket] = []
         self._ep = None
         self._ctrl = None

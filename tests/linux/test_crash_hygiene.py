@@ -267,7 +267,7 @@ def test_sigkill_mid_round_then_unload_all_and_down(bpf_xdp, kind):
         for ns in spaces:
             assert host.attached_program("eth0", ns) is None, ns
             assert not any(link["xdp_prog_id"] for link in net.links(ns)), ns
-            assert not bpf.pin_dir("host", "eth0", ns).exists(), ns
+            assert not host.pin_dir("eth0", ns).exists(), ns
         assert not [e for e in host.loaded() if e["netns"] in spaces]
         assert pins() <= pins_before, sorted(map(str, pins() - pins_before))
         assert [xdp_sockets(ns) for ns in spaces] == [0] * WORLD

@@ -92,7 +92,7 @@ def test_cli_load_traffic_counters_unload_all(pair, capsys):
     assert c["drop"]["magic"] == 1 and c["drop"]["job"] == 1
     assert c["pass"] >= 1  # the other-port datagram (and any ARP)
     # pins of another pydblp version (a map this one needs is not there): one line saying what to do
-    pin = bpf.pin_dir("host", "vb", b) / "ctrl_seen"
+    pin = host.pin_dir("vb", b) / "ctrl_seen"
     with bpf.Map.pinned(pin) as kept:  # (the attached program keeps the map; the pin goes for a while)
         pin.unlink()
         try:
@@ -243,10 +243,10 @@ def test_a_process_inside_a_namespace_finds_that_namespaces_pins_only(pair):
     ``nsenter``) and names no namespace must find the program pinned for a's ``va``, never
     take another namespace's for its own (``-`` stays the root namespace's)."""
     a, b = pair
-    assert bpf.pin_dir("host", "eth0", None).parent.name == "-"
+    assert host.pin_dir("eth0", None).parent.name == "-"
     with net.in_netns(a):
-        assert bpf.current_netns() == a
-        assert bpf.pin_dir("host", "va", None) == bpf.pin_dir("host", "va", a)
+        assert net.current_netns() == a
+        assert host.pin_dir("va", None) == host.pin_dir("va", a)
     with host.HostProgram("va", netns=a, pin=True) as h:
         h.register_job(5, 2, 0, "xsk")
         with net.in_netns(a):
@@ -255,7 +255,7 @@ def test_a_process_inside_a_namespace_finds_that_namespaces_pins_only(pair):
             assert maps.jobs()[5]["rank"] == 0
         with net.in_netns(b), pytest.raises(host.HostError, match="not loaded on va"):
             host.open_pinned("va")
-    assert not bpf.pin_dir("host", "va", a).exists()
+    assert not host.pin_dir("va", a).exists()
 
 
 def test_a_process_s_own_program_is_its_own(pair, capsys):
