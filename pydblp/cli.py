@@ -617,6 +617,10 @@ def _add_experiment(sub):
     p.add_argument("--stagger", choices=["on", "off"],
                    help="pydblp runs: each sender starts its messages at its own chunk (on, default: a cut that "
                         "stops every sender at once leaves out other rows of each) or at chunk 0 (off)")
+    p.add_argument("--spread", type=int, metavar="PACKETS",
+                   help="pydblp runs: where the link is the bottleneck, send batches take turns over their "
+                        "destinations PACKETS at a time (Config.spread; default 0: off), for shallow switch "
+                        "buffers (--queue with --drop-policy tail)")
     p.add_argument("--warm-up", type=int, metavar="ROUNDS",
                    help="pydblp runs over the hook or a sharded optimizer: exact rounds of zeros of the model's size "
                         "before the first step, as DDP's broadcast of the parameters warms Gloo's sockets "
@@ -690,7 +694,7 @@ def _experiment_options(args):
     v = {k: getattr(args, k) for k in ("workers", "model", "steps", "seeds", "net", "bursts", "burst_ms", "loss",
                                        "loss_model", "ge_len", "ge_bad", "p_low", "k", "high", "freq", "eta", "g_over",
                                        "estimator", "order", "stagger", "consistency", "mode", "allgather", "target", "seed",
-                                       "warm_up")}
+                                       "warm_up", "spread")}
     eff = {k: (x if x is not None else getattr(base, k)) for k, x in v.items()}  # what will run
     ratio = _pair(args.burst_ratio) if args.burst_ratio is not None else base.burst_ratio
     k_top = 1 - eff["p_low"]
@@ -716,6 +720,7 @@ def _experiment_options(args):
                f"({eff['k']:g}) must stay below 1)"),
               (eff["freq"] >= 1, f"--freq {eff['freq']}: use 1 or more steps"),
               (eff["warm_up"] >= 0, f"--warm-up {eff['warm_up']}: use 0 (none) or more rounds"),
+              (eff["spread"] >= 0, f"--spread {eff['spread']}: use 0 (off) or a number of packets, e.g. 32"),
               (eff["eta"] > 0, f"--eta {eff['eta']:g}: use a positive threshold, e.g. 0.5"),
               (eff["target"] is None or eff["target"] > 0, f"--target {_g(eff['target'])}: use a positive number"))
     for ok, what in checks:

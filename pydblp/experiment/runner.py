@@ -98,6 +98,7 @@ class Options:
     eval_every: int = 25
     grad_error_every: int = 10      # pydblp runs: compare the step's averaged gradient with the exact
                                     # mean (a Gloo allreduce, left out of the timings) every N steps
+    spread: int = 0                 # pydblp Config.spread: packets per destination in turn (0: off)
     warm_up: int = 2                # pydblp runs over the hook or a sharded optimizer: State.warm_up rounds
     timeout: float = 600.0          # per arm
     scenario: str = "demo"
@@ -151,7 +152,8 @@ def options(scenario: str = "demo", **given) -> Options:
 # (gloo_from); every other option shapes what Gloo trains or the network it runs over, and must match.
 PYDBLP_ONLY = frozenset({"arms", "net", "p_low", "k", "high", "freq", "eta", "g_over", "estimator", "order",
                          "stagger", "allgather", "priority", "drop_policy", "cc", "plan", "relax", "static_relax",
-                         "mark_kb", "target", "out_dir", "seed", "seeds", "grad_error_every", "warm_up", "timeout",
+                         "mark_kb", "target", "out_dir", "seed", "seeds", "grad_error_every", "warm_up", "spread",
+                         "timeout",
                          "gloo_from"})
 
 
@@ -344,7 +346,7 @@ def run_arm(tb, opt: Options, arm: Arm, seed: int, plan: list, burst_s: list) ->
                       "--rate", str(tb.rate_bps), "--mode", opt.mode,
                       "--allgather", opt.allgather, "--eval-every", str(opt.eval_every),
                       "--priority", arm.priority, "--cc", arm.cc, "--plan", arm.plan, "--grad-error-every", str(opt.grad_error_every),
-                      "--warm-up", str(opt.warm_up),
+                      "--warm-up", str(opt.warm_up), "--spread", str(opt.spread),
                       "--eval-at", str(target_step(opt)), "--align", align,
                       "--group", json.dumps(tb.group(wire.DEFAULT_PORT))]  # (the workers' --port)
     # GLOO_SOCKET_IFNAME: Gloo would otherwise bind what the hostname resolves to (loopback)

@@ -70,6 +70,7 @@ def parse(argv=None):
     p.add_argument("--estimator", choices=["zero", "unbiased"], default="unbiased")
     p.add_argument("--order", choices=["shuffle", "rows"], default="shuffle", help="pydblp Config.order")
     p.add_argument("--stagger", choices=["on", "off"], default="on", help="pydblp Config.stagger")
+    p.add_argument("--spread", type=int, default=0, help="pydblp Config.spread")
     p.add_argument("--cc", choices=CCS, default="ecn", help="pydblp Config.cc (congestion control)")
     p.add_argument("--plan", choices=PLANS, default="auto", help="pydblp Config.plan")
     p.add_argument("--relax", choices=RELAX, default="none",
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
             phase = Static(a.p_low) if a.arm == "static" else Dblp(a.p_low, k=a.k, freq=a.freq, eta=a.eta,
                                                                            g_over=a.g_over, high=a.high)
             cfg = Config(job=11, phase=phase, **knobs, **relax_knobs(a.relax, a.estimator), order=a.order,
-                         stagger=a.stagger == "on",
+                         stagger=a.stagger == "on", spread=a.spread,
                          peer_timeout=a.peer_timeout, mode=a.mode, cc=a.cc, plan=a.plan,
                          allgather=a.allgather, priority=a.priority, on_record=None if not a.round_records else
                          lambda r: rounds.append(
