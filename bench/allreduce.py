@@ -490,9 +490,10 @@ def main(argv=None) -> int:
                     help="pydblp Config.spread: where the link is the bottleneck, send batches take turns over "
                          "their destinations PACKETS at a time (default 0: off)")
     ap.add_argument("--switch-buffer", type=float, default=0.0, metavar="KIB",
-                    help="give every switch port a drop-tail queue at the link rate holding KIB KiB, in which "
-                         "frames wait, as a switch's port buffer (default 0: none; the links' TBFs are then "
-                         "at the senders only, and a port takes any number of senders at once)")
+                    help="give every switch port a drop-tail queue at the link rate holding KIB KiB, as a "
+                         "switch's port buffer: what overflows it is dropped (the fabric's virtual queue; frames "
+                         "do not wait in it). Default 0: none, the links' TBFs are at the senders only and a "
+                         "port takes any number of senders at once")
     ap.add_argument("--switch-mark", type=float, default=0.0, metavar="KIB",
                     help="with --switch-buffer: the ports CE-mark ECN-capable frames past KIB KiB of backlog "
                          "(default 0: no marking)")

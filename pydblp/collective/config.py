@@ -188,7 +188,7 @@ class Config:
                                      # at most this many packets in a row, in turn (e.g. 32): a switch port
                                      # then takes each sender's share of its link, not several senders at
                                      # full rate, an incast a shallow port buffer drops; 0: each
-                                     # destination's share in one run.  docs/protocol.md, "The loop"
+                                     # destination's share in one run.  docs/protocol.md, "Switch ports"
     cc: str = "ecn"                  # congestion control per destination (pydblp.collective.cc): "ecn"
                                      # (DATA goes out ECT(0); receivers echo CE marks in their STOPs and
                                      # a sender whose packets were marked paces itself, DCTCP-style) or
