@@ -565,19 +565,31 @@ def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(private_dir, bpf_xdp, t
         prog_id = int(p.stdout.readline())
         assert poll_until(ready.exists, timeout=10)
         p.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # (down is in its grace for the stubborn process)
-        for _ in range(3):
-            if p.poll() is not None:
-                break
-            p.send_signal(signal.SIGINT)
-            time.sleep(0.1)
-        assert p.wait(timeout=30) == -signal.SIGINT  # (the first Ctrl-C's KeyboardInterrupt, at the end)
+        status = ctrl_c_during_down(p)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        killed(p)
+    assert status == -signal.SIGINT  # (the first Ctrl-C's KeyboardInterrupt, at the end)
     assert leftovers(name, state_dir, prog_id) == []
     assert host_links() == before
+
+
+def ctrl_c_during_down(p: subprocess.Popen) -> int:
+    """Three Ctrl-C at ``p``, 0.1 s apart from 0.3 s on (its down is then in its grace for the
+    stubborn process); its exit status."""
+    time.sleep(0.3)
+    for _ in range(3):
+        if p.poll() is not None:
+            break
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    return p.wait(timeout=30)
+
+
+def killed(p: subprocess.Popen) -> None:
+    """``p`` ended: killed (by pid) if it still runs."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 LEFT_UP = r"""
@@ -608,17 +620,10 @@ def test_ctrl_c_does_not_cut_the_exits_clean_up_short(private_dir, bpf_xdp, tmp_
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.stdout.readline() == "exiting\n"
-        time.sleep(0.3)  # (the exit's down is in its grace for the stubborn process)
-        for _ in range(3):
-            if p.poll() is not None:
-                break
-            p.send_signal(signal.SIGINT)
-            time.sleep(0.1)
-        assert p.wait(timeout=30) == 0
+        status = ctrl_c_during_down(p)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        killed(p)
+    assert status == 0
     assert leftovers(name, state_dir, prog_id) == []
     assert host_links() == before
 

@@ -1737,6 +1737,17 @@ def test_the_stale_fill_keeps_a_snapshot_only_where_a_row_may_go_missing(ranks, 
             np.testing.assert_allclose(res[r], sum(xs) / 3, rtol=1e-5, atol=1e-6)
 
 
+def turn_rows(seed: int):
+    """A seeded generator, 40 rows of 352 floats and their priorities, for a send turn compared on
+    both paths (skipped, or failed where CI requires it, without the compiled matcher)."""
+    from pydblp.collective import matcher
+
+    if matcher.native_lib() is None:
+        require_native("matcher")
+    rng = np.random.default_rng(seed)
+    return rng, rng.standard_normal((40, 352)).astype(np.float32), rng.integers(1, 8, 40).astype(np.uint8)
+
+
 def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkeypatch):
     """The compiled DATA headers of a send turn (``Protocol._send_batch``: a reduce-scatter part
     from a chunk past the message's first, retransmissions of an all-gather, a trailing message of
@@ -1749,12 +1760,8 @@ def test_a_turns_headers_and_a_receives_counts_are_the_same_on_both_paths(monkey
     from pydblp.collective import matcher
     from pydblp.collective.messages import OutMessage
 
-    if matcher.native_lib() is None:
-        require_native("matcher")
-    rng = np.random.default_rng(8)
-    C = 352
-    rows = rng.standard_normal((40, C)).astype(np.float32)
-    prio = rng.integers(1, 8, 40).astype(np.uint8)
+    rng, rows, prio = turn_rows(8)
+    C = rows.shape[1]
     h = wire.empty_batch(64)
     h["kind"] = rng.choice([wire.Kind.DATA] * 5 + [wire.Kind.STOP, wire.Kind.PROBE], 64)
     h["src"] = rng.choice([0, 2, 3, 7], 64)  # (3 and 7: past the world)
@@ -1814,12 +1821,7 @@ def test_a_spread_turn_takes_its_parts_in_turns_on_both_paths(monkeypatch):
     from pydblp.collective import matcher, protocol
     from pydblp.collective.messages import OutMessage
 
-    if matcher.native_lib() is None:
-        require_native("matcher")
-    rng = np.random.default_rng(9)
-    C = 352
-    rows = rng.standard_normal((40, C)).astype(np.float32)
-    prio = rng.integers(1, 8, 40).astype(np.uint8)
+    _, rows, prio = turn_rows(9)
     sent = {}
     for native, bound in ((True, True), (False, True), (True, False)):
         with monkeypatch.context() as m:
