@@ -573,8 +573,8 @@ def test_spread_sends_spare_a_shallow_port_buffer_an_incast():
     """Ranks out of step (0-2 ms apart) send to one port at once whatever their order.  With
     ``Config.spread`` each sender gives each destination its share of the link (32 packets at a
     time, in turn), so a port never takes more than its rate: a 128 KiB buffer drops nothing and
-    a round takes about what the links allow; without, the buffer drops thousands of packets
-    and the rounds repair for twice as long."""
+    a round takes about what the links allow; without, the buffer drops hundreds of packets or
+    more and the rounds, repairing them, take over 1.5x as long."""
     off, dropped = switched_rounds(4, 1, 128 << 10, skew=0.002)
     on, spared = switched_rounds(4, 1, 128 << 10, skew=0.002, spread=32)
     assert dropped > 100 and spared * 100 < dropped, (dropped, spared)
