@@ -320,11 +320,6 @@ def run_block(ws: WorkerSet, tb: Testbed, cmd: dict, cond: str, loss: float, tim
     raise AssertionError("unreachable")
 
 
-def switch_drops(tb: Testbed) -> int:
-    """Frames the switch ports' queues dropped at their tail since the last reset."""
-    return sum(st.get("tail", {}).get("packets", 0) for st in tb.stats().values())
-
-
 def summarize(ranks: list[dict], size: int) -> dict:
     world = len(ranks)
     t0 = np.array([r["t0"] for r in ranks])   # [rank, round]
@@ -643,7 +638,7 @@ def main(argv=None) -> int:
                         k0 = kernel_counters(tb)
                         try:
                             ranks = run_block(ws, tb, cmd, cond, args.loss, timeout_for(mib), buffer, mark)
-                            dropped = switch_drops(tb) if buffer else None
+                            dropped = tb.fabric.dropped(causes=("tail",)) if buffer else None
                         except WorkerFailure as e:
                             msg = f"{tag}{tr} {key} MiB {cond}: {e}"
                             print(f"  FAILED {msg}", flush=True)

@@ -378,11 +378,12 @@ class Fabric:
             cm.clear()
         return out
 
-    def dropped(self, port=None) -> int:
-        """Frames dropped (any cause) on ``port`` or all ports."""
+    def dropped(self, port=None, causes=DROP_CAUSES) -> int:
+        """Frames dropped on ``port`` or all ports, for any of ``causes`` (default: any cause;
+        ``("tail",)``: what overflowed a queue's buffer)."""
         s = self.stats()
         names = list(self.ports) if port is None else [port if isinstance(port, str) else f"w{port}"]
-        return sum(s.get(n, {}).get(c, {}).get("packets", 0) for n in names for c in DROP_CAUSES)
+        return sum(s.get(n, {}).get(c, {}).get("packets", 0) for n in names for c in causes)
 
 
 def load(pin_dir: Path, switch_ns: str, ports: dict[str, int], macs: dict[str, bytes],

@@ -434,7 +434,7 @@ def test_spread_sends_spare_a_shallow_switch_port_an_incast(clean):
         try:
             res, _ = run_ranks(clean, transports(clean, "udp"), lambda r, c: [c.allreduce(xs[r]) for _ in range(10)],
                                phase="static:0", spread=spread)
-            dropped[spread] = sum(st.get("tail", {}).get("packets", 0) for st in clean.stats().values())
+            dropped[spread] = clean.fabric.dropped(causes=("tail",))
         finally:
             clean.clear()
         for r in range(WORLD):
