@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 from pydblp._libc import libc
@@ -286,7 +287,13 @@ def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
     if not src.exists():
         raise FileNotFoundError(f"BPF source {src} not found (set DBLP_BPF_DIR?)")
     # Debian's 6.12 headers repeat __seg_gs in x86's per-CPU macros: six warnings a compile, none ours
-    return BPF(src_file=str(src).encode(), cflags=[f"-I{BPF_DIR}", "-Wno-duplicate-decl-specifier", *cflags])
+    with _compiling:
+        return BPF(src_file=str(src).encode(), cflags=[f"-I{BPF_DIR}", "-Wno-duplicate-decl-specifier", *cflags])
+
+
+# bcc's clang/LLVM aborts the process when two threads compile at once (two data planes
+# opened at once in one process): one compile at a time
+_compiling = threading.Lock()
 
 
 _frags: bool | None = None

@@ -40,6 +40,7 @@ is put back as it was.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 
 from pydblp import net, wire
@@ -97,6 +98,26 @@ class DataPlane:
     def queues(self) -> tuple[int, ...]:
         """The receive queues the transport is bound to."""
         return self.endpoint.queues
+
+    def link_mac(self, addr: str, mac: str | None) -> str | None:
+        """What a peer's published interface MAC (``mac``, its :class:`Endpoint`'s) is worth here:
+        ``mac`` where the peer at ``addr`` is on this data plane's link; None where the kernel
+        routes ``addr`` through a gateway (a routed fabric).  Frames to a routed peer carry the
+        gateway's MAC, which the transport resolves when given None, and arrive with the
+        gateway's as their source, so the host program can bind only the peer's address.  The
+        UDP kind, whose frames the kernel builds, gets ``mac`` back.
+
+        Raises:
+            pydblp.transport.TransportError: no route to ``addr``, or one out of another
+                interface (one line naming it).
+        """
+        if self.xsk is None or mac is None:
+            return mac
+        from pydblp.transport import addresses
+
+        s = self.xsk.sockets[0]
+        dst = ipaddress.ip_address(addr)
+        return mac if addresses.next_hop(s.ifindex, s.ifname, dst, s.netns) == dst else None
 
     def describe(self) -> str:
         """One line for a log: the kind, and for AF_XDP the interface, queues, copy or zero-copy

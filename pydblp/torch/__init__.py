@@ -156,11 +156,13 @@ class State:
         try:
             store.set(f"{here}/{rank}", json.dumps(dp.endpoint.as_dict()))
             recs = [json.loads(store.get(f"{here}/{r}")) for r in range(world)]
-            peers = [(p["addr"], p["port"], p["mac"]) for p in recs]
+            # a routed peer's frames go to and come from a gateway: its own MAC is no use here
+            macs = [p["mac"] if r == rank else dp.link_mac(p["addr"], p["mac"]) for r, p in enumerate(recs)]
+            peers = [(p["addr"], p["port"], m) for p, m in zip(recs, macs)]
             if dp.host is not None:  # anti-spoofing: a peer's rank only from its own address
                 for r, p in enumerate(recs):
                     if r != rank:
-                        dp.host.bind_peer(cfg.job, r, ip=p["addr"], mac=p["mac"])
+                        dp.host.bind_peer(cfg.job, r, ip=p["addr"], mac=macs[r])
             if by_link:  # every rank reads the same records, so every rank picks the same size
                 mtus = [p.get("mtu") for p in recs]
                 chunk = link_chunk_bytes(min(mtus)) if all(mtus) else DEFAULT_CHUNK

@@ -1,8 +1,11 @@
-"""Addresses for frames a transport builds itself: the local source address and the peer's MAC.
+"""Addresses for frames a transport builds itself: the local source address and the next hop's MAC.
 
 A transport that writes whole Ethernet frames (AF_XDP) needs what the kernel's
 stack would otherwise fill in: a source IP address on the interface and the
-next hop's MAC from the kernel's ARP/ND table, resolved on demand.
+next hop's MAC from the kernel's ARP/ND table, resolved on demand.  The next hop
+is the peer itself where it is on the link, else the gateway of the kernel's
+route to it (a routed fabric: a leaf switch per rack, a /31 per host), and that
+route must leave by the interface the frames go out of.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import ipaddress
 import socket
 import time
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from pydblp import net
 from pydblp.transport import frames
 from pydblp.transport.base import TransportError
 
 NUD_INCOMPLETE, NUD_FAILED = 0x01, 0x20
+RTN_LOCAL = 2  # a route's type: an address of this host
 
 
 def local_addr(ifindex: int, ifname: str, dst, netns: str | None = None):
@@ -28,7 +34,8 @@ def local_addr(ifindex: int, ifname: str, dst, netns: str | None = None):
         netns: the interface's network namespace.
 
     One in ``dst``'s subnet (of the same scope, for IPv6) if any, else the
-    first (global, for IPv6).  Raises :class:`TransportError` (EADDRNOTAVAIL)
+    preferred source of the kernel's route to ``dst`` where that route leaves by
+    this interface, else the first (global, for IPv6).  Raises :class:`TransportError` (EADDRNOTAVAIL)
     when the interface has no address of that family.
     """
     with net.ipr(netns) as ip:
@@ -39,10 +46,53 @@ def local_addr(ifindex: int, ifname: str, dst, netns: str | None = None):
     for c in cands:
         if dst in c.network and (dst.version == 4 or c.ip.is_link_local == dst.is_link_local):
             return c.ip
+    r = _route(dst, netns)  # routed: the source the kernel would pick, if it is this interface's
+    pref = r.get_attr("RTA_PREFSRC") if r is not None and r.get_attr("RTA_OIF") == ifindex else None
+    for c in cands:
+        if pref is not None and c.ip == ipaddress.ip_address(pref):
+            return c.ip
     for c in cands:
         if dst.version == 4 or not c.ip.is_link_local:
             return c.ip
     return cands[0].ip
+
+
+def _route(dst, netns: str | None):
+    """The kernel's route to ``dst`` (``ip route get``: the one it would send by), or None."""
+    with net.ipr(netns) as ip:
+        try:
+            rows = ip.route("get", dst=str(dst), family=socket.AF_INET if dst.version == 4 else socket.AF_INET6)
+        except NetlinkError:
+            return None  # (unreachable, prohibited: no route)
+    return rows[0] if rows else None
+
+
+def next_hop(ifindex: int, ifname: str, dst, netns: str | None = None):
+    """The address whose MAC frames to ``dst`` carry: ``dst`` where it is on the link,
+    else the gateway of the kernel's route to it.
+
+    Raises :class:`TransportError` (ENETUNREACH) where the kernel has no route to
+    ``dst``, where the route leaves by another interface (frames built here leave by
+    ``ifname`` only), or where ``dst`` is an address of this host.
+    """
+    if dst.version == 6 and dst.is_link_local:
+        return dst  # (on the link by definition; a lookup would need the interface as its scope)
+    r = _route(dst, netns)
+    if r is None:
+        raise TransportError(errno.ENETUNREACH, f"no route to {dst}: add one through {ifname} "
+                             f"(ip route add {dst} via GATEWAY dev {ifname})")
+    oif = r.get_attr("RTA_OIF")
+    if r["type"] == RTN_LOCAL:
+        raise TransportError(errno.ENETUNREACH, f"{dst} is an address of this host: frames built for "
+                             f"{ifname} cannot reach it; give a peer on another host or namespace")
+    if oif != ifindex:
+        with net.ipr(netns) as ip:
+            links = ip.get_links(oif) if oif else []
+        other = links[0].get_attr("IFLA_IFNAME") if links else f"interface {oif}"
+        raise TransportError(errno.ENETUNREACH, f"{dst} is routed out of {other}, not {ifname}: open the "
+                             f"data plane on {other}, or route {dst} through {ifname}")
+    gw = r.get_attr("RTA_GATEWAY")
+    return ipaddress.ip_address(gw) if gw else dst
 
 
 def lookup_mac(ifindex: int, dst, netns: str | None = None) -> bytes | None:
@@ -59,12 +109,15 @@ def lookup_mac(ifindex: int, dst, netns: str | None = None) -> bytes | None:
 
 
 def resolve_mac(ifindex: int, ifname: str, dst, netns: str | None = None, timeout: float = 2.0) -> bytes:
-    """``dst``'s MAC, making the kernel resolve it (ARP or ND) if its table has none.
+    """The MAC of the next hop to ``dst`` (:func:`next_hop`: ``dst`` itself on the link, else
+    its route's gateway), making the kernel resolve it (ARP or ND) if its table has none.
 
     Sends empty datagrams to ``dst``'s discard port until the entry appears;
-    raises :class:`TransportError` (EHOSTUNREACH) after ``timeout`` seconds.
+    raises :class:`TransportError`: ENETUNREACH as :func:`next_hop` does, EHOSTUNREACH
+    after ``timeout`` seconds.
     """
-    mac = lookup_mac(ifindex, dst, netns)
+    hop = next_hop(ifindex, ifname, dst, netns)
+    mac = lookup_mac(ifindex, hop, netns)
     if mac:
         return mac
     fam = socket.AF_INET if dst.version == 4 else socket.AF_INET6
@@ -76,7 +129,8 @@ def resolve_mac(ifindex: int, ifname: str, dst, netns: str | None = None, timeou
             except OSError:
                 pass
             time.sleep(0.05)
-            mac = lookup_mac(ifindex, dst, netns)
+            mac = lookup_mac(ifindex, hop, netns)
             if mac:
                 return mac
-    raise TransportError(errno.EHOSTUNREACH, f"cannot resolve the MAC of {dst} on {ifname}; pass mac=")
+    via = "" if hop == dst else f" (the gateway to {dst})"
+    raise TransportError(errno.EHOSTUNREACH, f"cannot resolve the MAC of {hop}{via} on {ifname}; pass mac=")

@@ -400,11 +400,16 @@ class XskTransport(XskReceive, Transport):
     # ---- peers ---------------------------------------------------------
 
     def add_peer(self, addr, port: int = wire.DEFAULT_PORT, mac=None, src=None) -> int:
-        """Register ``addr`` (IPv4 or IPv6); the MAC comes from the kernel's ARP/ND
-        table (resolved on demand) unless given; ``src`` overrides the local address.
-
+        """Register ``addr`` (IPv4 or IPv6).  Frames to it carry ``mac``, or else the MAC of the
+        next hop (``addr`` on the link, else the gateway of the kernel's route to it, which must
+        leave by this interface) from the kernel's ARP/ND table, resolved on demand; ``src``
+        overrides the local address (default: one in ``addr``'s subnet, else the route's source).
         Safe beside a ``send`` in another thread (the templates change under the transmit
-        lock); not beside a ``recv`` (one thread receives, as the collective's poll owner)."""
+        lock); not beside a ``recv`` (one thread receives, as the collective's poll owner).
+
+        Raises:
+            TransportError: ENETUNREACH: no route to ``addr``, one out of another interface, or
+                ``addr`` is this host's; EHOSTUNREACH: the next hop's MAC did not resolve."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
         src = parse_ip(src) if src is not None else addresses.local_addr(self.ifindex, self.ifname, dst, self.netns)

@@ -1,0 +1,126 @@
+"""The AF_XDP kinds across a router: two ranks in two subnets, joined by a namespace that forwards.
+
+The testbed is one link (a bridge).  A routed fabric (a leaf switch per rack, a /31 per host)
+puts a gateway between ranks: frames an AF_XDP transport builds must then carry the gateway's
+MAC and leave by the interface the kernel's route names, and they arrive with the gateway's
+MAC as their source, so the host program can bind a routed peer's address, not its MAC.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+import pydblp.torch as ptorch
+from pydblp import host, net
+from pydblp.collective import Config
+from pydblp.dataplane import open_dataplane
+from pydblp.transport import TransportError
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
+
+JOB = 31
+SUBNET = {"a": "198.18.21", "b": "198.18.22"}  # .2: the rank, .1: the router's side
+
+
+@pytest.fixture
+def routed(bpf_xdp, netns):
+    """Namespaces a and b, each joined by a veth to namespace r, which forwards between the
+    two /24s; a and b reach each other through r only."""
+    a, r, b = netns("ra"), netns("rr"), netns("rb")
+    for ns, dev, far in ((a, "xa", "ya"), (b, "xb", "yb")):
+        with net.ipr(ns) as ip:
+            ip.link("add", ifname=dev, kind="veth", peer={"ifname": far, "net_ns_fd": r})
+    for ns, dev, side, host_part in ((a, "xa", "a", 2), (r, "ya", "a", 1), (r, "yb", "b", 1), (b, "xb", "b", 2)):
+        with net.ipr(ns) as ip:
+            idx = ip.link_lookup(ifname=dev)[0]
+            ip.addr("add", index=idx, address=f"{SUBNET[side]}.{host_part}", prefixlen=24)
+            ip.link("set", index=idx, state="up")
+    for ns, here, there in ((a, "a", "b"), (b, "b", "a")):
+        with net.ipr(ns) as ip:
+            ip.route("add", dst=f"{SUBNET[there]}.0/24", gateway=f"{SUBNET[here]}.1")
+    with net.in_netns(r), open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+        f.write("1")
+    yield {"a": (a, "xa"), "b": (b, "xb")}
+    for ns, dev in ((a, "xa"), (b, "xb")):
+        assert host.attached_program(dev, ns) is None, f"XDP left on {dev}"
+
+
+def _open_both(routed, kind: str):
+    """Both ranks' States on one store, each on its side of the router."""
+    store, states, errors = dist.HashStore(), [None, None], []
+
+    def one(r):
+        ns, dev = routed["ab"[r]]
+        try:
+            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns,
+                                          config=Config(job=JOB, peer_timeout=5.0))
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return states
+
+
+@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
+def test_two_ranks_across_a_router_average_exactly(routed, kind):
+    """Before routes were read, ``xsk`` framed packets for the peer's own MAC (the router drops
+    them) and both kinds bound the peer's MAC on the host program (the router's arrive instead,
+    dropped as ``spoof_mac``): the round never completed."""
+    rng = np.random.default_rng(21)
+    xs = [rng.standard_normal(70_001).astype(np.float32) for _ in range(2)]
+    states = _open_both(routed, kind)
+    try:
+        for _ in range(3):
+            futs = [s.submit(lambda col, x: col.allreduce(x, exact=True), x) for s, x in zip(states, xs)]
+            for f in futs:
+                np.testing.assert_allclose(f.wait(), (xs[0] + xs[1]) / 2, atol=1e-6)
+        counters = [s.host_counters() for s in states]
+        dp = states[0].data_plane
+        assert dp.link_mac(f"{SUBNET['b']}.2", "02:00:00:00:00:0b") is None  # routed: the gateway's MAC
+        assert dp.link_mac(f"{SUBNET['a']}.1", "02:00:00:00:00:0a") == "02:00:00:00:00:0a"  # on the link
+    finally:
+        closers = [threading.Thread(target=s.close) for s in states]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(30)
+    for c in counters:
+        assert c["drop"]["spoof_mac"] == c["drop"]["spoof_ip"] == 0 and c["redirect"] > 0, c
+
+
+def test_a_peer_the_interface_cannot_reach_is_one_line_naming_the_fix(routed):
+    a, dev = routed["a"]
+    with net.ipr(a) as ip:
+        ip.link("add", ifname="dz", kind="veth", peer={"ifname": "dy"})
+        idx = ip.link_lookup(ifname="dz")[0]
+        ip.addr("add", index=idx, address="198.18.24.1", prefixlen=24)
+        ip.link("set", index=idx, state="up")
+    with open_dataplane("xsk", dev, netns=a, job=JOB, rank=0, world=2) as dp:
+        cases = {
+            "198.18.24.7": r"198\.18\.24\.7 is routed out of dz, not xa: open the data plane on dz, "
+                           r"or route 198\.18\.24\.7 through xa$",
+            "198.18.99.1": r"no route to 198\.18\.99\.1: add one through xa \(ip route add 198\.18\.99\.1 "
+                           r"via GATEWAY dev xa\)$",
+            f"{SUBNET['a']}.2": r"is an address of this host: frames built for xa cannot reach it",
+        }
+        for addr, message in cases.items():
+            with pytest.raises(TransportError, match=message) as e:
+                dp.transport.add_peer(addr)
+            assert e.value.errno == errno.ENETUNREACH and "\n" not in e.value.strerror
+        # across the router: the gateway's MAC, and the route's source address
+        peer = dp.transport.add_peer(f"{SUBNET['b']}.2")
+        with net.ipr(a) as ip:
+            gw_mac = next(r.get_attr("NDA_LLADDR") for r in ip.get_neighbours(dst=f"{SUBNET['a']}.1"))
+        frame = bytes(dp.xsk.sockets[0]._tmpl.table[peer])
+        assert frame[:6] == bytes.fromhex(gw_mac.replace(":", ""))
+        assert frame[26:30] == bytes(int(p) for p in f"{SUBNET['a']}.2".split("."))
