@@ -246,7 +246,13 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
             log.warning("the host program pinned on %s filters UDP port %d, not %d: AF_XDP receives nothing "
                         "until `dblp config` or the port agree", iface, maps.port, port)
     except hostprog.HostError:
-        maps, owns = hostprog.HostProgram(iface, netns=netns, port=port), True
+        try:
+            maps, owns = hostprog.HostProgram(iface, netns=netns, port=port), True
+        except hostprog.HostError:
+            current = hostprog.attached_program(iface, netns)
+            if current and current["name"] == hostprog.PROG_NAME:  # another data plane's, not pinned
+                raise hostprog.HostError(f"{iface} already has a data plane: {hostprog.ONE_PER_IFACE}") from None
+            raise
     prior = None
     registered = False
     steered = claim = None

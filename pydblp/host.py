@@ -32,6 +32,9 @@ SHED_ENTRIES = 65536
 PRESSURE_MAX = 1000
 MAX_PEERS = 4096
 CLAIM_DIR = Path(os.environ.get("DBLP_JOBS_DIR", "/run/dblp/jobs"))  # job claims (JobClaim)
+# an AF_XDP data plane holds its interface's queues: what to do where a second one asks for them
+ONE_PER_IFACE = ("the AF_XDP kinds take one rank per interface: give each rank on a host its own "
+                 "(DBLP_IFACE=eth1,eth2,... picks one per local rank), or use transport udp")
 
 CNT_PASS = 0
 CNT_DBLP_PASS = 1
@@ -630,8 +633,7 @@ class JobClaim:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 where = f" --netns {netns}" if netns else ""
-                raise HostError(f"job {job} is open on {ifname}{where} by pid {holder}: one data plane per "
-                                f"job and interface; close that one first, or use another job id") from None
+                raise HostError(f"job {job} is open on {ifname}{where} by pid {holder}: {ONE_PER_IFACE}") from None
             except FileNotFoundError:
                 pass
             except BaseException:

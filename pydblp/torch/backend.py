@@ -104,6 +104,20 @@ ENV_ELSEWHERE = ("DBLP_KEY", "DBLP_KEY_FILE", "DBLP_NATIVE", "DBLP_BPF_DIR", "DB
                  "DBLP_XSK_STATUS_DIR")
 
 
+def _local_iface(names: str, local_rank: str | None) -> str:
+    """This rank's interface of ``DBLP_IFACE``'s comma-separated list: the ``LOCAL_RANK``-th."""
+    ifaces = [n.strip() for n in names.split(",")]
+    if not all(ifaces):
+        raise ValueError(f"DBLP_IFACE={names!r}: an empty name in the list; give one interface per local rank")
+    if local_rank is None or not local_rank.isdigit():
+        raise ValueError(f"DBLP_IFACE={names!r} lists one interface per local rank, and LOCAL_RANK="
+                         f"{local_rank!r} is not a rank: launch with torchrun, or set LOCAL_RANK")
+    if int(local_rank) >= len(ifaces):
+        raise ValueError(f"DBLP_IFACE={names!r} lists {len(ifaces)} interfaces and LOCAL_RANK is {local_rank}: "
+                         f"list one per rank on the host (torchrun --nproc-per-node)")
+    return ifaces[int(local_rank)]
+
+
 @dataclasses.dataclass
 class BackendOptions:
     """The ``dblp`` backend's options: ``init_process_group("dblp", pg_options=BackendOptions(...))``.
@@ -115,7 +129,9 @@ class BackendOptions:
         transport: the data-plane kind: ``udp`` (any user), ``xsk`` or ``xsk-ktx`` (AF_XDP, root;
             ``iface`` required).  ``DBLP_TRANSPORT``.
         iface: the data-plane interface (None: ``udp`` on any address, published as 127.0.0.1).
-            ``DBLP_IFACE``.
+            ``DBLP_IFACE``; a comma-separated list there gives each rank on a host its own,
+            the ``LOCAL_RANK``-th (torchrun sets it): the AF_XDP kinds take one rank per
+            interface (``DBLP_IFACE=eth1,eth2,eth3,eth4`` for ``--nproc-per-node 4``).
         port: the UDP port (0: ``udp`` picks a free one; the AF_XDP kinds need the host
             program's, ``wire.DEFAULT_PORT`` unless ``dblp load --port`` said otherwise).
             ``DBLP_PORT``.
@@ -192,6 +208,8 @@ class BackendOptions:
                 why = "use 1 or 0" if isinstance(e, KeyError) else str(e)
                 raise ValueError(f"{var}={text!r}: {why}") from None
             (cfg if dest is _CFG else kw)[name] = value
+        if "," in kw.get("iface", ""):
+            kw["iface"] = _local_iface(kw["iface"], env.get("LOCAL_RANK"))
         if kw.get("allgather") == "tolerant":
             cfg["consistent"] = False
         if cfg:

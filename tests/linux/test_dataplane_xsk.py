@@ -135,6 +135,19 @@ def _open_and_die(ns: str, dev: str) -> None:
         xsk_queues.published()  # (as `dblp status` does: a dead transport's status files go)
 
 
+@pytest.mark.parametrize("job", [JOB, JOB + 1])
+def test_a_second_rank_on_an_interface_is_told_to_take_its_own(pair, job):
+    """Two ranks of a host on one interface (torchrun's ranks given one DBLP_IFACE): the second
+    data plane finds the first's host program there, and is told what to do, not to unload it."""
+    (ns, dev), _ = pair
+    with open_dataplane("xsk", dev, netns=ns, job=JOB, rank=0, world=8) as first:
+        with pytest.raises(host.HostError, match=rf"^{dev} already has a data plane: the AF_XDP kinds take one rank "
+                                                 r"per interface: .*DBLP_IFACE=eth1,eth2,.*or use transport udp$"):
+            open_dataplane("xsk", dev, netns=ns, job=job, rank=1, world=8)
+        assert first.host.jobs()[JOB]["rank"] == 0  # the refused one changed nothing
+    assert host.attached_program(dev, ns) is None
+
+
 def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, tmp_path):
     """A second data plane of the job on the interface is refused while the first is open (its
     registration would be overwritten, then removed under it when either closed); the job's
@@ -147,7 +160,8 @@ def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, 
     loaded = host.HostProgram(dev, netns=ns, pin=True, keep=True)
     try:
         with open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=1, world=2):
-            with pytest.raises(host.HostError, match=f"job {JOB} is open on {dev} --netns {ns} by pid {os.getpid()}"):
+            with pytest.raises(host.HostError, match=f"job {JOB} is open on {dev} --netns {ns} by pid {os.getpid()}: "
+                                                     "the AF_XDP kinds take one rank per interface: give each rank"):
                 open_dataplane("xsk-ktx", dev, netns=ns, job=JOB, rank=0, world=2)
             assert loaded.jobs()[JOB]["rank"] == 1  # (the refused one changed nothing)
         assert JOB not in loaded.jobs()

@@ -276,6 +276,22 @@ def test_options_from_the_environment():
     assert pydblp.torch.BackendOptions.from_env({}) == pydblp.torch.BackendOptions()
 
 
+def test_a_list_of_interfaces_gives_each_local_rank_its_own():
+    """The AF_XDP kinds take one rank per interface: on a host of four ranks, one ``DBLP_IFACE``
+    for all of them names four interfaces, and torchrun's ``LOCAL_RANK`` picks; a list that
+    cannot be read is one line saying what to set."""
+    env = {"DBLP_TRANSPORT": "xsk", "DBLP_IFACE": "eth1, eth2,eth3,eth4"}
+    got = [pydblp.torch.BackendOptions.from_env({**env, "LOCAL_RANK": str(r)}).iface for r in range(4)]
+    assert got == ["eth1", "eth2", "eth3", "eth4"]
+    assert pydblp.torch.BackendOptions.from_env({**env, "DBLP_IFACE": "eth7", "LOCAL_RANK": "3"}).iface == "eth7"
+    for extra, message in (({"LOCAL_RANK": "4"}, r"lists 4 interfaces and LOCAL_RANK is 4: list one per rank"),
+                           ({}, r"LOCAL_RANK=None is not a rank: launch with torchrun, or set LOCAL_RANK"),
+                           ({"DBLP_IFACE": "eth1,,eth3", "LOCAL_RANK": "0"}, r"an empty name in the list")):
+        with pytest.raises(ValueError, match=message) as e:
+            pydblp.torch.BackendOptions.from_env({**env, **extra})
+        assert "\n" not in str(e.value)
+
+
 def test_a_misspelt_variable_is_named_with_the_one_meant(caplog):
     """``DBLP_PEER_TIMOUT`` would leave the default timeout in place unnoticed: it is logged with
     the variable meant.  Variables read elsewhere in pydblp, and names close to none, are not."""
