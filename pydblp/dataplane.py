@@ -124,7 +124,9 @@ class DataPlane:
         mode and UMEM size (``xsk on eth0 queues 0-3: copy mode, 40.3 MiB UMEM``)."""
         if self.xsk is None:
             return f"{self.kind} on {self.transport.ifname or 'any interface'} port {self.endpoint.port}"
-        return f"{self.kind} on {self.xsk.describe()}" + (" (port steered)" if self._steered else "")
+        generic = getattr(self.host, "mode", None) == net.Mode.SKB  # (known where attached here)
+        return (f"{self.kind} on {self.xsk.describe()}" + (" (port steered)" if self._steered else "")
+                + (", generic XDP" if generic else ""))
 
     def close(self) -> None:
         """Close the transport, undo the job registration and detach what was attached.  Idempotent."""
@@ -247,7 +249,7 @@ def open_dataplane(kind: str, iface: str | None = None, *, netns: str | None = N
                         "until `dblp config` or the port agree", iface, maps.port, port)
     except hostprog.HostError:
         try:
-            maps, owns = hostprog.HostProgram(iface, netns=netns, port=port), True
+            maps, owns = hostprog.HostProgram(iface, netns=netns, port=port, generic=True), True
         except hostprog.HostError:
             current = hostprog.attached_program(iface, netns)
             if current and current["name"] == hostprog.PROG_NAME:  # another data plane's, not pinned

@@ -14,7 +14,9 @@ checks them against the C side.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -23,6 +25,8 @@ from pathlib import Path
 
 from pydblp import bpf, net, wire
 from pydblp._libc import unlink_pruned
+
+log = logging.getLogger(__name__)
 from pydblp.net import Mode
 
 PROG_NAME = "dblp_host"
@@ -425,7 +429,9 @@ def attached_program(ifname: str, netns: str | None = None) -> dict | None:
 class HostProgram(HostMaps):
     """Compile and attach the host program to ``ifname`` (in ``netns``), and own it.
 
-    ``mode`` is native by default (veth supports it); ``skb`` on request.
+    ``mode`` is native by default (veth supports it); ``skb`` on request.  With
+    ``generic`` a driver without native XDP gets the program in generic (skb)
+    mode instead, logged (a data plane's choice; ``dblp load`` says so and stops).
     An XDP program pydblp did not attach is never replaced unless
     ``force``.  With ``pin`` the maps and program are pinned under
     ``/sys/fs/bpf/dblp/host/<netns>/<ifname>`` so other processes (the CLI)
@@ -435,7 +441,7 @@ class HostProgram(HostMaps):
 
     def __init__(self, ifname: str, netns: str | None = None, mode: Mode | str = Mode.NATIVE,
                  port: int = wire.DEFAULT_PORT, force: bool = False, pin: bool = False,
-                 keep: bool = False, shed_at: tuple[int, ...] = DEFAULT_SHED_AT):
+                 keep: bool = False, shed_at: tuple[int, ...] = DEFAULT_SHED_AT, generic: bool = False):
         mode = Mode(mode)
         current = attached_program(ifname, netns)
         if current and not force:
@@ -459,12 +465,15 @@ class HostProgram(HostMaps):
             self.configure(port=port, rate_pps=0, shed_at=shed_at)
             if current and force:
                 net.xdp_detach(ifname, current["mode"], netns)
-            # Not kept: a BPF link owns the attachment, so the kernel detaches it when this
-            # process dies, SIGKILL and SIGTERM included (a netlink attachment would outlive it
-            # and block the next run).  Kept (`dblp load`): netlink, which outlives the CLI.
-            self.link = None if keep else net.xdp_link(ifname, self.prog_fd, mode, netns)
-            if self.link is None:
-                net.xdp_attach(ifname, self.prog_fd, mode, netns, replace=False)
+            try:
+                self._attach(keep)
+            except net.NetError as e:
+                if not (generic and self.mode == Mode.NATIVE and e.errno == errno.EOPNOTSUPP):
+                    raise
+                log.warning("%s: the driver has no native XDP; the host program runs in generic (skb) mode, "
+                            "each frame copied into an skb before it (slower)", ifname)
+                self.mode = Mode.SKB
+                self._attach(keep)
             attached = True
             if pin:
                 self.pins = pin_dir(ifname, netns)
@@ -479,6 +488,15 @@ class HostProgram(HostMaps):
             raise
         self._finalizer = None if keep else weakref.finalize(
             self, _release, ifname, netns, mode, self.prog_id, self.link, self.pins, self._bpf)
+
+    def _attach(self, keep: bool) -> None:
+        """Attach the program in ``self.mode``.  Not kept: a BPF link owns the attachment, so the
+        kernel detaches it when this process dies, SIGKILL and SIGTERM included (a netlink
+        attachment would outlive it and block the next run).  Kept (`dblp load`): netlink, which
+        outlives the CLI."""
+        self.link = None if keep else net.xdp_link(self.ifname, self.prog_fd, self.mode, self.netns)
+        if self.link is None:
+            net.xdp_attach(self.ifname, self.prog_fd, self.mode, self.netns, replace=False)
 
     def close(self) -> None:
         """Detach (if still ours) and unpin.  Idempotent."""

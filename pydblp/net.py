@@ -44,7 +44,10 @@ class Mode(str, enum.Enum):
 
 
 class NetError(RuntimeError):
-    """A netlink or namespace operation failed; the message says what to do."""
+    """A netlink or namespace operation failed; the message says what to do.  ``errno``: the
+    kernel's, where one is known (an XDP attach), else None."""
+
+    errno: int | None = None
 
 
 
@@ -171,7 +174,9 @@ def _attach_error(ifname: str, mode: Mode, code: int | None, e: Exception) -> Ne
             errno.EOPNOTSUPP: "the driver lacks native XDP; try --mode skb",
             errno.EINVAL: "the program was rejected for this device (MTU too large for native XDP?)",
             }.get(code, str(e))
-    return NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}")
+    err = NetError(f"cannot attach XDP to {ifname} ({Mode(mode).value}): {hint}")
+    err.errno = code
+    return err
 
 
 def xdp_link(ifname: str, prog_fd: int, mode: Mode = Mode.NATIVE, netns: str | None = None) -> int | None:

@@ -8,6 +8,8 @@ adds and removes its job.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -176,3 +178,47 @@ def test_a_job_is_held_by_one_data_plane_on_a_loaded_program(pair, monkeypatch, 
         loaded.close()
         host.unload(dev, ns)
     assert not (tmp_path / "jobs" / ns).exists()  # unload took the claims its program no longer has
+
+
+def test_an_interface_without_native_xdp_gets_the_host_program_in_generic_mode(bpf_xdp, netns, caplog):
+    """A macvlan (a container's interface) has no native XDP: the data plane attaches the host
+    program in generic mode, says so once in the log and in ``describe()``, and both ways carry
+    every packet, between AF_XDP kinds over the macvlan as over the veth on the other side.
+    ``dblp load`` keeps to native mode unless told: one line naming ``--mode skb``."""
+    a, b = netns("ga"), netns("gb")
+    with net.ipr(a) as ip:
+        ip.link("add", ifname="pa", kind="veth", peer={"ifname": "pb", "net_ns_fd": b})
+        parent = ip.link_lookup(ifname="pa")[0]
+        ip.link("set", index=parent, state="up")
+        try:
+            ip.link("add", ifname="mv", kind="macvlan", link=parent, macvlan_mode="bridge")
+        except Exception as e:  # (a kernel without macvlan: nothing here to test with)
+            if getattr(e, "code", None) == 95:
+                pytest.skip("the kernel has no macvlan")
+            raise
+    for ns, dev, addr in ((a, "mv", "198.18.52.1"), (b, "pb", "198.18.52.2")):
+        with net.ipr(ns) as ip:
+            idx = ip.link_lookup(ifname=dev)[0]
+            ip.addr("add", index=idx, address=addr, prefixlen=24)
+            ip.link("set", index=idx, state="up")
+    with caplog.at_level("WARNING", logger="pydblp.host"), \
+            open_dataplane("xsk", "mv", netns=a, job=JOB, rank=0, world=2) as dp0, \
+            open_dataplane("xsk", "pb", netns=b, job=JOB, rank=1, world=2) as dp1:
+        assert net.xdp_query("mv", a)["mode"] == net.Mode.SKB and net.xdp_query("pb", b)["mode"] == net.Mode.NATIVE
+        assert dp0.describe().endswith(", generic XDP") and "generic" not in dp1.describe()
+        said = [r.getMessage() for r in caplog.records if "native XDP" in r.getMessage()]
+        assert said == ["mv: the driver has no native XDP; the host program runs in generic (skb) mode, "
+                        "each frame copied into an skb before it (slower)"], said
+        for (src, s), (dst, d) in (((0, dp0), (1, dp1)), ((1, dp1), (0, dp0))):
+            peer = s.transport.add_peer(d.endpoint.addr)  # (the MAC through ARP: none is given)
+            assert s.transport.send(_packets(40, src, dst, peer)) == 40
+            got, into, deadline = [], Batch.empty(64), time.monotonic() + 5
+            while len(got) < 40 and time.monotonic() < deadline:
+                r = d.transport.recv(into, timeout=0.05)
+                got += r.headers["chunk"][: r.n].tolist()
+            assert sorted(got) == list(range(40)), f"{src} -> {dst}: {len(got)} of 40"
+    assert host.attached_program("mv", a) is None and host.attached_program("pb", b) is None
+    p = subprocess.run([sys.executable, "-m", "pydblp.cli", "load", "mv", "--netns", a], capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].endswith(
+        "cannot attach XDP to mv (native): the driver lacks native XDP; try --mode skb"), p.stderr
+    assert host.attached_program("mv", a) is None
