@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
 JOB = 31
 SUBNET = {"a": "198.18.21", "b": "198.18.22"}  # .2: the rank, .1: the router's side
+SUBNET6 = {"a": "2001:db8:21:", "b": "2001:db8:22:"}  # ::2 the rank, ::1 and fe80::1 the router's side
+IFA_F_NODAD = 0x02  # (no duplicate address detection: the address is usable at once)
 
 
 @pytest.fixture
@@ -40,24 +42,36 @@ def routed(bpf_xdp, netns):
             idx = ip.link_lookup(ifname=dev)[0]
             ip.addr("add", index=idx, address=f"{SUBNET[side]}.{host_part}", prefixlen=24)
             ip.link("set", index=idx, state="up")
-    for ns, here, there in ((a, "a", "b"), (b, "b", "a")):
+    for ns, dev, side, host_part in ((a, "xa", "a", "2"), (r, "ya", "a", "1"), (r, "yb", "b", "1"),
+                                     (b, "xb", "b", "2")):
+        with net.ipr(ns) as ip:  # IPv6: the ranks' gateways are the router's link-local addresses,
+            idx = ip.link_lookup(ifname=dev)[0]  # as a router's advertisements set them
+            for address in [f"{SUBNET6[side]}:{host_part}"] + (["fe80::1"] if ns == r else []):
+                ip.addr("add", index=idx, address=address, prefixlen=64, flags=IFA_F_NODAD)
+    for ns, dev, here, there in ((a, "xa", "a", "b"), (b, "xb", "b", "a")):
         with net.ipr(ns) as ip:
             ip.route("add", dst=f"{SUBNET[there]}.0/24", gateway=f"{SUBNET[here]}.1")
-    with net.in_netns(r), open("/proc/sys/net/ipv4/ip_forward", "w") as f:
-        f.write("1")
+            ip.route("add", dst=f"{SUBNET6[there]}:/64", gateway="fe80::1", oif=ip.link_lookup(ifname=dev)[0])
+    with net.in_netns(r):
+        for knob in ("/proc/sys/net/ipv4/ip_forward", "/proc/sys/net/ipv6/conf/all/forwarding"):
+            with open(knob, "w") as f:
+                f.write("1")
     yield {"a": (a, "xa"), "b": (b, "xb")}
     for ns, dev in ((a, "xa"), (b, "xb")):
         assert host.attached_program(dev, ns) is None, f"XDP left on {dev}"
 
 
-def _open_both(routed, kind: str):
-    """Both ranks' States on one store, each on its side of the router."""
+def _open_both(routed, kind: str, family: int):
+    """Both ranks' States on one store, each on its side of the router, publishing its IPv4 or
+    IPv6 address."""
     store, states, errors = dist.HashStore(), [None, None], []
 
     def one(r):
-        ns, dev = routed["ab"[r]]
+        side = "ab"[r]
+        ns, dev = routed[side]
+        addr = f"{SUBNET[side]}.2" if family == 4 else f"{SUBNET6[side]}:2"
         try:
-            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns,
+            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns, addr=addr,
                                           config=Config(job=JOB, peer_timeout=5.0))
         except BaseException as e:  # (reported below)
             errors.append(e)
@@ -71,14 +85,14 @@ def _open_both(routed, kind: str):
     return states
 
 
-@pytest.mark.parametrize("kind", ["xsk", "xsk-ktx"])
-def test_two_ranks_across_a_router_average_exactly(routed, kind):
+@pytest.mark.parametrize("kind, family", [("xsk", 4), ("xsk-ktx", 4), ("xsk", 6)])
+def test_two_ranks_across_a_router_average_exactly(routed, kind, family):
     """Before routes were read, ``xsk`` framed packets for the peer's own MAC (the router drops
     them) and both kinds bound the peer's MAC on the host program (the router's arrive instead,
     dropped as ``spoof_mac``): the round never completed."""
     rng = np.random.default_rng(21)
     xs = [rng.standard_normal(70_001).astype(np.float32) for _ in range(2)]
-    states = _open_both(routed, kind)
+    states = _open_both(routed, kind, family)
     try:
         for _ in range(3):
             futs = [s.submit(lambda col, x: col.allreduce(x, exact=True), x) for s, x in zip(states, xs)]
