@@ -101,8 +101,9 @@ class DataPlane:
 
     def link_mac(self, addr: str, mac: str | None) -> str | None:
         """What a peer's published interface MAC (``mac``, its :class:`Endpoint`'s) is worth here:
-        ``mac`` where the peer at ``addr`` is on this data plane's link; None where the kernel
-        routes ``addr`` through a gateway (a routed fabric).  Frames to a routed peer carry the
+        ``mac`` where the peer at ``addr`` is on this data plane's link, or on this host (a rank
+        beside this one on another interface: frames reach it where the two share a link); None
+        where the kernel routes ``addr`` through a gateway (a routed fabric).  Frames to a routed peer carry the
         gateway's MAC, which the transport resolves when given None, and arrive with the
         gateway's as their source, so the host program can bind only the peer's address.  The
         UDP kind, whose frames the kernel builds, gets ``mac`` back.
@@ -117,7 +118,7 @@ class DataPlane:
 
         s = self.xsk.sockets[0]
         dst = ipaddress.ip_address(addr)
-        return mac if addresses.next_hop(s.ifindex, s.ifname, dst, s.netns) == dst else None
+        return mac if addresses.next_hop(s.ifindex, s.ifname, dst, s.netns, local=True) == dst else None
 
     def describe(self) -> str:
         """One line for a log: the kind, and for AF_XDP the interface, queues, copy or zero-copy

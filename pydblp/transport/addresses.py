@@ -67,13 +67,22 @@ def _route(dst, netns: str | None):
     return rows[0] if rows else None
 
 
-def next_hop(ifindex: int, ifname: str, dst, netns: str | None = None):
+def is_local(dst, netns: str | None = None) -> bool:
+    """Whether ``dst`` is an address of this host (the kernel's route to it is ``local``)."""
+    r = _route(dst, netns)
+    return r is not None and r["type"] == RTN_LOCAL
+
+
+def next_hop(ifindex: int, ifname: str, dst, netns: str | None = None, local: bool = False):
     """The address whose MAC frames to ``dst`` carry: ``dst`` where it is on the link,
-    else the gateway of the kernel's route to it.
+    else the gateway of the kernel's route to it.  An address of this host (another
+    interface's: a rank beside this one) is ``dst`` itself with ``local``: frames
+    built here leave by ``ifname`` whatever the kernel would do with them, so they
+    reach it where its interface shares the link, by its own MAC.
 
     Raises :class:`TransportError` (ENETUNREACH) where the kernel has no route to
     ``dst``, where the route leaves by another interface (frames built here leave by
-    ``ifname`` only), or where ``dst`` is an address of this host.
+    ``ifname`` only), or, without ``local``, where ``dst`` is an address of this host.
     """
     if dst.version == 6 and dst.is_link_local:
         return dst  # (on the link by definition; a lookup would need the interface as its scope)
@@ -83,8 +92,10 @@ def next_hop(ifindex: int, ifname: str, dst, netns: str | None = None):
                              f"(ip route add {dst} via GATEWAY dev {ifname})")
     oif = r.get_attr("RTA_OIF")
     if r["type"] == RTN_LOCAL:
-        raise TransportError(errno.ENETUNREACH, f"{dst} is an address of this host: frames built for "
-                             f"{ifname} cannot reach it; give a peer on another host or namespace")
+        if local:
+            return dst
+        raise TransportError(errno.ENETUNREACH, f"{dst} is an address of this host: frames to it leave by "
+                             f"{ifname} and come back over the link; give its interface's MAC (mac=)")
     if oif != ifindex:
         with net.ipr(netns) as ip:
             links = ip.get_links(oif) if oif else []

@@ -409,9 +409,15 @@ class XskTransport(XskReceive, Transport):
 
         Raises:
             TransportError: ENETUNREACH: no route to ``addr``, one out of another interface, or
-                ``addr`` is this host's; EHOSTUNREACH: the next hop's MAC did not resolve."""
+                ``addr`` is this host's and no ``mac`` given; EHOSTUNREACH: the next hop's MAC
+                did not resolve; EADDRNOTAVAIL: ``addr`` is this host's and transmit is the
+                kernel's (``tx="kernel"``), which would deliver inside the host."""
         dst = parse_ip(addr)
         port = check_port(port, "peer port")
+        if self._ktx is not None and addresses.is_local(dst, self.netns):
+            raise TransportError(errno.EADDRNOTAVAIL, f"{dst} is an address of this host: kernel transmit "
+                                 f"delivers to it inside the host, where its AF_XDP socket never sees it; "
+                                 f"use transport xsk (or udp) for ranks that share a host")
         src = parse_ip(src) if src is not None else addresses.local_addr(self.ifindex, self.ifname, dst, self.netns)
         dmac = (frames.mac_bytes(mac) if mac is not None
                 else addresses.resolve_mac(self.ifindex, self.ifname, dst, self.netns))

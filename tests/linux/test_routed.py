@@ -1,9 +1,11 @@
-"""The AF_XDP kinds across a router: two ranks in two subnets, joined by a namespace that forwards.
+"""The AF_XDP kinds on networks that are not the testbed's one bridge.
 
-The testbed is one link (a bridge).  A routed fabric (a leaf switch per rack, a /31 per host)
-puts a gateway between ranks: frames an AF_XDP transport builds must then carry the gateway's
-MAC and leave by the interface the kernel's route names, and they arrive with the gateway's
-MAC as their source, so the host program can bind a routed peer's address, not its MAC.
+A routed fabric (a leaf switch per rack, a /31 per host) puts a gateway between ranks: frames
+an AF_XDP transport builds must then carry the gateway's MAC and leave by the interface the
+kernel's route names, and they arrive with the gateway's MAC as their source, so the host
+program can bind a routed peer's address, not its MAC.  Two ranks of one host, each on its
+own interface, have each other's addresses as local ones: frames built for the wire reach the
+other interface over the link they share, and kernel transmit would keep them inside the host.
 """
 
 from __future__ import annotations
@@ -61,19 +63,38 @@ def routed(bpf_xdp, netns):
         assert host.attached_program(dev, ns) is None, f"XDP left on {dev}"
 
 
-def _open_both(routed, kind: str, family: int):
-    """Both ranks' States on one store, each on its side of the router, publishing its IPv4 or
-    IPv6 address."""
+@pytest.fixture
+def one_host(bpf_xdp, netns):
+    """Namespace h with two interfaces, h1 and h2, in one /24, joined by a bridge (namespace s)."""
+    h, sw = netns("hh"), netns("hs")
+    with net.ipr(sw) as ip:
+        ip.link("add", ifname="br0", kind="bridge")
+        br = ip.link_lookup(ifname="br0")[0]
+        ip.link("set", index=br, state="up")
+    for i in (1, 2):
+        with net.ipr(h) as ip:
+            ip.link("add", ifname=f"h{i}", kind="veth", peer={"ifname": f"s{i}", "net_ns_fd": sw})
+            idx = ip.link_lookup(ifname=f"h{i}")[0]
+            ip.addr("add", index=idx, address=f"198.18.23.{i}", prefixlen=24)
+            ip.link("set", index=idx, state="up")
+        with net.ipr(sw) as ip:
+            ip.link("set", index=ip.link_lookup(ifname=f"s{i}")[0], master=br, state="up")
+    yield h
+    for dev in ("h1", "h2"):
+        assert host.attached_program(dev, h) is None, f"XDP left on {dev}"
+
+
+def _open_both(places, kind: str, addrs=(None, None)):
+    """Both ranks' States on one store: rank r on ``places[r]`` (netns, interface), publishing
+    ``addrs[r]`` (None: the interface's IPv4 address).  (States, the errors of those that failed.)"""
     store, states, errors = dist.HashStore(), [None, None], []
 
     def one(r):
-        side = "ab"[r]
-        ns, dev = routed[side]
-        addr = f"{SUBNET[side]}.2" if family == 4 else f"{SUBNET6[side]}:2"
+        ns, dev = places[r]
         try:
-            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns, addr=addr,
+            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns, addr=addrs[r],
                                           config=Config(job=JOB, peer_timeout=5.0))
-        except BaseException as e:  # (reported below)
+        except BaseException as e:  # (reported by the caller)
             errors.append(e)
 
     ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
@@ -81,8 +102,25 @@ def _open_both(routed, kind: str, family: int):
         t.start()
     for t in ts:
         t.join(60)
-    assert not errors, errors
-    return states
+    return states, errors
+
+
+def _average_and_close(states, n: int = 70_001, rounds: int = 3) -> list[dict]:
+    """Exact rounds of seeded vectors; the host programs' counters; every State closed."""
+    rng = np.random.default_rng(21)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    try:
+        for _ in range(rounds):
+            futs = [s.submit(lambda col, x: col.allreduce(x, exact=True), x) for s, x in zip(states, xs)]
+            for f in futs:
+                np.testing.assert_allclose(f.wait(), (xs[0] + xs[1]) / 2, atol=1e-6)
+        return [s.host_counters() for s in states]
+    finally:
+        closers = [threading.Thread(target=s.close) for s in states if s is not None]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(30)
 
 
 @pytest.mark.parametrize("kind, family", [("xsk", 4), ("xsk-ktx", 4), ("xsk", 6)])
@@ -90,26 +128,33 @@ def test_two_ranks_across_a_router_average_exactly(routed, kind, family):
     """Before routes were read, ``xsk`` framed packets for the peer's own MAC (the router drops
     them) and both kinds bound the peer's MAC on the host program (the router's arrive instead,
     dropped as ``spoof_mac``): the round never completed."""
-    rng = np.random.default_rng(21)
-    xs = [rng.standard_normal(70_001).astype(np.float32) for _ in range(2)]
-    states = _open_both(routed, kind, family)
-    try:
-        for _ in range(3):
-            futs = [s.submit(lambda col, x: col.allreduce(x, exact=True), x) for s, x in zip(states, xs)]
-            for f in futs:
-                np.testing.assert_allclose(f.wait(), (xs[0] + xs[1]) / 2, atol=1e-6)
-        counters = [s.host_counters() for s in states]
-        dp = states[0].data_plane
-        assert dp.link_mac(f"{SUBNET['b']}.2", "02:00:00:00:00:0b") is None  # routed: the gateway's MAC
-        assert dp.link_mac(f"{SUBNET['a']}.1", "02:00:00:00:00:0a") == "02:00:00:00:00:0a"  # on the link
-    finally:
-        closers = [threading.Thread(target=s.close) for s in states]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(30)
-    for c in counters:
+    addrs = [f"{SUBNET[s]}.2" if family == 4 else f"{SUBNET6[s]}:2" for s in "ab"]
+    states, errors = _open_both([routed["a"], routed["b"]], kind, addrs)
+    assert not errors, errors
+    dp = states[0].data_plane
+    assert dp.link_mac(f"{SUBNET['b']}.2", "02:00:00:00:00:0b") is None  # routed: the gateway's MAC
+    assert dp.link_mac(f"{SUBNET['a']}.1", "02:00:00:00:00:0a") == "02:00:00:00:00:0a"  # on the link
+    for c in _average_and_close(states):
         assert c["drop"]["spoof_mac"] == c["drop"]["spoof_ip"] == 0 and c["redirect"] > 0, c
+
+
+def test_two_ranks_of_one_host_on_their_own_interfaces(one_host):
+    """``xsk`` sends rank to rank over the link the two interfaces share (each other's published
+    MAC; the kernel would deliver a local address inside the host), exactly; ``xsk-ktx``, whose
+    transmit is the kernel's, is refused at the start in one line instead of timing out."""
+    places = [(one_host, "h1"), (one_host, "h2")]
+    states, errors = _open_both(places, "xsk")
+    assert not errors, errors
+    for c in _average_and_close(states):
+        assert c["drop"]["spoof_mac"] == c["drop"]["spoof_ip"] == 0 and c["redirect"] > 0, c
+    states, errors = _open_both(places, "xsk-ktx")
+    for s in states:
+        if s is not None:
+            s.close(barrier=False)
+    assert len(errors) == 2 and all(isinstance(e, TransportError) and e.errno == errno.EADDRNOTAVAIL
+                                    for e in errors), errors
+    assert "is an address of this host: kernel transmit delivers to it inside the host, where its " \
+           "AF_XDP socket never sees it; use transport xsk (or udp) for ranks that share a host" in str(errors[0])
 
 
 def test_a_peer_the_interface_cannot_reach_is_one_line_naming_the_fix(routed):
@@ -125,7 +170,8 @@ def test_a_peer_the_interface_cannot_reach_is_one_line_naming_the_fix(routed):
                            r"or route 198\.18\.24\.7 through xa$",
             "198.18.99.1": r"no route to 198\.18\.99\.1: add one through xa \(ip route add 198\.18\.99\.1 "
                            r"via GATEWAY dev xa\)$",
-            f"{SUBNET['a']}.2": r"is an address of this host: frames built for xa cannot reach it",
+            f"{SUBNET['a']}.2": r"is an address of this host: frames to it leave by xa and come back over the "
+                                r"link; give its interface's MAC \(mac=\)",
         }
         for addr, message in cases.items():
             with pytest.raises(TransportError, match=message) as e:
