@@ -35,8 +35,9 @@ def local_addr(ifindex: int, ifname: str, dst, netns: str | None = None):
 
     One in ``dst``'s subnet (of the same scope, for IPv6) if any, else the
     preferred source of the kernel's route to ``dst`` where that route leaves by
-    this interface, else the first (global, for IPv6).  Raises :class:`TransportError` (EADDRNOTAVAIL)
-    when the interface has no address of that family.
+    this interface, else the first (global, for IPv6).  Raises
+    :class:`TransportError` (EADDRNOTAVAIL) when the interface has no address of
+    that family.
     """
     with net.ipr(netns) as ip:
         rows = ip.get_addr(index=ifindex, family=socket.AF_INET if dst.version == 4 else socket.AF_INET6)
@@ -135,7 +136,7 @@ def resolve_mac(ifindex: int, ifname: str, dst, netns: str | None = None, timeou
     with net.in_netns(netns), socket.socket(fam, socket.SOCK_DGRAM) as s:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:  # any datagram makes the kernel resolve dst's MAC (discard port)
+            try:  # any datagram to dst makes the kernel resolve the next hop's MAC (discard port)
                 s.sendto(b"", (str(dst), 9))
             except OSError:
                 pass
