@@ -275,6 +275,11 @@ def test_run(prog_fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:
     return retval, dout.raw[:size_out]
 
 
+# bcc's clang/LLVM aborts the process when two threads compile at once (two data planes
+# opened at once in one process): one compile at a time
+_compiling = threading.Lock()
+
+
 def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
     """Compile ``bpf/<name>`` with bcc (a few seconds); returns the ``bcc.BPF`` object."""
     try:
@@ -289,11 +294,6 @@ def compile(name: str, cflags: list[str] | tuple[str, ...] = ()):
     # Debian's 6.12 headers repeat __seg_gs in x86's per-CPU macros: six warnings a compile, none ours
     with _compiling:
         return BPF(src_file=str(src).encode(), cflags=[f"-I{BPF_DIR}", "-Wno-duplicate-decl-specifier", *cflags])
-
-
-# bcc's clang/LLVM aborts the process when two threads compile at once (two data planes
-# opened at once in one process): one compile at a time
-_compiling = threading.Lock()
 
 
 _frags: bool | None = None

@@ -103,10 +103,10 @@ class DataPlane:
         """What a peer's published interface MAC (``mac``, its :class:`Endpoint`'s) is worth here:
         ``mac`` where the peer at ``addr`` is on this data plane's link, or on this host (a rank
         beside this one on another interface: frames reach it where the two share a link); None
-        where the kernel routes ``addr`` through a gateway (a routed fabric).  Frames to a routed peer carry the
-        gateway's MAC, which the transport resolves when given None, and arrive with the
-        gateway's as their source, so the host program can bind only the peer's address.  The
-        UDP kind, whose frames the kernel builds, gets ``mac`` back.
+        where the kernel routes ``addr`` through a gateway (a routed fabric).  Frames to a routed
+        peer carry the gateway's MAC, which the transport resolves when given None, and arrive
+        with the gateway's as their source, so the host program can bind only the peer's
+        address.  The UDP kind, whose frames the kernel builds, gets ``mac`` back.
 
         Raises:
             pydblp.transport.TransportError: no route to ``addr``, or one out of another

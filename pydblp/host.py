@@ -25,9 +25,9 @@ from pathlib import Path
 
 from pydblp import bpf, net, wire
 from pydblp._libc import unlink_pruned
+from pydblp.net import Mode
 
 log = logging.getLogger(__name__)
-from pydblp.net import Mode
 
 PROG_NAME = "dblp_host"
 MAX_QUEUES = 64
