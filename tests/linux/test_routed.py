@@ -11,7 +11,6 @@ other interface over the link they share, and kernel transmit would keep them in
 from __future__ import annotations
 
 import errno
-import threading
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from pydblp import host, net
 from pydblp.collective import Config
 from pydblp.dataplane import open_dataplane
 from pydblp.transport import TransportError
+from tests.helpers import run_threads
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -87,22 +87,11 @@ def one_host(bpf_xdp, netns):
 def _open_both(places, kind: str, addrs=(None, None)):
     """Both ranks' States on one store: rank r on ``places[r]`` (netns, interface), publishing
     ``addrs[r]`` (None: the interface's IPv4 address).  (States, the errors of those that failed.)"""
-    store, states, errors = dist.HashStore(), [None, None], []
-
-    def one(r):
-        ns, dev = places[r]
-        try:
-            states[r] = ptorch.State.open(store, r, 2, transport=kind, iface=dev, netns=ns, addr=addrs[r],
-                                          config=Config(job=JOB, peer_timeout=5.0))
-        except BaseException as e:  # (reported by the caller)
-            errors.append(e)
-
-    ts = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return states, errors
+    store = dist.HashStore()
+    states, errors = run_threads(
+        lambda r: ptorch.State.open(store, r, 2, transport=kind, iface=places[r][1], netns=places[r][0],
+                                    addr=addrs[r], config=Config(job=JOB, peer_timeout=5.0)), range(2), 60)
+    return [states.get(r) for r in range(2)], list(errors.values())
 
 
 def _average_and_close(states, n: int = 70_001, rounds: int = 3) -> list[dict]:
@@ -116,11 +105,7 @@ def _average_and_close(states, n: int = 70_001, rounds: int = 3) -> list[dict]:
                 np.testing.assert_allclose(f.wait(), (xs[0] + xs[1]) / 2, atol=1e-6)
         return [s.host_counters() for s in states]
     finally:
-        closers = [threading.Thread(target=s.close) for s in states if s is not None]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(30)
+        run_threads(lambda r: states[r].close(), range(2), 30)
 
 
 @pytest.mark.parametrize("kind, family", [("xsk", 4), ("xsk-ktx", 4), ("xsk", 6)])
